@@ -1,0 +1,41 @@
+"""The ObjectStore protocol: list objects under a URI, read byte ranges. Async only."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Protocol, runtime_checkable
+
+
+@dataclass(frozen=True, order=True)
+class ObjectInfo:
+    uri: str     # full URI, e.g. "s3://bucket/web/part-000.jsonl.zst" or "/data/code/a.jsonl"
+    size: int    # bytes
+
+
+@dataclass
+class StoreCounters:
+    """Counters one store keeps; the loader reports them per source in `stats()`."""
+    requests: int = 0
+    retries: int = 0
+    bytes_read: int = 0
+    latencies_s: list[float] = field(default_factory=list)  # a bounded recent sample
+
+    def record_latency(self, seconds: float, keep: int = 1024) -> None:
+        self.latencies_s.append(seconds)
+        if len(self.latencies_s) > 2 * keep:
+            del self.latencies_s[:-keep]
+
+
+@runtime_checkable
+class ObjectStore(Protocol):
+    counters: StoreCounters
+
+    async def list(self, uri: str) -> list[ObjectInfo]:
+        """Objects matching a prefix, a directory or a glob, sorted by URI.
+        Raises StorageError naming the URI when the bucket or path does not exist."""
+
+    async def read_range(self, uri: str, start: int, end: int) -> bytes:
+        """Bytes [start, end) of one object, retried per the store's RetryPolicy.
+        Raises StorageError naming the object when retries are exhausted."""
+
+    async def aclose(self) -> None:
+        """Release pooled connections."""
