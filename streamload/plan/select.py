@@ -1,0 +1,69 @@
+"""Choose the step's samples from the head windows, following per-source token targets.
+
+Pure NumPy. Within a source, candidates are taken in *arrival order*: round-robin over ranks by
+buffer position (position 0 of every rank, then position 1, ...), so no rank's buffer is drained
+ahead of the others and every buffer is consumed as a FIFO. Items that have waited `max_age`
+steps or more are always selected first (bounded deferral).
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from .types import Candidates
+
+
+def arrival_order(c: Candidates) -> np.ndarray:
+    """Indices of all candidates, per source in round-robin arrival order (source-major)."""
+    return np.lexsort((c.rank, c.position, c.source))
+
+
+def select(c: Candidates, targets: np.ndarray, *, max_age: int | None = None) -> np.ndarray:
+    """Indices of selected candidates, interleaved across sources in proportion to their targets.
+
+    `targets[s]` is how many tokens source s should contribute. A source takes items while the
+    tokens taken so far are below its target (so it overshoots by at most one item). When a
+    source has fewer tokens than its target, the shortfall goes to the other sources in
+    proportion to their targets, so the step stays full while any data is left.
+    """
+    num_sources = c.num_sources
+    targets = np.maximum(np.asarray(targets, dtype=np.float64), 0.0).copy()
+    order = arrival_order(c)
+    if max_age is not None and len(c):
+        # Overdue items jump to the front of their source's queue, keeping arrival order.
+        overdue = c.age[order] >= max_age
+        order = np.concatenate([order[overdue & True], order[~overdue]])
+        order = order[np.argsort(c.source[order], kind="stable")]
+    lengths = c.length[order].astype(np.float64)
+    sources = c.source[order]
+    bounds = np.searchsorted(sources, np.arange(num_sources + 1))
+    available = np.array([lengths[bounds[s]:bounds[s + 1]].sum() for s in range(num_sources)])
+
+    # Redistribute shortfalls: at most num_sources rounds, each retires at least one source.
+    for _ in range(num_sources):
+        short = (targets > available) & (targets > 0)
+        if not short.any():
+            break
+        surplus = float((targets[short] - available[short]).sum())
+        targets[short] = available[short]
+        open_ = (available > targets)
+        if not open_.any():
+            break
+        share = targets[open_] if targets[open_].sum() > 0 else np.ones(int(open_.sum()))
+        targets[open_] += surplus * share / share.sum()
+
+    picked, keys = [], []
+    for s in range(num_sources):
+        lo, hi = bounds[s], bounds[s + 1]
+        if hi == lo or targets[s] <= 0:
+            continue
+        before = np.cumsum(lengths[lo:hi]) - lengths[lo:hi]
+        n = int(np.searchsorted(before, targets[s], side="left"))
+        picked.append(order[lo:lo + n])
+        keys.append(before[:n] / targets[s])   # fraction of the source's target reached
+    if not picked:
+        return np.zeros(0, dtype=np.int64)
+    picked_all = np.concatenate(picked)
+    key_all = np.concatenate(keys)
+    # Interleave sources by progress through their targets; ties break by source index.
+    interleave = np.lexsort((c.source[picked_all], key_all))
+    return picked_all[interleave].astype(np.int64)
