@@ -1,0 +1,10 @@
+"""streamload: stream many sources, balance compute cost across data-parallel ranks."""
+from .batch import Batch, MicroBatch
+from .config import LoaderConfig, Source
+from .errors import ConfigError, DataError, DistributedError, StorageError, StreamloadError
+from .loader import Loader
+from .plan.cost import CostModel
+
+__all__ = ["Loader", "Source", "Batch", "MicroBatch", "CostModel", "LoaderConfig",
+           "StreamloadError", "ConfigError", "StorageError", "DataError", "DistributedError"]
+__version__ = "0.1.0"

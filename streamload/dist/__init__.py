@@ -1,0 +1,1 @@
+"""Collectives on the loader's own gloo group: summaries, plans and sample exchange."""

@@ -1,0 +1,147 @@
+"""The loader's collectives, on its own gloo group (never the trainer's NCCL group).
+
+Every call blocks, so the runtime runs them on one dedicated daemon thread (`CollectiveThread`)
+and the event loop keeps fetching meanwhile. With one rank, `LocalComm` does the same work
+without torch.distributed.
+"""
+from __future__ import annotations
+
+import asyncio
+import datetime
+import queue
+import threading
+from concurrent.futures import Future
+from typing import Callable, Optional, Protocol, TypeVar
+
+import numpy as np
+
+from ..errors import DistributedError
+
+T = TypeVar("T")
+
+
+class Comm(Protocol):
+    rank: int
+    world: int
+
+    def all_gather(self, array: np.ndarray) -> list[np.ndarray]: ...
+    def broadcast(self, array: Optional[np.ndarray]) -> np.ndarray: ...
+    def all_to_all(self, sends: list[np.ndarray], dtype) -> list[np.ndarray]: ...
+
+
+class LocalComm:
+    rank, world = 0, 1
+
+    def all_gather(self, array):
+        return [array]
+
+    def broadcast(self, array):
+        return array
+
+    def all_to_all(self, sends, dtype):
+        return [np.asarray(sends[0], dtype=dtype)]
+
+
+class GlooComm:
+    def __init__(self, group, rank: int, world: int, timeout_s: float):
+        self.group, self.rank, self.world, self.timeout_s = group, rank, world, timeout_s
+
+    def _run(self, what: str, fn: Callable[[], T]) -> T:
+        try:
+            return fn()
+        except RuntimeError as exc:   # gloo reports timeouts and closed peers as RuntimeError
+            raise DistributedError(
+                f"rank {self.rank}: collective {what} failed (another rank may have died or "
+                f"stalled for more than {self.timeout_s:g} s): {exc}") from exc
+
+    def all_gather(self, array: np.ndarray) -> list[np.ndarray]:
+        import torch
+        import torch.distributed as dist
+        array = np.ascontiguousarray(array, dtype=np.int64)
+
+        def gather():
+            size = torch.tensor([array.shape[0]], dtype=torch.int64)
+            sizes = [torch.zeros(1, dtype=torch.int64) for _ in range(self.world)]
+            dist.all_gather(sizes, size, group=self.group)
+            longest = max(int(s) for s in sizes)
+            padded = torch.zeros(longest, dtype=torch.int64)
+            padded[:array.shape[0]] = torch.from_numpy(array)
+            out = [torch.zeros(longest, dtype=torch.int64) for _ in range(self.world)]
+            dist.all_gather(out, padded, group=self.group)
+            return [o[:int(s)].numpy() for o, s in zip(out, sizes)]
+        return self._run("all_gather", gather)
+
+    def broadcast(self, array: Optional[np.ndarray]) -> np.ndarray:
+        import torch
+        import torch.distributed as dist
+
+        def bcast():
+            size = torch.tensor([0 if array is None else array.shape[0]], dtype=torch.int64)
+            dist.broadcast(size, src=0, group=self.group)
+            data = torch.from_numpy(np.ascontiguousarray(array, dtype=np.int64)) \
+                if self.rank == 0 else torch.zeros(int(size), dtype=torch.int64)
+            dist.broadcast(data, src=0, group=self.group)
+            return data.numpy()
+        return self._run("broadcast", bcast)
+
+    def all_to_all(self, sends: list[np.ndarray], dtype) -> list[np.ndarray]:
+        """sends[r] goes to rank r; returns what each rank sent here. Receivers must know the
+        sizes, so they are exchanged first."""
+        import torch
+        import torch.distributed as dist
+
+        def exchange():
+            send_sizes = torch.tensor([s.shape[0] for s in sends], dtype=torch.int64)
+            recv_sizes = torch.zeros(self.world, dtype=torch.int64)
+            dist.all_to_all_single(recv_sizes, send_sizes, group=self.group)
+            flat = torch.from_numpy(np.concatenate([np.asarray(s, dtype=dtype) for s in sends]))
+            out = torch.zeros(int(recv_sizes.sum()), dtype=flat.dtype)
+            dist.all_to_all_single(out, flat, recv_sizes.tolist(), send_sizes.tolist(),
+                                   group=self.group)
+            return np.split(out.numpy(), np.cumsum(recv_sizes.numpy())[:-1])
+        return self._run("all_to_all", exchange)
+
+
+def connect(timeout_s: float) -> Comm:
+    """LocalComm when torch.distributed is not initialized (or world size 1); otherwise a new
+    gloo group over the same ranks. Every rank must construct its Loader in the same order,
+    because creating a group is itself collective."""
+    try:
+        import torch.distributed as dist
+    except ImportError:   # pragma: no cover - torch without distributed
+        return LocalComm()
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return LocalComm()
+    group = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=timeout_s))
+    return GlooComm(group, dist.get_rank(), dist.get_world_size(), timeout_s)
+
+
+class CollectiveThread:
+    """One daemon thread that runs blocking collectives in order, awaitable from the loop.
+
+    A daemon, so that a collective stuck waiting on a dead peer can never keep the trainer's
+    process from exiting; gloo's own timeout bounds the wait.
+    """
+
+    def __init__(self):
+        self._jobs: "queue.SimpleQueue[Optional[tuple[Callable, Future]]]" = queue.SimpleQueue()
+        self._thread = threading.Thread(target=self._serve, name="streamload-collectives",
+                                        daemon=True)
+        self._thread.start()
+
+    def _serve(self):
+        while (job := self._jobs.get()) is not None:
+            fn, future = job
+            if future.set_running_or_notify_cancel():
+                try:
+                    future.set_result(fn())
+                except BaseException as exc:  # handed to the awaiting coroutine
+                    future.set_exception(exc)
+
+    async def run(self, fn: Callable[[], T]) -> T:
+        future: Future = Future()
+        self._jobs.put((fn, future))
+        return await asyncio.wrap_future(future)
+
+    def stop(self):
+        self._jobs.put(None)

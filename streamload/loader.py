@@ -1,0 +1,164 @@
+"""Loader: the public, synchronous face of streamload.
+
+One background thread runs an asyncio loop that does all I/O and collectives (`Runtime`).
+The trainer iterates a plain iterator over a thread-safe queue. The queue is bounded by an
+asyncio semaphore that the consumer releases, so the loop never blocks a thread to wait.
+"""
+from __future__ import annotations
+
+import asyncio
+import queue
+import threading
+import weakref
+from typing import Iterable, Iterator, Optional
+
+from .batch import Batch
+from .config import LoaderConfig, Source, make_config
+from .dist.comm import Comm, connect
+from .errors import ConfigError
+from .pipeline.transform import Tokenizer
+from .runtime import Runtime
+
+
+class _End:
+    """Sentinel: the background side finished (normally, or with `error`)."""
+
+    def __init__(self, error: Optional[BaseException] = None):
+        self.error = error
+
+
+class _Background:
+    """The thread, its loop and the hand-off queue. Holds no reference to the Loader, so a
+    dropped Loader is garbage collected and its finalizer stops this."""
+
+    def __init__(self, runtime: Runtime, prefetch_steps: int):
+        self.runtime = runtime
+        self.queue: "queue.SimpleQueue" = queue.SimpleQueue()
+        self.loop = asyncio.new_event_loop()
+        self.slots = None
+        self.prefetch_steps = prefetch_steps
+        self.task: Optional[asyncio.Task] = None
+        self.thread = threading.Thread(target=self._serve, name="streamload-loop", daemon=True)
+        self.thread.start()
+
+    def _serve(self) -> None:
+        asyncio.set_event_loop(self.loop)
+        try:
+            self.loop.run_until_complete(self._main())
+        finally:
+            self.loop.close()
+
+    async def _main(self) -> None:
+        self.slots = asyncio.Semaphore(self.prefetch_steps)
+        self.task = asyncio.current_task()
+
+        async def emit(batch: Batch) -> None:
+            await self.slots.acquire()
+            self.queue.put(batch)
+
+        try:
+            await self.runtime.run(emit)
+            self.queue.put(_End())
+        except asyncio.CancelledError:
+            self.queue.put(_End())
+        except BaseException as exc:  # handed to the trainer's thread with its traceback
+            self.queue.put(_End(exc))
+
+    def get(self):
+        item = self.queue.get()
+        if not isinstance(item, _End) and not self.loop.is_closed():
+            try:
+                self.loop.call_soon_threadsafe(self.slots.release)
+            except RuntimeError:  # the loop closed meanwhile
+                pass
+        return item
+
+    def stop(self, timeout: float = 30.0) -> None:
+        if self.thread.is_alive():
+            try:
+                self.loop.call_soon_threadsafe(self._cancel)
+            except RuntimeError:
+                pass
+            self.thread.join(timeout)
+
+    def _cancel(self) -> None:
+        if self.task is not None:
+            self.task.cancel()
+
+
+class Loader:
+    """Stream samples from many sources and yield cost-balanced, packed batches.
+
+    >>> with Loader([Source("s3://bucket/web/", weight=0.7)], micro_batch_tokens=4096) as loader:
+    ...     for batch in loader: ...
+    """
+
+    def __init__(self, sources: Iterable[Source], micro_batch_tokens: int = 4096,
+                 micro_batches: int = 2, tokenizer: Optional[Tokenizer] = None, seed: int = 0,
+                 epochs: Optional[int] = None, *, storage_options: Optional[dict] = None,
+                 **options):
+        self.sources = [s if isinstance(s, Source) else Source(s) for s in sources]
+        if not self.sources:
+            raise ConfigError("sources: at least one Source is required")
+        names = [s.name for s in self.sources]
+        duplicated = sorted({n for n in names if names.count(n) > 1})
+        if duplicated:
+            raise ConfigError(f"sources: names must be unique, {duplicated} repeat; "
+                              f"pass name=... to tell them apart")
+        if tokenizer is not None and not callable(tokenizer):
+            raise ConfigError(f"tokenizer: must be a callable str -> sequence of ints, got {tokenizer!r}")
+        self.config: LoaderConfig = make_config(
+            micro_batch_tokens=micro_batch_tokens, micro_batches=micro_batches, seed=seed,
+            epochs=epochs, **options)
+        self.comm: Comm = connect(self.config.collective_timeout_s)
+        self._runtime = Runtime(self.sources, self.config, tokenizer, self.comm, storage_options)
+        self._background: Optional[_Background] = None
+        self._finished = False
+        self._finalizer = None
+
+    @property
+    def rank(self) -> int:
+        return self.comm.rank
+
+    @property
+    def world_size(self) -> int:
+        return self.comm.world
+
+    def __iter__(self) -> Iterator[Batch]:
+        if self._background is None and not self._finished:
+            self._background = _Background(self._runtime, self.config.prefetch_steps)
+            self._finalizer = weakref.finalize(self, self._background.stop)
+        return self
+
+    def __next__(self) -> Batch:
+        if self._finished:
+            raise StopIteration
+        if self._background is None:
+            iter(self)
+        import time
+        started = time.perf_counter()
+        item = self._background.get()
+        self._runtime.step_metrics.stall_s += time.perf_counter() - started
+        if isinstance(item, _End):
+            self._finished = True
+            self._background.stop()
+            if item.error is not None:
+                raise item.error
+            raise StopIteration
+        return item
+
+    def stats(self) -> dict:
+        """Counters for this rank: per source, per step, skipped records, retries."""
+        return self._runtime.stats()
+
+    def close(self) -> None:
+        """Stop fetching and release everything. Safe to call twice."""
+        self._finished = True
+        if self._finalizer is not None:
+            self._finalizer()
+
+    def __enter__(self) -> "Loader":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()

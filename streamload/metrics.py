@@ -1,0 +1,71 @@
+"""Counters the loader keeps and `Loader.stats()` reports. Updated on the loop thread only."""
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+import numpy as np
+
+
+@dataclass
+class SourceMetrics:
+    shards_listed: int = 0
+    shards_read: int = 0
+    records: int = 0            # documents decoded
+    samples: int = 0            # buffered items (a split document counts once per chunk)
+    tokens: int = 0
+    delivered_samples: int = 0  # items this rank packed into its batches
+    delivered_tokens: int = 0
+    skipped_records: int = 0
+    skipped_shards: int = 0
+    empty_documents: int = 0
+    truncated_documents: int = 0
+    dropped_documents: int = 0  # long_documents="drop"
+    transform_s: float = 0.0
+    skip_reasons: deque = field(default_factory=lambda: deque(maxlen=8))
+
+    def snapshot(self, store_counters=None, buffer=None) -> dict:
+        out = {k: v for k, v in self.__dict__.items() if k != "skip_reasons"}
+        out["skip_reasons"] = list(self.skip_reasons)
+        if store_counters is not None:
+            lat = np.asarray(store_counters.latencies_s[-1024:], dtype=np.float64)
+            out.update(
+                requests=store_counters.requests, retries=store_counters.retries,
+                bytes_fetched=store_counters.bytes_read,
+                fetch_latency_ms={f"p{q}": float(np.percentile(lat, q) * 1e3) if lat.size else None
+                                  for q in (50, 90, 99)})
+        if buffer is not None:
+            out.update(buffer_tokens=buffer.tokens, buffer_capacity_tokens=buffer.capacity_tokens)
+        return out
+
+
+@dataclass
+class StepMetrics:
+    steps: int = 0
+    epoch: int = 0
+    last_rank_tokens: list = field(default_factory=list)
+    last_rank_cost: list = field(default_factory=list)
+    last_imbalance: float = 0.0
+    imbalance_sum: float = 0.0
+    plan_ms: deque = field(default_factory=lambda: deque(maxlen=256))
+    exchanged_tokens: int = 0
+    stall_s: float = 0.0        # time the trainer waited in next()
+
+    def record(self, rank_tokens: np.ndarray, rank_cost: np.ndarray) -> None:
+        self.steps += 1
+        self.last_rank_tokens = rank_tokens.tolist()
+        self.last_rank_cost = rank_cost.tolist()
+        mean = float(rank_cost.mean()) if rank_cost.size else 0.0
+        self.last_imbalance = float(rank_cost.max() / mean) if mean > 0 else 1.0
+        self.imbalance_sum += self.last_imbalance
+
+    def snapshot(self) -> dict:
+        plan = np.asarray(self.plan_ms, dtype=np.float64)
+        return {
+            "steps": self.steps, "epoch": self.epoch,
+            "rank_tokens": self.last_rank_tokens, "rank_cost": self.last_rank_cost,
+            "imbalance": self.last_imbalance,
+            "imbalance_mean": self.imbalance_sum / self.steps if self.steps else None,
+            "plan_ms_median": float(np.median(plan)) if plan.size else None,
+            "exchanged_tokens": self.exchanged_tokens, "stall_s": self.stall_s,
+        }

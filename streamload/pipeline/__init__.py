@@ -1,0 +1,1 @@
+"""The asyncio side of the loader: per-source fetchers feeding ordered bounded buffers."""

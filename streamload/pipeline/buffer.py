@@ -1,0 +1,145 @@
+"""Per-source ordered bounded buffer.
+
+Items arrive in a deterministic order (shard by shard, record by record) and are consumed from
+the *head window*: the shortest prefix holding at least `window_tokens` tokens, or everything up
+to the end-of-epoch marker. The window is a deterministic function of what has arrived, because
+the step loop waits (`wait_ready`) until that prefix is complete; that is what makes plans
+independent of fetch timing.
+"""
+from __future__ import annotations
+
+import asyncio
+from collections import deque
+from typing import Iterable, Optional
+
+import numpy as np
+
+
+class Item:
+    """One sample: a document, or one chunk of a split document."""
+    __slots__ = ("shard", "record", "chunk", "tokens", "age")
+
+    def __init__(self, shard: int, record: int, chunk: int, tokens: np.ndarray):
+        self.shard, self.record, self.chunk, self.tokens = shard, record, chunk, tokens
+        self.age = 0   # steps this item was offered in a window and not taken
+
+    def __len__(self) -> int:
+        return int(self.tokens.shape[0])
+
+
+class EndOfEpoch:
+    __slots__ = ("epoch",)
+
+    def __init__(self, epoch: int):
+        self.epoch = epoch
+
+
+class SourceBuffer:
+    def __init__(self, capacity_tokens: int, window_tokens: int):
+        if capacity_tokens < window_tokens:
+            raise ValueError("buffer capacity must hold at least one window")
+        self.capacity_tokens = capacity_tokens
+        self.window_tokens = window_tokens
+        self._entries: deque = deque()
+        self._tokens = 0          # tokens held, all epochs
+        self._head_tokens = 0     # tokens before the first end-of-epoch marker
+        self._markers = 0
+        self._changed = asyncio.Condition()
+        self._error: Optional[BaseException] = None
+
+    # -- producer side -------------------------------------------------------------------
+    async def put(self, items: Iterable[Item]) -> None:
+        """Append items in order; waits while the buffer is at capacity."""
+        for item in items:
+            async with self._changed:
+                while self._tokens >= self.capacity_tokens and self._error is None:
+                    await self._changed.wait()
+                self._raise_if_failed()
+                self._entries.append(item)
+                self._tokens += len(item)
+                if self._markers == 0:
+                    self._head_tokens += len(item)
+                self._changed.notify_all()
+
+    async def end_epoch(self, epoch: int) -> None:
+        async with self._changed:
+            self._entries.append(EndOfEpoch(epoch))
+            self._markers += 1
+            self._changed.notify_all()
+
+    def fail(self, error: BaseException) -> None:
+        """Wake every waiter with `error` (a fetcher died)."""
+        self._error = error
+
+        async def wake():
+            async with self._changed:
+                self._changed.notify_all()
+        asyncio.get_running_loop().create_task(wake())
+
+    # -- consumer side -------------------------------------------------------------------
+    def _raise_if_failed(self):
+        if self._error is not None:
+            raise self._error
+
+    def _ready(self) -> bool:
+        return self._markers > 0 or self._head_tokens >= self.window_tokens
+
+    async def wait_ready(self) -> None:
+        async with self._changed:
+            while not self._ready():
+                self._raise_if_failed()
+                await self._changed.wait()
+            self._raise_if_failed()
+
+    def window(self) -> tuple[list[Item], bool]:
+        """The head window (call after wait_ready), and whether it holds the rest of the epoch."""
+        out, tokens = [], 0
+        for entry in self._entries:
+            if isinstance(entry, EndOfEpoch):
+                return out, True
+            if tokens >= self.window_tokens:
+                return out, False
+            out.append(entry)
+            tokens += len(entry)
+        return out, False
+
+    async def take(self, positions: np.ndarray, window_size: int) -> list[Item]:
+        """Remove window items at `positions` (ascending), age the rest of the window."""
+        taken_mask = np.zeros(window_size, dtype=bool)
+        taken_mask[positions] = True
+        async with self._changed:
+            head = [self._entries.popleft() for _ in range(window_size)]
+            kept = []
+            for item, taken in zip(head, taken_mask):
+                if not taken:
+                    item.age += 1
+                    kept.append(item)
+            self._entries.extendleft(reversed(kept))
+            by_position = {int(p): head[int(p)] for p in positions}
+            removed = sum(len(item) for item in by_position.values())
+            self._tokens -= removed
+            self._head_tokens -= removed
+            self._changed.notify_all()
+        return [by_position[int(p)] for p in positions]
+
+    async def next_epoch(self) -> None:
+        """Drop the end-of-epoch marker at the head (the window before it must be empty)."""
+        async with self._changed:
+            marker = self._entries.popleft()
+            assert isinstance(marker, EndOfEpoch), "epoch ended with items still buffered"
+            self._markers -= 1
+            # Tokens up to the next marker now form the head.
+            head = 0
+            for entry in self._entries:
+                if isinstance(entry, EndOfEpoch):
+                    break
+                head += len(entry)
+            self._head_tokens = head
+            self._changed.notify_all()
+
+    @property
+    def tokens(self) -> int:
+        return self._tokens
+
+    def __len__(self) -> int:
+        return len(self._entries) - self._markers

@@ -1,0 +1,72 @@
+"""Decoded records -> buffer items: tokenize, then split, truncate or drop long documents.
+
+Runs in a worker thread, off the event loop. Returns counts instead of touching shared
+metrics, so the loop thread stays the only writer.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Optional, Sequence
+
+import numpy as np
+
+from ..formats.base import RawRecord
+from .buffer import Item
+
+Tokenizer = Callable[[str], Sequence[int]]
+
+
+def utf8_bytes(text: str) -> np.ndarray:
+    """The default tokenizer: one token per UTF-8 byte (ids 0..255)."""
+    return np.frombuffer(text.encode("utf-8"), dtype=np.uint8).astype(np.int32)
+
+
+@dataclass
+class TransformCounts:
+    records: int = 0
+    samples: int = 0
+    tokens: int = 0
+    empty: int = 0
+    truncated: int = 0
+    dropped: int = 0
+
+    def add_to(self, metrics) -> None:
+        metrics.records += self.records
+        metrics.samples += self.samples
+        metrics.tokens += self.tokens
+        metrics.empty_documents += self.empty
+        metrics.truncated_documents += self.truncated
+        metrics.dropped_documents += self.dropped
+
+
+def to_tokens(payload, tokenizer: Optional[Tokenizer]) -> np.ndarray:
+    if isinstance(payload, str):
+        if tokenizer is None:
+            return utf8_bytes(payload)
+        return np.asarray(tokenizer(payload), dtype=np.int32).reshape(-1)
+    return np.asarray(payload).astype(np.int32, copy=False).reshape(-1)
+
+
+def records_to_items(records: list[RawRecord], shard: int, tokenizer: Optional[Tokenizer],
+                     capacity: int, long_documents: str) -> tuple[list[Item], TransformCounts]:
+    items: list[Item] = []
+    counts = TransformCounts(records=len(records))
+    for record in records:
+        tokens = to_tokens(record.payload, tokenizer)
+        n = tokens.shape[0]
+        if n == 0:
+            counts.empty += 1          # nothing to train on; counted, never silently lost
+            continue
+        if n <= capacity:
+            items.append(Item(shard, record.index, -1, tokens))
+        elif long_documents == "split":
+            for k, start in enumerate(range(0, n, capacity)):
+                items.append(Item(shard, record.index, k, tokens[start:start + capacity]))
+        elif long_documents == "truncate":
+            counts.truncated += 1
+            items.append(Item(shard, record.index, -1, tokens[:capacity]))
+        else:
+            counts.dropped += 1
+    counts.samples = len(items)
+    counts.tokens = int(sum(len(item) for item in items))
+    return items, counts

@@ -1,0 +1,225 @@
+"""The loader's asyncio side: one supervisor, the fetchers, and the step loop.
+
+Each step, on every rank: wait until every source's head window is complete, all-gather the
+windows' lengths, let rank 0 plan and broadcast, pop the planned items, exchange them, pack
+them into M rows and hand a Batch to the bridge.
+"""
+from __future__ import annotations
+
+import asyncio
+import time
+import zlib
+from concurrent.futures import ThreadPoolExecutor
+from typing import Awaitable, Callable, Optional
+
+import numpy as np
+import torch
+
+from .batch import Batch, MicroBatch
+from .config import LoaderConfig, Source
+from .dist.comm import CollectiveThread, Comm
+from .dist.coordinator import (SourceWindow, decode_plan, decode_summaries, encode_failure,
+                               encode_plan, encode_summary, raise_on_failure)
+from .dist.exchange import exchange_items
+from .metrics import SourceMetrics, StepMetrics
+from .pipeline.buffer import Item, SourceBuffer
+from .pipeline.fetch import Shard, SourceFetcher, list_shards
+from .pipeline.supervisor import Supervisor
+from .pipeline.transform import Tokenizer
+from .plan.cost import CostModel
+from .plan.mixing import Mixer
+from .plan.packing import pack_rows
+from .plan.planner import Planner
+from .plan.types import Geometry
+from .storage import ObjectStore, open_store
+
+Emit = Callable[[Batch], Awaitable[None]]
+
+
+def buffer_sizes(config: LoaderConfig, weights: np.ndarray) -> list[tuple[int, int]]:
+    """(capacity, window) tokens per source per rank.
+
+    The window must hold a source's share of a step (more for lookahead) with room to spare,
+    so the planner has a choice; the capacity holds two windows so fetching runs ahead.
+    """
+    C, M = config.micro_batch_tokens, config.micro_batches
+    steps = config.lookahead if config.planner == "lookahead" else 1
+    shares = weights / weights.sum()
+    out = []
+    for share in shares:
+        window = int(np.ceil(config.window_factor * steps * share * M * C)) + C
+        capacity = config.buffer_tokens or 2 * window + C
+        out.append((max(capacity, window), window))
+    return out
+
+
+class Runtime:
+    def __init__(self, sources: list[Source], config: LoaderConfig, tokenizer: Optional[Tokenizer],
+                 comm: Comm, storage_options: Optional[dict] = None):
+        self.sources, self.config, self.tokenizer, self.comm = sources, config, tokenizer, comm
+        self.storage_options = storage_options or {}
+        self.geometry = Geometry(comm.world, config.micro_batches, config.micro_batch_tokens)
+        self.cost = CostModel(config.cost_a, config.cost_b, config.document_masking)
+        self.planner = Planner(self.geometry, self.cost, method=config.planner, seed=config.seed,
+                               **({"lookahead": config.lookahead} if config.planner == "lookahead" else {}))
+        self.mixer = Mixer(np.array([s.weight for s in sources]))
+        self.source_metrics = [SourceMetrics() for _ in sources]
+        self.step_metrics = StepMetrics()
+        self.shards: list[list[Shard]] = []
+        self.buffers: list[SourceBuffer] = []
+        self.stores: list[ObjectStore] = []
+        self.step = 0
+        self.epoch = 0
+
+    # -- set-up ---------------------------------------------------------------------------
+    def _stores(self) -> list[ObjectStore]:
+        """One store per distinct (scheme, options), shared by the sources that use it."""
+        cache: dict[tuple, ObjectStore] = {}
+        out = []
+        for s in self.sources:
+            options = {**self.storage_options, **(s.storage_options or {})}
+            scheme = s.uri.split("://", 1)[0] if "://" in s.uri else "file"
+            key = (scheme, tuple(sorted((k, repr(v)) for k, v in options.items())))
+            if key not in cache:
+                cache[key] = open_store(s.uri, options, max_concurrency=self.config.max_concurrency)
+            out.append(cache[key])
+        return out
+
+    async def _agree(self, local: Callable[[], Awaitable[np.ndarray]]) -> list[np.ndarray]:
+        """All-gather `local()`'s array; if it raised anywhere, every rank raises."""
+        error = None
+        try:
+            array = await local()
+        except Exception as exc:   # told to every rank, then re-raised here
+            error, array = exc, encode_failure(exc)
+        gathered = await self.collectives.run(lambda: self.comm.all_gather(array))
+        raise_on_failure(gathered, self.comm.rank, error)
+        return gathered
+
+    async def _list_all(self) -> np.ndarray:
+        self.shards = list(await asyncio.gather(
+            *(list_shards(s, store) for s, store in zip(self.sources, self.stores))))
+        for metrics, shards in zip(self.source_metrics, self.shards):
+            metrics.shards_listed = len(shards)
+        # A fingerprint per source, so ranks that listed different shards fail loudly.
+        return np.array([0] + [zlib.crc32("\n".join(sh.name for sh in shards).encode())
+                               for shards in self.shards], dtype=np.int64)
+
+    # -- main -----------------------------------------------------------------------------
+    async def run(self, emit: Emit) -> None:
+        self.collectives = CollectiveThread()
+        executor = ThreadPoolExecutor(self.config.transform_workers,
+                                      thread_name_prefix="streamload-transform")
+        supervisor = Supervisor(on_failure=lambda exc: [b.fail(exc) for b in self.buffers])
+        self.stores = self._stores()
+        try:
+            gathered = await self._agree(self._list_all)
+            for s, source in enumerate(self.sources):
+                if len({int(g[1 + s]) for g in gathered}) > 1:
+                    raise RuntimeError(f"source {source.name!r}: ranks listed different shards "
+                                       f"for {source.uri}; is the bucket changing under the job?")
+            sizes = buffer_sizes(self.config, self.mixer.weights)
+            self.buffers = [SourceBuffer(cap, win) for cap, win in sizes]
+            for s, source in enumerate(self.sources):
+                fetcher = SourceFetcher(
+                    source_index=s, source=source, shards=self.shards[s], store=self.stores[s],
+                    buffer=self.buffers[s], metrics=self.source_metrics[s], config=self.config,
+                    rank=self.comm.rank, world=self.comm.world, tokenizer=self.tokenizer,
+                    executor=executor, supervisor=supervisor)
+                supervisor.spawn(fetcher.run(self.epoch), name=f"fetch {source.name}")
+            await self._step_loop(emit)
+        finally:
+            await supervisor.cancel_all()
+            executor.shutdown(wait=False, cancel_futures=True)
+            for store in {id(s): s for s in self.stores}.values():
+                await store.aclose()
+            self.collectives.stop()
+
+    async def _summary(self) -> np.ndarray:
+        await asyncio.gather(*(b.wait_ready() for b in self.buffers))
+        self._windows = [b.window() for b in self.buffers]
+        return encode_summary([
+            SourceWindow(np.fromiter((len(i) for i in items), np.int64, len(items)),
+                         np.fromiter((i.age for i in items), np.int64, len(items)), done)
+            for items, done in self._windows])
+
+    async def _step_loop(self, emit: Emit) -> None:
+        S, R = len(self.sources), self.comm.world
+        step_tokens = self.geometry.step_tokens
+        while True:
+            gathered = await self._agree(self._summary)
+            candidates, exhausted = decode_summaries(gathered, S)
+            per_source = np.bincount(candidates.source, minlength=S)
+            active = per_source > 0
+            targets = self.mixer.targets(step_tokens, active)
+            if self.comm.rank == 0:
+                started = time.perf_counter()
+                end_of_epoch = bool(exhausted.all() and len(candidates) == 0)
+                assignment = None if end_of_epoch else self.planner.plan(candidates, targets, self.step)
+                self.step_metrics.plan_ms.append((time.perf_counter() - started) * 1e3)
+                message = encode_plan(assignment, end_of_epoch)
+            else:
+                message = None
+            plan = decode_plan(await self.collectives.run(lambda: self.comm.broadcast(message)))
+            if plan.end_of_epoch:
+                for b in self.buffers:
+                    await b.next_epoch()
+                self.epoch += 1
+                self.step_metrics.epoch = self.epoch
+                self.mixer.carry[:] = 0
+                if self.config.epochs is not None and self.epoch >= self.config.epochs:
+                    return
+                continue
+            lengths = candidates.length[plan.take]
+            realized = np.bincount(candidates.source[plan.take], weights=lengths, minlength=S)
+            self.mixer.update(targets, realized, active, step_tokens)
+            await emit(await self._deliver(candidates, plan, lengths))
+            self.step += 1
+
+    async def _deliver(self, c, plan, lengths) -> Batch:
+        me, R, M = self.comm.rank, self.comm.world, self.config.micro_batches
+        holder = c.rank[plan.take]
+        mine: dict[int, Item] = {}
+        for s, buffer in enumerate(self.buffers):
+            entries = np.flatnonzero((holder == me) & (c.source[plan.take] == s))
+            positions = c.position[plan.take[entries]]
+            order = np.argsort(positions, kind="stable")
+            items = await buffer.take(positions[order], len(self._windows[s][0]))
+            mine.update(zip(entries[order].tolist(), items))
+        entries, items = await self.collectives.run(
+            lambda: exchange_items(self.comm, holder, plan.rank, lengths, mine))
+        sources = c.source[plan.take[entries]]
+        rows = pack_rows([i.tokens for i in items], plan.row[entries], M,
+                         self.config.micro_batch_tokens)
+        micro_batches = []
+        for row in rows:
+            ids = [self._sample_id(int(sources[k]), items[k]) for k in row.item_indices]
+            seqlens = np.diff(row.cu_seqlens)
+            micro_batches.append(MicroBatch(
+                tokens=torch.from_numpy(row.tokens), cu_seqlens=torch.from_numpy(row.cu_seqlens),
+                position_ids=torch.from_numpy(row.position_ids), sample_ids=ids,
+                max_seqlen=int(seqlens.max()) if seqlens.size else 0))
+        for k, item in enumerate(items):
+            metrics = self.source_metrics[int(sources[k])]
+            metrics.delivered_samples += 1
+            metrics.delivered_tokens += len(item)
+        rank_rows = plan.rank * M + plan.row
+        rank_tokens = np.bincount(plan.rank, weights=lengths, minlength=R)
+        rank_cost = self.cost.row_costs(lengths, rank_rows, R * M).reshape(R, M).sum(axis=1)
+        self.step_metrics.record(rank_tokens, rank_cost)
+        self.step_metrics.exchanged_tokens += int(lengths[holder != plan.rank].sum())
+        return Batch(self.step, self.epoch, micro_batches, rank_tokens, rank_cost)
+
+    def _sample_id(self, source: int, item: Item) -> str:
+        base = f"{self.sources[source].name}/{self.shards[source][item.shard].name}/{item.record}"
+        return base if item.chunk < 0 else f"{base}:{item.chunk}"
+
+    def stats(self) -> dict:
+        sources = {}
+        for s, source in enumerate(self.sources):
+            store = self.stores[s] if self.stores else None
+            buffer = self.buffers[s] if self.buffers else None
+            sources[source.name] = self.source_metrics[s].snapshot(
+                getattr(store, "counters", None), buffer)
+        return {"rank": self.comm.rank, "world_size": self.comm.world,
+                **self.step_metrics.snapshot(), "sources": sources}
