@@ -77,8 +77,9 @@ class Runtime:
         cache: dict[tuple, ObjectStore] = {}
         out = []
         for s in self.sources:
-            options = {**self.storage_options, **(s.storage_options or {})}
             scheme = s.uri.split("://", 1)[0] if "://" in s.uri else "file"
+            shared = self.storage_options if scheme != "file" else {}   # e.g. an S3 endpoint
+            options = {**shared, **(s.storage_options or {})}
             key = (scheme, tuple(sorted((k, repr(v)) for k, v in options.items())))
             if key not in cache:
                 cache[key] = open_store(s.uri, options, max_concurrency=self.config.max_concurrency)

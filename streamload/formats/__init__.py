@@ -1,0 +1,55 @@
+"""Shard formats: which format reads a URI, and the formats themselves.
+
+`format_for(uri, format_name=..., text_field=...)` picks the format for one listed object, or
+returns None for objects that are no shard (companion index files, unknown names), which the
+fetcher leaves out.
+"""
+from __future__ import annotations
+
+from functools import lru_cache
+
+from ..errors import ConfigError
+from .base import RawRecord, ShardFormat, ShardStream, SkipCallback
+from .jsonl import JsonlFormat
+from .tokens import TokensFormat
+from .writers import write_jsonl, write_token_shard
+
+# name -> format class. Auto-detection tries them in this order.
+FORMATS: dict[str, type] = {
+    JsonlFormat.name: JsonlFormat,
+    TokensFormat.name: TokensFormat,
+}
+
+
+@lru_cache(maxsize=None)
+def _instance(name: str, text_field: str, named: bool) -> ShardFormat:
+    if name == JsonlFormat.name:
+        return JsonlFormat(text_field, named=named)
+    return FORMATS[name]()
+
+
+def format_for(uri: str, *, format_name: str | None = None,
+               text_field: str = "text") -> ShardFormat | None:
+    """The format that reads `uri`, or None when `uri` is not a shard.
+
+    With `format_name` None the format comes from the file name (`.jsonl[.gz|.zst]`,
+    `.ndjson[...]`, `.tokens.npy`). With a name, only that format is considered; naming "jsonl"
+    also reads `.json[.gz|.zst]` files as JSON Lines.
+    """
+    if format_name is not None:
+        if format_name not in FORMATS:
+            raise ConfigError(f"format: unknown format {format_name!r}; "
+                              f"known formats are {', '.join(sorted(FORMATS))}")
+        fmt = _instance(format_name, text_field, True)
+        return fmt if fmt.matches(uri) else None
+    for name in FORMATS:
+        fmt = _instance(name, text_field, False)
+        if fmt.matches(uri):
+            return fmt
+    return None
+
+
+__all__ = [
+    "FORMATS", "JsonlFormat", "RawRecord", "ShardFormat", "ShardStream", "SkipCallback",
+    "TokensFormat", "format_for", "write_jsonl", "write_token_shard",
+]

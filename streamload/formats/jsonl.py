@@ -1,0 +1,209 @@
+"""JSON Lines shards, plain or compressed (gzip, zstd), decoded with msgspec.
+
+One JSON object per line; only `text_field` is read (other fields are ignored). The record
+index is the 0-based line number in the decompressed shard, blank lines included, so record ids
+stay stable whatever the chunk size. Decoding is streaming: compressed bytes go through an
+incremental decompressor and the partial last line waits for the next chunk.
+"""
+from __future__ import annotations
+
+import zlib
+from functools import lru_cache
+from typing import Callable
+
+import msgspec
+import zstandard
+
+from ..errors import DataError
+from ..storage.base import ObjectInfo, ObjectStore
+from .base import RawRecord, SkipCallback
+
+_BOM = b"\xef\xbb\xbf"
+_STEMS = (".jsonl", ".ndjson")
+_NAMED_STEMS = _STEMS + (".json",)   # `.json` only when the format is named explicitly
+_COMPRESSIONS = {"": None, ".gz": "gzip", ".zst": "zstd", ".zstd": "zstd"}
+
+
+def compression_of(uri: str, stems: tuple[str, ...] = _STEMS) -> str | None | bool:
+    """"gzip", "zstd" or None (plain) for a JSONL name; False when `uri` is not JSONL."""
+    name = uri.rsplit("/", 1)[-1].lower()
+    for suffix, compression in _COMPRESSIONS.items():
+        if suffix and not name.endswith(suffix):
+            continue
+        base = name[: len(name) - len(suffix)] if suffix else name
+        if base.endswith(stems):
+            return compression
+    return False
+
+
+class _Inflater:
+    """Incremental decompression of concatenated gzip members or zstd frames."""
+
+    def __init__(self, new_object: Callable[[], object], errors: tuple[type[Exception], ...]):
+        self._new_object = new_object
+        self.errors = errors
+        self._current = None   # the member/frame being read; None between members
+
+    def feed(self, data: bytes) -> bytes:
+        out = []
+        while data:
+            if self._current is None:
+                self._current = self._new_object()
+            out.append(self._current.decompress(data))
+            if self._current.eof:    # member done; what follows starts the next one
+                data = self._current.unused_data
+                self._current = None
+            else:
+                data = b""
+        return b"".join(out)
+
+    @property
+    def complete(self) -> bool:
+        return self._current is None
+
+
+def _inflater(compression: str | None) -> _Inflater | None:
+    if compression == "gzip":
+        return _Inflater(lambda: zlib.decompressobj(wbits=31), (zlib.error,))
+    if compression == "zstd":
+        dctx = zstandard.ZstdDecompressor()
+        # One object per frame (not read_across_frames) so that a truncated last frame shows.
+        return _Inflater(dctx.decompressobj, (zstandard.ZstdError,))
+    return None
+
+
+@lru_cache(maxsize=None)
+def _decoder(text_field: str) -> msgspec.json.Decoder:
+    record = msgspec.defstruct("JsonlRecord", [("text", str)], rename={"text": text_field})
+    return msgspec.json.Decoder(record)
+
+
+def _describe(error: msgspec.MsgspecError, text_field: str) -> str:
+    message = str(error)
+    if isinstance(error, msgspec.ValidationError):
+        if message.startswith("Object missing required field"):
+            return f"missing field {text_field!r}"
+        if message.startswith("Expected `str`, got `"):
+            got = message[len("Expected `str`, got `"):].split("`", 1)[0]
+            return f"field {text_field!r} is not a string (got {got})"
+        if message.startswith("Expected `object`, got `"):
+            got = message[len("Expected `object`, got `"):].split("`", 1)[0]
+            return f"line is not a JSON object (got {got})"
+        return f"invalid record: {message}"
+    if "UTF-8" in message:
+        return "invalid UTF-8"
+    return f"invalid JSON: {message}"
+
+
+class JsonlStream:
+    """State for reading one JSONL shard: the decompressor, the partial line, the line number."""
+
+    def __init__(self, shard: ObjectInfo, *, source: str, shard_name: str,
+                 on_skip: SkipCallback | None, chunk_bytes: int, compression: str | None,
+                 text_field: str):
+        self._size = shard.size
+        self._chunk_bytes = chunk_bytes
+        self._source, self._shard_name, self._on_skip = source, shard_name, on_skip
+        self._compression = compression
+        self._inflater = _inflater(compression)
+        self._text_field = text_field
+        self._decode_line = _decoder(text_field).decode
+        self._pending: list[bytes] = []   # pieces of the line not yet ended by a newline
+        self._next_index = 0       # line number of the first line in `_pending`
+        self._failed = False       # a shard-level error in skip mode: produce nothing more
+
+    def ranges(self) -> list[tuple[int, int]]:
+        step, size = self._chunk_bytes, self._size
+        return [(start, min(start + step, size)) for start in range(0, size, step)]
+
+    def decode(self, chunk: bytes) -> list[RawRecord]:
+        if self._failed:
+            return []
+        data = self._inflate(chunk)
+        if data is None:
+            return []
+        lines = data.split(b"\n")
+        if len(lines) == 1:          # no line ends here; joining later keeps long lines linear
+            self._pending.append(data)
+            return []
+        if self._pending:
+            self._pending.append(lines[0])
+            lines[0] = b"".join(self._pending)
+        self._pending = [lines.pop()]
+        return self._records(lines)
+
+    def finish(self) -> list[RawRecord]:
+        if self._failed:
+            return []
+        if self._inflater is not None and not self._inflater.complete:
+            self._shard_error(f"truncated {self._compression} stream")
+            return []
+        last, self._pending = b"".join(self._pending), []
+        if not last:
+            return []
+        return self._records([last])
+
+    def _inflate(self, chunk: bytes) -> bytes | None:
+        if self._inflater is None:
+            return chunk
+        try:
+            return self._inflater.feed(chunk)
+        except self._inflater.errors as exc:
+            self._shard_error(f"corrupt {self._compression} data: {exc}")
+            return None
+
+    def _records(self, lines: list[bytes]) -> list[RawRecord]:
+        records = []
+        index = self._next_index
+        if index == 0 and lines and lines[0].startswith(_BOM):   # a UTF-8 byte order mark
+            lines[0] = lines[0][len(_BOM):]
+        decode_line = self._decode_line
+        for line in lines:
+            if line and not line.isspace():
+                try:
+                    records.append(RawRecord(index, decode_line(line).text))
+                except msgspec.MsgspecError as exc:
+                    self._record_error(index, _describe(exc, self._text_field))
+            index += 1
+        self._next_index = index
+        return records
+
+    def _record_error(self, index: int, reason: str) -> None:
+        if self._on_skip is None:
+            raise DataError(reason, source=self._source, shard=self._shard_name, record=index)
+        self._on_skip(index, reason)
+
+    def _shard_error(self, reason: str) -> None:
+        if self._on_skip is None:
+            raise DataError(reason, source=self._source, shard=self._shard_name)
+        self._failed = True
+        self._pending = []
+        self._on_skip(None, reason)
+
+
+class JsonlFormat:
+    """`*.jsonl`, `*.ndjson`, each optionally `.gz`, `.zst` or `.zstd`. With `named=True` (the
+    source names the format explicitly) `*.json[.gz|.zst|.zstd]` files are read as JSON Lines too,
+    as in C4-style dumps."""
+
+    name = "jsonl"
+
+    def __init__(self, text_field: str = "text", *, named: bool = False):
+        if not text_field:
+            raise ValueError("text_field must be a non-empty string")
+        self.text_field = text_field
+        self._stems = _NAMED_STEMS if named else _STEMS
+        _decoder(text_field)   # build the msgspec struct once, up front
+
+    def matches(self, uri: str) -> bool:
+        return compression_of(uri, self._stems) is not False
+
+    async def open(self, store: ObjectStore, shard: ObjectInfo, *, source: str, shard_name: str,
+                   on_skip: SkipCallback | None, chunk_bytes: int) -> JsonlStream:
+        if chunk_bytes <= 0:
+            raise ValueError(f"chunk_bytes must be positive, got {chunk_bytes}")
+        compression = compression_of(shard.uri, _NAMED_STEMS)
+        return JsonlStream(shard, source=source, shard_name=shard_name, on_skip=on_skip,
+                           chunk_bytes=chunk_bytes,
+                           compression=compression if compression is not False else None,
+                           text_field=self.text_field)

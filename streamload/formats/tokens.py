@@ -1,0 +1,251 @@
+"""Pre-tokenized shards: a `.npy` token array plus a `.npy` array of document offsets.
+
+`<stem>.tokens.npy` holds one 1-D little-endian array of token ids (uint16, uint32, int32 or
+int64): every document of the shard, back to back. `<stem>.offsets.npy` is its companion: a 1-D
+int64 array of n_docs + 1 non-decreasing offsets into the token array, with offsets[0] == 0 and
+offsets[-1] == len(tokens). Document d is tokens[offsets[d]:offsets[d + 1]]; d is its record index.
+
+`open` reads the token header and the whole offsets file (small), then plans byte ranges of the
+token array that each hold whole consecutive documents, about `chunk_bytes` each.
+"""
+from __future__ import annotations
+
+import ast
+import asyncio
+
+import numpy as np
+
+from ..errors import DataError
+from ..storage.base import ObjectInfo, ObjectStore
+from .base import RawRecord, SkipCallback
+
+TOKENS_SUFFIX = ".tokens.npy"
+OFFSETS_SUFFIX = ".offsets.npy"
+
+_MAGIC = b"\x93NUMPY"
+_HEADER_PROBE = 1024       # bytes read to find the token header; numpy writes 128 for 1-D arrays
+_MIN_NPY = 64              # numpy pads every header to a multiple of 64 bytes
+# Token dtype on disk -> dtype of the arrays handed out (int32 when every value fits).
+_TOKEN_DTYPES = {
+    np.dtype("<u2"): np.dtype(np.int32),
+    np.dtype("<i4"): np.dtype(np.int32),
+    np.dtype("<u4"): np.dtype(np.int64),
+    np.dtype("<i8"): np.dtype(np.int64),
+}
+_OFFSET_DTYPE = np.dtype("<i8")
+
+
+class _BadShard(Exception):
+    """A shard-level problem, turned into DataError or on_skip(None, ...) by `TokensFormat.open`."""
+
+
+def offsets_uri(tokens_uri: str) -> str:
+    return tokens_uri[: -len(TOKENS_SUFFIX)] + OFFSETS_SUFFIX
+
+
+def _header_length(prefix: bytes, what: str) -> int:
+    """Total bytes of a .npy header (magic, version, length field, dict), from its first bytes."""
+    if len(prefix) < 10 or not prefix.startswith(_MAGIC):
+        raise _BadShard(f"{what} is not a .npy file (bad magic bytes)")
+    major = prefix[6]
+    if major == 1:
+        return 10 + int.from_bytes(prefix[8:10], "little")
+    if major in (2, 3) and len(prefix) >= 12:
+        return 12 + int.from_bytes(prefix[8:12], "little")
+    raise _BadShard(f"{what} has unsupported .npy format version {major}")
+
+
+def _parse_header(header: bytes, what: str) -> tuple[np.dtype, int]:
+    """(dtype, length) of the 1-D array that a complete .npy header describes."""
+    major = header[6]
+    text = header[10 if major == 1 else 12:].decode("utf-8" if major == 3 else "latin-1")
+    try:
+        fields = ast.literal_eval(text)
+        dtype = np.dtype(fields["descr"])
+        shape = tuple(fields["shape"])
+    except (ValueError, SyntaxError, TypeError, KeyError) as exc:
+        raise _BadShard(f"{what} has an unreadable .npy header: {exc}") from None
+    if len(shape) != 1:
+        raise _BadShard(f"{what} must hold a 1-D array, found shape {shape}")
+    return dtype, int(shape[0])
+
+
+async def _read_exact(store: ObjectStore, uri: str, start: int, end: int, what: str) -> bytes:
+    data = await store.read_range(uri, start, end)
+    if len(data) != end - start:
+        raise _BadShard(f"{what} is truncated (wanted bytes {start}-{end}, got {len(data)})")
+    return data
+
+
+async def _read_token_header(store: ObjectStore, shard: ObjectInfo) -> tuple[np.dtype, int, int]:
+    """(dtype, n_tokens, data_start) of the token array; checks the object's size against them."""
+    what = "token file"
+    head = await _read_exact(store, shard.uri, 0, min(shard.size, _HEADER_PROBE), what)
+    total = _header_length(head, what)
+    if total > len(head):
+        head += await _read_exact(store, shard.uri, len(head), total, what)
+    dtype, n_tokens = _parse_header(head[:total], what)
+    if dtype not in _TOKEN_DTYPES:
+        raise _BadShard(f"token dtype {dtype.str!r} is not supported "
+                        "(use little-endian uint16, uint32, int32 or int64)")
+    expected = total + n_tokens * dtype.itemsize
+    if expected != shard.size:
+        raise _BadShard(f"token file holds {shard.size} bytes but its header describes "
+                        f"{n_tokens} tokens ({expected} bytes); it is truncated or corrupt")
+    return dtype, n_tokens, total
+
+
+async def _read_offsets(store: ObjectStore, uri: str) -> np.ndarray:
+    """The offsets array, unchecked. Up to three small reads: its size comes from its header."""
+    what = _offsets_what(uri)
+    head = await _read_exact(store, uri, 0, _MIN_NPY, what)
+    total = _header_length(head, what)
+    if total > len(head):
+        head += await _read_exact(store, uri, len(head), total, what)
+    dtype, n = _parse_header(head[:total], what)
+    if dtype != _OFFSET_DTYPE:
+        raise _BadShard(f"{what} must hold little-endian int64, found {dtype.str!r}")
+    if n < 1:
+        raise _BadShard(f"{what} is empty; it needs n_docs + 1 entries starting with 0")
+    return np.frombuffer(await _read_exact(store, uri, total, total + 8 * n, what), _OFFSET_DTYPE)
+
+
+def _offsets_what(uri: str) -> str:
+    return f"offsets file {uri.rsplit('/', 1)[-1]!r}"
+
+
+def _check_offsets(offsets: np.ndarray, n_tokens: int, what: str) -> None:
+    if offsets[0] != 0 or offsets[-1] != n_tokens:
+        raise _BadShard(f"{what} must start at 0 and end at the token count {n_tokens}, "
+                        f"found {int(offsets[0])} .. {int(offsets[-1])}")
+    steps = np.diff(offsets)
+    if steps.size and steps.min() < 0:
+        bad = int(np.argmax(steps < 0))
+        raise _BadShard(f"{what} decreases at document {bad} "
+                        f"({int(offsets[bad])} -> {int(offsets[bad + 1])})")
+
+
+async def _read_index(store: ObjectStore, shard: ObjectInfo) -> tuple[np.dtype, int, np.ndarray]:
+    """(token dtype, data start, offsets): the token header and the offsets, read concurrently."""
+    companion = offsets_uri(shard.uri)
+    header, offsets = await asyncio.gather(_read_token_header(store, shard),
+                                           _read_offsets(store, companion),
+                                           return_exceptions=True)
+    for result in (header, offsets):
+        if isinstance(result, BaseException):
+            raise result
+    dtype, n_tokens, data_start = header
+    _check_offsets(offsets, n_tokens, _offsets_what(companion))
+    return dtype, data_start, offsets
+
+
+def plan_groups(offsets: np.ndarray, capacity_tokens: int) -> list[tuple[int, int]]:
+    """Split documents into runs [first, end) of consecutive documents of at most
+    `capacity_tokens` tokens in all; a longer document gets a run of its own. Every run holds at
+    least one token, and empty documents join the run before (or after, at the start)."""
+    groups = []
+    n_docs = len(offsets) - 1
+    first = 0
+    while first < n_docs:
+        start = offsets[first]
+        end = int(np.searchsorted(offsets, start + capacity_tokens, side="right")) - 1
+        if offsets[end] == start:   # the next non-empty document alone exceeds the capacity
+            end = int(np.searchsorted(offsets, start, side="right"))
+            end = int(np.searchsorted(offsets, offsets[end], side="right")) - 1
+        groups.append((first, end))
+        first = end
+    return groups
+
+
+class TokensStream:
+    def __init__(self, *, source: str, shard_name: str, on_skip: SkipCallback | None,
+                 dtype: np.dtype, data_start: int, offsets: np.ndarray, chunk_bytes: int):
+        self._source, self._shard_name, self._on_skip = source, shard_name, on_skip
+        self._dtype = dtype
+        self._out_dtype = _TOKEN_DTYPES[dtype]
+        self._signed = dtype.kind == "i"
+        self._offsets = offsets
+        n_tokens = int(offsets[-1])
+        capacity = max(1, chunk_bytes // dtype.itemsize)
+        self._groups = plan_groups(offsets, capacity) if n_tokens else []
+        size = dtype.itemsize
+        self._ranges = [(data_start + int(offsets[a]) * size, data_start + int(offsets[b]) * size)
+                        for a, b in self._groups]
+        self._next_group = 0
+        self._finished = False
+
+    def ranges(self) -> list[tuple[int, int]]:
+        return self._ranges
+
+    def decode(self, chunk: bytes) -> list[RawRecord]:
+        if self._next_group >= len(self._groups):
+            raise DataError("more chunks than planned ranges", source=self._source,
+                            shard=self._shard_name)
+        first, end = self._groups[self._next_group]
+        start, stop = self._ranges[self._next_group]
+        self._next_group += 1
+        if len(chunk) != stop - start:
+            raise DataError(f"expected {stop - start} bytes for documents {first}..{end - 1}, "
+                            f"got {len(chunk)}", source=self._source, shard=self._shard_name)
+        tokens = np.frombuffer(chunk, self._dtype).astype(self._out_dtype)
+        bounds = (self._offsets[first:end + 1] - self._offsets[first]).tolist()
+        bad = self._negative_documents(tokens, bounds, first) if self._signed else ()
+        return [RawRecord(first + k, tokens[bounds[k]:bounds[k + 1]])
+                for k in range(end - first) if first + k not in bad]
+
+    def finish(self) -> list[RawRecord]:
+        if self._finished:
+            return []
+        self._finished = True
+        if not self._groups:   # no tokens at all, so no ranges: the documents are all empty
+            empty = np.empty(0, self._out_dtype)
+            return [RawRecord(d, empty) for d in range(len(self._offsets) - 1)]
+        return []
+
+    def _negative_documents(self, tokens: np.ndarray, bounds: list[int], first: int) -> set[int]:
+        if not tokens.size or tokens.min() >= 0:
+            return set()
+        positions = np.flatnonzero(tokens < 0)
+        docs = sorted(set((np.searchsorted(bounds, positions, side="right") - 1 + first).tolist()))
+        for doc in docs:
+            reason = "negative token id"
+            if self._on_skip is None:
+                raise DataError(reason, source=self._source, shard=self._shard_name, record=doc)
+            self._on_skip(doc, reason)
+        return set(docs)
+
+
+class _EmptyStream:
+    """What a shard that failed to open yields in skip mode: nothing."""
+
+    def ranges(self) -> list[tuple[int, int]]:
+        return []
+
+    def decode(self, chunk: bytes) -> list[RawRecord]:
+        return []
+
+    def finish(self) -> list[RawRecord]:
+        return []
+
+
+class TokensFormat:
+    """`*.tokens.npy` shards with their `*.offsets.npy` companions."""
+
+    name = "tokens"
+
+    def matches(self, uri: str) -> bool:
+        return uri.endswith(TOKENS_SUFFIX) and len(uri.rsplit("/", 1)[-1]) > len(TOKENS_SUFFIX)
+
+    async def open(self, store: ObjectStore, shard: ObjectInfo, *, source: str, shard_name: str,
+                   on_skip: SkipCallback | None, chunk_bytes: int) -> TokensStream | _EmptyStream:
+        if chunk_bytes <= 0:
+            raise ValueError(f"chunk_bytes must be positive, got {chunk_bytes}")
+        try:
+            dtype, data_start, offsets = await _read_index(store, shard)
+        except _BadShard as exc:
+            if on_skip is None:
+                raise DataError(str(exc), source=source, shard=shard_name) from None
+            on_skip(None, str(exc))
+            return _EmptyStream()
+        return TokensStream(source=source, shard_name=shard_name, on_skip=on_skip, dtype=dtype,
+                            data_start=data_start, offsets=offsets, chunk_bytes=chunk_bytes)

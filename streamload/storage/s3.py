@@ -1,0 +1,255 @@
+"""S3 through aiobotocore: one pooled client per store, bounded concurrency, ranged GETs."""
+from __future__ import annotations
+
+import asyncio
+import os
+import time
+from collections.abc import Awaitable, Callable
+from contextlib import AsyncExitStack
+from typing import Any, TypeVar
+
+import aiohttp
+from aiobotocore.session import AioSession
+from botocore import UNSIGNED
+from botocore.config import Config
+from botocore.exceptions import (
+    BotoCoreError,
+    ClientError,
+    HTTPClientError,
+    IncompleteReadError,
+)
+from botocore.exceptions import ConnectionError as BotoConnectionError
+
+from streamload.errors import ConfigError, StorageError
+from streamload.storage.base import ObjectInfo, StoreCounters
+from streamload.storage.listing import glob_regex, has_glob, literal_prefix, scheme_of
+from streamload.storage.retry import RetryPolicy, describe, with_retries
+
+T = TypeVar("T")
+
+# Codes that mean "slow down" or "try again", whatever their HTTP status.
+_RETRYABLE_CODES = frozenset({
+    "SlowDown", "Throttling", "ThrottlingException", "RequestLimitExceeded", "TooManyRequests",
+    "TooManyRequestsException", "RequestThrottled", "RequestThrottledException",
+    "InternalError", "ServiceUnavailable", "RequestTimeout", "RequestTimeoutException",
+    "PriorRequestNotComplete", "503",
+})
+_CREDENTIAL_CODES = frozenset({
+    "InvalidAccessKeyId", "SignatureDoesNotMatch", "ExpiredToken", "InvalidToken",
+    "TokenRefreshRequired",
+})
+
+# storage_options keys -> create_client arguments (s3fs-style aliases accepted).
+_CLIENT_OPTIONS = {
+    "endpoint_url": "endpoint_url",
+    "region_name": "region_name", "region": "region_name",
+    "aws_access_key_id": "aws_access_key_id", "key": "aws_access_key_id",
+    "aws_secret_access_key": "aws_secret_access_key", "secret": "aws_secret_access_key",
+    "aws_session_token": "aws_session_token", "token": "aws_session_token",
+}
+_OTHER_OPTIONS = ("profile", "anon")
+
+
+class _TruncatedBody(Exception):
+    """The body was shorter than the server said: a dropped connection, so worth a retry."""
+
+
+def split_s3_uri(uri: str) -> tuple[str, str]:
+    """"s3://bucket/some/key" -> ("bucket", "some/key")."""
+    bucket, _, key = uri[len("s3://"):].partition("/")
+    if scheme_of(uri) != "s3" or not bucket:
+        raise ConfigError(f"not an S3 URI (expected s3://bucket/key): {uri!r}")
+    return bucket, key
+
+
+def _error_code(exc: ClientError) -> tuple[str, int]:
+    code = str(exc.response.get("Error", {}).get("Code", ""))
+    status = int(exc.response.get("ResponseMetadata", {}).get("HTTPStatusCode") or 0)
+    return code, status
+
+
+def is_retryable(exc: BaseException) -> bool:
+    """Throttling, 5xx and connection faults are transient; other S3 errors are final."""
+    if isinstance(exc, ClientError):
+        code, status = _error_code(exc)
+        return code in _RETRYABLE_CODES or status >= 500 or status == 429
+    return isinstance(exc, (
+        _TruncatedBody, BotoConnectionError, HTTPClientError, IncompleteReadError,
+        aiohttp.ClientError, asyncio.TimeoutError, ConnectionError,
+    ))
+
+
+def _storage_error(exc: Exception, uri: str, bucket: str) -> StorageError:
+    """A final error, said in terms of the bucket and URI the user wrote."""
+    if not isinstance(exc, ClientError):
+        return StorageError(f"{uri}: {describe(exc)}", uri=uri)
+    code, status = _error_code(exc)
+    if code == "NoSuchBucket":
+        message = f"bucket {bucket!r} does not exist ({uri})"
+    elif code in ("NoSuchKey", "NotFound") or status == 404:
+        message = f"no such object: {uri}"
+    elif code in _CREDENTIAL_CODES:
+        message = f"S3 rejected the credentials used for {uri} ({code})"
+    elif code in ("AccessDenied", "AllAccessDisabled") or status == 403:
+        message = f"access denied to {uri} (check the credentials and the bucket policy)"
+    else:
+        detail = exc.response.get("Error", {}).get("Message", "")
+        message = f"{uri}: S3 error {code or status}" + (f": {detail}" if detail else "")
+    return StorageError(message, uri=uri)
+
+
+def _body_range(resp: dict[str, Any], data: bytes, start: int, end: int) -> bytes:
+    """Bytes [start, end) out of a GetObject response, or _TruncatedBody if some are missing.
+    Ranges past the end of the object come back short, as from a file."""
+    content_range = resp.get("ContentRange")  # "bytes 0-99/1000"
+    if content_range and not content_range.endswith("/*"):
+        total = int(content_range.rsplit("/", 1)[1])
+    else:  # the server ignored Range and sent the whole object
+        total = int(resp.get("ContentLength", len(data)))
+        data = data[start:end]
+    expected = max(0, min(end, total) - start)
+    if len(data) < expected:
+        raise _TruncatedBody(f"received {len(data)} of {expected} bytes")
+    return data[:expected]
+
+
+class S3Store:
+    """ObjectStore for s3:// URIs. Create it anywhere; its client is made inside the event loop
+    on first use, and lives until aclose()."""
+
+    list_page_size = 1000  # keys per list_objects_v2 request (S3's maximum)
+
+    def __init__(self, storage_options: dict[str, Any] | None = None, *,
+                 retry: RetryPolicy | None = None, max_concurrency: int = 16):
+        if max_concurrency < 1:
+            raise ConfigError(f"max_concurrency must be >= 1, got {max_concurrency}")
+        options = dict(storage_options or {})
+        unknown = sorted(set(options) - set(_CLIENT_OPTIONS) - set(_OTHER_OPTIONS))
+        if unknown:
+            allowed = ", ".join(sorted((*_CLIENT_OPTIONS, *_OTHER_OPTIONS)))
+            raise ConfigError(f"unknown S3 storage_options {unknown}; allowed: {allowed}")
+        self.counters = StoreCounters()
+        self.retry = retry or RetryPolicy()
+        self.max_concurrency = max_concurrency
+        # Credentials stay in this private dict: never in a repr, a message or saved state.
+        self._client_kwargs: dict[str, Any] = {
+            _CLIENT_OPTIONS[k]: v for k, v in options.items() if k in _CLIENT_OPTIONS}
+        self._client_kwargs.setdefault("endpoint_url", os.environ.get("AWS_ENDPOINT_URL") or None)
+        self._client_kwargs.setdefault(
+            "region_name", os.environ.get("AWS_DEFAULT_REGION") or "us-east-1")
+        self._profile = options.get("profile")
+        timeout = self.retry.request_timeout_s
+        self._config = Config(
+            max_pool_connections=max_concurrency,
+            retries={"total_max_attempts": 1, "mode": "standard"},  # RetryPolicy retries instead
+            connect_timeout=min(10.0, timeout),
+            read_timeout=timeout,
+            signature_version=UNSIGNED if options.get("anon") else None,
+        )
+        self._slots = asyncio.Semaphore(max_concurrency)
+        self._client_lock = asyncio.Lock()
+        self._client: Any = None
+        self._exit_stack: AsyncExitStack | None = None
+
+    async def __aenter__(self) -> S3Store:
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        await self.aclose()
+
+    async def _get_client(self) -> Any:
+        async with self._client_lock:
+            if self._client is None:
+                stack = AsyncExitStack()
+                session = AioSession(profile=self._profile)
+                self._client = await stack.enter_async_context(
+                    session.create_client("s3", config=self._config, **self._client_kwargs))
+                self._exit_stack = stack
+        return self._client
+
+    async def aclose(self) -> None:
+        async with self._client_lock:
+            stack, self._exit_stack, self._client = self._exit_stack, None, None
+            if stack is not None:
+                await stack.aclose()
+
+    async def _call(self, uri: str, bucket: str, op: Callable[[Any], Awaitable[T]]) -> T:
+        """One request under the concurrency bound, retried, with final errors translated."""
+        client = self._client or await self._get_client()
+        # The slot is held across retries, so backing off also lowers our request rate.
+        async with self._slots:
+            try:
+                return await with_retries(lambda: op(client), policy=self.retry, what=uri,
+                                          counters=self.counters, is_retryable=is_retryable)
+            except (ClientError, BotoCoreError) as exc:
+                raise _storage_error(exc, uri, bucket) from exc
+
+    async def read_range(self, uri: str, start: int, end: int) -> bytes:
+        if not 0 <= start <= end:
+            raise ValueError(f"bad byte range [{start}, {end}) for {uri}")
+        bucket, key = split_s3_uri(uri)
+        if start == end:
+            return b""
+
+        async def get(client: Any) -> bytes:
+            began = time.perf_counter()
+            self.counters.requests += 1
+            try:
+                resp = await client.get_object(Bucket=bucket, Key=key,
+                                               Range=f"bytes={start}-{end - 1}")
+            except ClientError as exc:
+                if _error_code(exc)[0] == "InvalidRange":  # start is at or past the end
+                    return b""
+                raise
+            async with resp["Body"] as body:
+                data = _body_range(resp, await body.read(), start, end)
+            self.counters.record_latency(time.perf_counter() - began)
+            self.counters.bytes_read += len(data)
+            return data
+
+        return await self._call(uri, bucket, get)
+
+    async def _list_page(self, uri: str, bucket: str, prefix: str, token: str | None = None,
+                         max_keys: int | None = None) -> dict[str, Any]:
+        args: dict[str, Any] = {"Bucket": bucket, "Prefix": prefix,
+                                "MaxKeys": max_keys or self.list_page_size}
+        if token:
+            args["ContinuationToken"] = token
+
+        async def list_page(client: Any) -> dict[str, Any]:
+            self.counters.requests += 1
+            return await client.list_objects_v2(**args)
+
+        return await self._call(uri, bucket, list_page)
+
+    async def _list_prefix(self, uri: str, bucket: str, prefix: str) -> list[ObjectInfo]:
+        found, token = [], None
+        while True:
+            page = await self._list_page(uri, bucket, prefix, token)
+            for item in page.get("Contents", ()):
+                if item["Key"].endswith("/") and item["Size"] == 0:
+                    continue  # a "directory" marker that consoles create, not data
+                found.append(ObjectInfo(f"s3://{bucket}/{item['Key']}", int(item["Size"])))
+            token = page.get("NextContinuationToken")
+            if not page.get("IsTruncated") or not token:
+                return found
+
+    async def list(self, uri: str) -> list[ObjectInfo]:
+        bucket, key = split_s3_uri(uri)
+        if has_glob(key):
+            pattern = glob_regex(key)
+            found = [info for info in await self._list_prefix(uri, bucket, literal_prefix(key))
+                     if pattern.fullmatch(info.uri[len(f"s3://{bucket}/"):])]
+        elif not key or key.endswith("/"):
+            found = await self._list_prefix(uri, bucket, key)
+        else:
+            # Keys list in byte order, so an object named exactly `key` comes first.
+            first = (await self._list_page(uri, bucket, key, max_keys=1)).get("Contents", [])
+            if first and first[0]["Key"] == key:
+                return [ObjectInfo(uri, int(first[0]["Size"]))]
+            found = await self._list_prefix(uri, bucket, key + "/") if first else []
+            if first and not found:  # not a "directory": a raw key prefix ("logs/2024-")
+                found = await self._list_prefix(uri, bucket, key)
+        if not found:
+            raise StorageError(f"no objects match {uri}", uri=uri)
+        return sorted(found)
