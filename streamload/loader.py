@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import queue
+import signal
 import threading
 import weakref
 from typing import Iterable, Iterator, Optional
@@ -33,7 +34,7 @@ class _Background:
 
     def __init__(self, runtime: Runtime, prefetch_steps: int):
         self.runtime = runtime
-        self.queue: "queue.SimpleQueue" = queue.SimpleQueue()
+        self.queue: "queue.Queue" = queue.Queue()  # get() is interruptible by Ctrl-C; SimpleQueue.get() is not
         self.loop = asyncio.new_event_loop()
         self.slots = None
         self.prefetch_steps = prefetch_steps
@@ -42,9 +43,15 @@ class _Background:
         self.thread.start()
 
     def _serve(self) -> None:
+        # Ctrl-C must reach the trainer's thread. Linux delivers a process signal to any thread
+        # that does not block it, and threads started from here (transform workers, the
+        # collective thread) inherit this mask.
+        if hasattr(signal, "pthread_sigmask"):
+            signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT, signal.SIGTERM})
         asyncio.set_event_loop(self.loop)
         try:
             self.loop.run_until_complete(self._main())
+            self.loop.run_until_complete(self.loop.shutdown_asyncgens())
         finally:
             self.loop.close()
 

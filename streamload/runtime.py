@@ -9,7 +9,6 @@ from __future__ import annotations
 import asyncio
 import time
 import zlib
-from concurrent.futures import ThreadPoolExecutor
 from typing import Awaitable, Callable, Optional
 
 import numpy as np
@@ -17,7 +16,7 @@ import torch
 
 from .batch import Batch, MicroBatch
 from .config import LoaderConfig, Source
-from .dist.comm import CollectiveThread, Comm
+from .dist.comm import Comm, collective_thread
 from .dist.coordinator import (SourceWindow, decode_plan, decode_summaries, encode_failure,
                                encode_plan, encode_summary, raise_on_failure)
 from .dist.exchange import exchange_items
@@ -25,6 +24,7 @@ from .metrics import SourceMetrics, StepMetrics
 from .pipeline.buffer import Item, SourceBuffer
 from .pipeline.fetch import Shard, SourceFetcher, list_shards
 from .pipeline.supervisor import Supervisor
+from .pipeline.workers import DaemonExecutor
 from .pipeline.transform import Tokenizer
 from .plan.cost import CostModel
 from .plan.mixing import Mixer
@@ -108,9 +108,8 @@ class Runtime:
 
     # -- main -----------------------------------------------------------------------------
     async def run(self, emit: Emit) -> None:
-        self.collectives = CollectiveThread()
-        executor = ThreadPoolExecutor(self.config.transform_workers,
-                                      thread_name_prefix="streamload-transform")
+        self.collectives = collective_thread()
+        executor = DaemonExecutor(self.config.transform_workers, "streamload-transform")
         supervisor = Supervisor(on_failure=lambda exc: [b.fail(exc) for b in self.buffers])
         self.stores = self._stores()
         try:
@@ -131,10 +130,10 @@ class Runtime:
             await self._step_loop(emit)
         finally:
             await supervisor.cancel_all()
-            executor.shutdown(wait=False, cancel_futures=True)
+            executor.shutdown()
             for store in {id(s): s for s in self.stores}.values():
                 await store.aclose()
-            self.collectives.stop()
+            self.collectives.shutdown()
 
     async def _summary(self) -> np.ndarray:
         await asyncio.gather(*(b.wait_ready() for b in self.buffers))

@@ -38,7 +38,7 @@ def s3_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[S3Server]:
             "AWS_EC2_METADATA_DISABLED": "true",
         }.items():
             env.setenv(name, value)
-        for name in ("AWS_SESSION_TOKEN", "AWS_PROFILE", "AWS_ENDPOINT_URL_S3"):
+        for name in ("AWS_SESSION_TOKEN", "AWS_PROFILE", "AWS_REGION", "AWS_ENDPOINT_URL_S3"):
             env.delenv(name, raising=False)
         try:
             yield S3Server(endpoint_url)
@@ -56,8 +56,9 @@ def s3_bucket(s3_server: S3Server) -> Iterator[tuple[object, str]]:
     client.create_bucket(Bucket=bucket)
     yield client, bucket
     for page in client.get_paginator("list_objects_v2").paginate(Bucket=bucket):
-        for item in page.get("Contents", ()):
-            client.delete_object(Bucket=bucket, Key=item["Key"])
+        if page.get("Contents"):
+            client.delete_objects(Bucket=bucket, Delete={
+                "Objects": [{"Key": item["Key"]} for item in page["Contents"]]})
     client.delete_bucket(Bucket=bucket)
 
 

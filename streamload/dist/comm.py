@@ -6,16 +6,13 @@ without torch.distributed.
 """
 from __future__ import annotations
 
-import asyncio
 import datetime
-import queue
-import threading
-from concurrent.futures import Future
 from typing import Callable, Optional, Protocol, TypeVar
 
 import numpy as np
 
 from ..errors import DistributedError
+from ..pipeline.workers import DaemonExecutor
 
 T = TypeVar("T")
 
@@ -116,32 +113,7 @@ def connect(timeout_s: float) -> Comm:
     return GlooComm(group, dist.get_rank(), dist.get_world_size(), timeout_s)
 
 
-class CollectiveThread:
-    """One daemon thread that runs blocking collectives in order, awaitable from the loop.
-
-    A daemon, so that a collective stuck waiting on a dead peer can never keep the trainer's
-    process from exiting; gloo's own timeout bounds the wait.
-    """
-
-    def __init__(self):
-        self._jobs: "queue.SimpleQueue[Optional[tuple[Callable, Future]]]" = queue.SimpleQueue()
-        self._thread = threading.Thread(target=self._serve, name="streamload-collectives",
-                                        daemon=True)
-        self._thread.start()
-
-    def _serve(self):
-        while (job := self._jobs.get()) is not None:
-            fn, future = job
-            if future.set_running_or_notify_cancel():
-                try:
-                    future.set_result(fn())
-                except BaseException as exc:  # handed to the awaiting coroutine
-                    future.set_exception(exc)
-
-    async def run(self, fn: Callable[[], T]) -> T:
-        future: Future = Future()
-        self._jobs.put((fn, future))
-        return await asyncio.wrap_future(future)
-
-    def stop(self):
-        self._jobs.put(None)
+def collective_thread() -> DaemonExecutor:
+    """One daemon thread that runs blocking collectives in order, awaitable from the loop
+    (`await thread.run(fn)`). Gloo's own timeout bounds a wait on a dead peer."""
+    return DaemonExecutor(1, "streamload-collectives")

@@ -1,9 +1,52 @@
-"""The cost model: a document of L tokens costs a*L**2 + b*L (plus an optional per-sample term)."""
+"""The cost model: a document of L tokens costs a*L**2 + b*L (plus an optional per-sample term).
+
+Pure NumPy, no torch and no I/O beyond `load` / `save` of a small JSON file.
+
+Row cost
+    With document masking (varlen / block-diagonal causal attention), attention never crosses
+    document boundaries, so a packed row costs the *sum* of its documents' costs. With plain
+    causal attention over the whole packed row (`document_masking=False`), the row's total length
+    is put into the formula instead.
+
+Where a and b come from
+    * `CostModel.transformer(n_params, n_layers, d_model)`: FLOPs of forward plus backward.
+      The linear part is 6·N FLOPs per token (2·N forward, 4·N backward), so b = 6·n_params.
+      Causal attention is 6·n_layers·d_model·L² FLOPs per document of L tokens: forward
+      computes QKᵀ and PV, 2·L²·d FLOPs each for the full square, half of that under a causal
+      mask, so 2·L²·d per layer; backward is twice forward. So a = 6·n_layers·d_model.
+      Bidirectional attention (`causal=False`) does the full square: a = 12·n_layers·d_model.
+      Units are FLOPs; the planner only uses ratios, so the units do not matter.
+    * `streamload calibrate` (streamload/calibrate.py) measures a and b in seconds on the
+      actual device and writes a JSON file that `CostModel.load(path)` reads.
+    * `CostModel.from_fit(...)` builds one from fitted coefficients (clipped at 0).
+
+    A constant cost per row (kernel launches, the loss, the optimizer share) does not change
+    the balance, because every rank runs exactly M rows, so the model has no such term.
+
+Per-sample cost hook
+    A source can add cost per sample that the length does not explain, for example per image
+    for a vision encoder. Such a hook is a `SampleCostHook`: a function from the samples'
+    token lengths (an int64 array) to their extra costs (a float64 array of the same shape, in
+    the same units as a and b). Its result reaches the planner as `Candidates.extra_cost`, and
+    `row_costs(..., extra_cost=...)` adds it to the row each sample lands in, with or without
+    document masking. `CostModel.extra_cost(hook, lengths)` applies a hook with checks.
+"""
 from __future__ import annotations
 
-from dataclasses import dataclass
+import json
+import os
+from dataclasses import asdict, dataclass, fields
+from typing import Callable
 
 import numpy as np
+
+# lengths (int64 [n]) -> extra cost per sample (float64 [n]), in the cost model's units.
+SampleCostHook = Callable[[np.ndarray], np.ndarray]
+
+
+def _config_error(message: str):
+    from ..errors import ConfigError
+    return ConfigError(message)
 
 
 @dataclass(frozen=True)
@@ -14,13 +57,82 @@ class CostModel:
 
     def __post_init__(self):
         if not (np.isfinite(self.a) and np.isfinite(self.b)) or self.a < 0 or self.b < 0:
-            from ..errors import ConfigError
-            raise ConfigError(f"cost model: a and b must be finite and >= 0, got a={self.a}, b={self.b}")
+            raise _config_error(f"cost model: a and b must be finite and >= 0, got a={self.a}, b={self.b}")
+
+    # ------------------------------------------------------------------ constructors
+    @classmethod
+    def transformer(cls, n_params: float, n_layers: int, d_model: int, causal: bool = True,
+                    document_masking: bool = True) -> "CostModel":
+        """Forward-plus-backward FLOPs of a decoder: b = 6·n_params, a = 6·n_layers·d_model.
+
+        `n_params` should count the parameters that every token passes through (the blocks and
+        the output head; not the embedding lookup). `causal=False` (bidirectional attention)
+        doubles a, because the whole L×L square is computed instead of its lower half.
+        """
+        if n_params <= 0 or n_layers <= 0 or d_model <= 0:
+            raise _config_error("cost model: transformer() needs n_params, n_layers and d_model > 0, "
+                                f"got n_params={n_params}, n_layers={n_layers}, d_model={d_model}")
+        attention = 6.0 if causal else 12.0
+        return cls(a=attention * n_layers * d_model, b=6.0 * float(n_params),
+                   document_masking=document_masking)
+
+    @classmethod
+    def from_fit(cls, a: float, b: float, document_masking: bool = True, **_ignored) -> "CostModel":
+        """From fitted coefficients (e.g. a calibration's output); clips tiny negatives to 0.
+
+        Extra keys (c, r2, device, ...) are accepted and ignored, so a calibration's full
+        JSON record can be passed as keyword arguments.
+        """
+        return cls(a=max(float(a), 0.0), b=max(float(b), 0.0),
+                   document_masking=bool(document_masking))
+
+    @classmethod
+    def load(cls, path: str | os.PathLike) -> "CostModel":
+        """Read a JSON file written by `save` or by `streamload calibrate --output`."""
+        try:
+            with open(path, "r", encoding="utf-8") as f:
+                data = json.load(f)
+        except (OSError, ValueError) as e:
+            raise _config_error(f"cost model: cannot read {os.fspath(path)!r}: {e}") from e
+        if not isinstance(data, dict) or "a" not in data or "b" not in data:
+            raise _config_error(f"cost model: {os.fspath(path)!r} must hold a JSON object with "
+                                "keys 'a' and 'b'")
+        known = {f.name for f in fields(cls)}
+        return cls.from_fit(**{k: v for k, v in data.items() if k in known})
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    def save(self, path: str | os.PathLike) -> None:
+        """Write {"a", "b", "document_masking"} as JSON; `CostModel(**json)` reads it back."""
+        with open(path, "w", encoding="utf-8") as f:
+            json.dump(self.to_dict(), f, indent=2)
+            f.write("\n")
+
+    # ------------------------------------------------------------------ costs
+    @property
+    def crossover_length(self) -> float:
+        """The document length at which attention costs as much as the linear part (b / a)."""
+        return self.b / self.a if self.a > 0 else float("inf")
 
     def doc_cost(self, lengths) -> np.ndarray:
         """Cost of each document on its own (what it adds to a row with document masking)."""
         lengths = np.asarray(lengths, dtype=np.float64)
         return self.a * lengths * lengths + self.b * lengths
+
+    @staticmethod
+    def extra_cost(hook: SampleCostHook | None, lengths) -> np.ndarray:
+        """Apply a per-sample cost hook to `lengths`; zeros when there is no hook."""
+        lengths = np.asarray(lengths, dtype=np.int64)
+        if hook is None:
+            return np.zeros(lengths.shape, dtype=np.float64)
+        extra = np.asarray(hook(lengths), dtype=np.float64)
+        if extra.shape != lengths.shape:
+            extra = np.broadcast_to(extra, lengths.shape).astype(np.float64)
+        if not np.all(np.isfinite(extra)) or np.any(extra < 0):
+            raise _config_error("cost model: a sample cost hook returned a negative or "
+                                "non-finite cost")
+        return extra
 
     def row_costs(self, lengths, rows, num_rows: int, extra_cost=None) -> np.ndarray:
         """Cost of each of `num_rows` packed rows; item i (of `lengths`) sits in row `rows[i]`."""

@@ -1,16 +1,27 @@
-"""One entry point for planning a step: select by quota, then assign to (rank, row)."""
+"""One entry point for planning a step: select by quota, then assign to (rank, row).
+
+Methods:
+- ``naive``: arrival order, about equal tokens per rank (the baseline that loaders use today).
+- ``balanced``: the same selection, assigned to minimize the largest per-rank cost
+  (`balance.assign_balanced`).
+- ``lookahead``: selection over a window of `lookahead` steps so that documents costlier than a
+  rank's share land in steps where they balance (`lookahead.select_lookahead`), then assigned
+  like ``balanced``. No item waits more than `lookahead` steps (or `max_age`, when smaller).
+"""
 from __future__ import annotations
 
 from dataclasses import dataclass
 
 import numpy as np
 
+from .balance import assign_balanced
 from .cost import CostModel
+from .lookahead import select_lookahead
 from .naive import assign_naive, finish
 from .select import select
 from .types import Assignment, Candidates, Geometry
 
-METHODS = ("naive",)
+METHODS = ("naive", "balanced", "lookahead")
 
 
 @dataclass
@@ -20,11 +31,36 @@ class Planner:
     method: str = "naive"
     seed: int = 0
     max_age: int | None = None   # an item offered this many steps is selected first
+    lookahead: int = 4           # W: steps the lookahead method plans over
+
+    def __post_init__(self):
+        if self.method not in METHODS:
+            from ..errors import ConfigError
+            raise ConfigError(f"planner.method: unknown planning method {self.method!r}; "
+                              f"choose from {METHODS}")
+        if self.lookahead < 1:
+            from ..errors import ConfigError
+            raise ConfigError(f"planner.lookahead: must be >= 1 steps, got {self.lookahead}")
+
+    @property
+    def force_age(self) -> int | None:
+        """Age from which an item must be taken this step (None: no bound)."""
+        if self.method == "lookahead":
+            return self.lookahead if self.max_age is None else min(self.max_age, self.lookahead)
+        return self.max_age
 
     def plan(self, c: Candidates, targets: np.ndarray, step: int) -> Assignment:
-        selected = select(c, targets, max_age=self.max_age)
         if self.method == "naive":
+            selected = select(c, targets, max_age=self.max_age)
             take, rank, row = assign_naive(c, selected, self.geometry)
+        elif self.method == "balanced":
+            selected = select(c, targets, max_age=self.max_age)
+            forced = None if self.max_age is None else c.age[selected] >= self.max_age
+            take, rank, row = assign_balanced(c, selected, self.geometry, self.cost, forced=forced)
+        elif self.method == "lookahead":
+            selected, forced = select_lookahead(c, targets, self.geometry, self.cost,
+                                                window=self.lookahead, force_age=self.force_age)
+            take, rank, row = assign_balanced(c, selected, self.geometry, self.cost, forced=forced)
         else:
             raise ValueError(f"unknown planning method {self.method!r}; choose from {METHODS}")
         return finish(c, take, rank, row, self.geometry, self.cost)

@@ -19,6 +19,7 @@ from botocore.exceptions import (
     IncompleteReadError,
 )
 from botocore.exceptions import ConnectionError as BotoConnectionError
+from botocore.loaders import create_loader
 
 from streamload.errors import ConfigError, StorageError
 from streamload.storage.base import ObjectInfo, StoreCounters
@@ -49,6 +50,10 @@ _CLIENT_OPTIONS = {
 }
 _OTHER_OPTIONS = ("profile", "anon")
 
+# Botocore's service models, parsed once per process rather than once per store's session
+# (about 0.1 s each). The loader only reads bundled JSON files: nothing loop- or user-specific.
+_SHARED_LOADER = create_loader()
+
 
 class _TruncatedBody(Exception):
     """The body was shorter than the server said: a dropped connection, so worth a retry."""
@@ -75,7 +80,7 @@ def is_retryable(exc: BaseException) -> bool:
         return code in _RETRYABLE_CODES or status >= 500 or status == 429
     return isinstance(exc, (
         _TruncatedBody, BotoConnectionError, HTTPClientError, IncompleteReadError,
-        aiohttp.ClientError, asyncio.TimeoutError, ConnectionError,
+        aiohttp.ClientError, asyncio.TimeoutError, TimeoutError, ConnectionError,
     ))
 
 
@@ -102,8 +107,9 @@ def _body_range(resp: dict[str, Any], data: bytes, start: int, end: int) -> byte
     """Bytes [start, end) out of a GetObject response, or _TruncatedBody if some are missing.
     Ranges past the end of the object come back short, as from a file."""
     content_range = resp.get("ContentRange")  # "bytes 0-99/1000"
-    if content_range and not content_range.endswith("/*"):
-        total = int(content_range.rsplit("/", 1)[1])
+    if content_range:
+        size = content_range.rsplit("/", 1)[-1]
+        total = int(size) if size.isdigit() else end  # "*": size unknown, expect the full range
     else:  # the server ignored Range and sent the whole object
         total = int(resp.get("ContentLength", len(data)))
         data = data[start:end]
@@ -135,8 +141,8 @@ class S3Store:
         self._client_kwargs: dict[str, Any] = {
             _CLIENT_OPTIONS[k]: v for k, v in options.items() if k in _CLIENT_OPTIONS}
         self._client_kwargs.setdefault("endpoint_url", os.environ.get("AWS_ENDPOINT_URL") or None)
-        self._client_kwargs.setdefault(
-            "region_name", os.environ.get("AWS_DEFAULT_REGION") or "us-east-1")
+        self._client_kwargs.setdefault("region_name", os.environ.get("AWS_DEFAULT_REGION")
+                                       or os.environ.get("AWS_REGION") or "us-east-1")
         self._profile = options.get("profile")
         timeout = self.retry.request_timeout_s
         self._config = Config(
@@ -162,6 +168,7 @@ class S3Store:
             if self._client is None:
                 stack = AsyncExitStack()
                 session = AioSession(profile=self._profile)
+                session.register_component("data_loader", _SHARED_LOADER)
                 self._client = await stack.enter_async_context(
                     session.create_client("s3", config=self._config, **self._client_kwargs))
                 self._exit_stack = stack

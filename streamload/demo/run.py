@@ -1,0 +1,418 @@
+"""The demo job: a multi-source corpus, an embedded S3 server, two gloo ranks, one epoch.
+
+1. Generate the corpus (`corpus.py`) in a temporary directory, or in `--workdir`.
+2. Start moto's S3 server on 127.0.0.1 and upload the S3 sources (`web`, `code`) to it.
+3. Spawn the ranks. Each joins a gloo process group on 127.0.0.1 and iterates a `Loader` over
+   all four sources for one epoch; rank 0 prints every step's tokens and predicted cost per rank.
+4. Every rank sends the sample ids it received back to this process, which checks exactly-once
+   delivery (the union over ranks is the whole corpus, with no duplicates) and prints a summary,
+   then the same summary as one JSON line. The exit code is 1 when the check fails.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import queue as queue_module
+import shutil
+import socket
+import sys
+import tempfile
+import time
+import traceback
+from collections import Counter
+
+import numpy as np
+
+from . import corpus as corpus_module
+
+BUCKET = "streamload-demo"
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--workdir", default=None,
+                   help="where to write the corpus (kept afterwards); default: a temporary "
+                        "directory that is removed at the end")
+    p.add_argument("--small", action="store_true",
+                   help="a tiny corpus (a few hundred KB) that runs in a few seconds")
+    p.add_argument("--scale", type=float, default=1.0,
+                   help="multiply every source's size by this (default 1: about 2.5M tokens)")
+    p.add_argument("--planner", default="naive",
+                   help="planning method passed to the Loader (default: naive)")
+    p.add_argument("--micro-batch-tokens", type=int, default=4096, metavar="C",
+                   help="token capacity of one packed row (default 4096)")
+    p.add_argument("--micro-batches", type=int, default=2, metavar="M",
+                   help="rows per rank per step (default 2)")
+    p.add_argument("--ranks", type=int, default=2, help="gloo ranks to run (default 2)")
+    p.add_argument("--steps", type=int, default=None,
+                   help="stop after this many steps (default: the whole epoch)")
+    p.add_argument("--seed", type=int, default=0, help="corpus and loader seed (default 0)")
+    p.add_argument("--print-first", type=int, default=10, metavar="N",
+                   help="print each of the first N steps (default 10)")
+    p.add_argument("--print-every", type=int, default=None, metavar="K",
+                   help="after those, print every K-th step (default: about 20 lines in all)")
+    p.add_argument("--timeout", type=float, default=600.0,
+                   help="give up when the ranks have not finished after this many seconds")
+
+
+# --- the ranks -------------------------------------------------------------------------------
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _fmt_count(x: float) -> str:
+    x = float(x)
+    for unit, size in (("G", 1e9), ("M", 1e6), ("k", 1e3)):
+        if abs(x) >= size:
+            return f"{x / size:.1f}{unit}"
+    return f"{x:.0f}"
+
+
+def _per_rank(values, width: int, fmt) -> str:
+    values = list(values)
+    if len(values) <= 4:
+        return " ".join(f"{fmt(v):>{width}}" for v in values)
+    return f"min {fmt(min(values))} max {fmt(max(values))}"
+
+
+def _rank_main(rank: int, world: int, port: int, job: dict, results) -> None:
+    """One rank: join the group, iterate the loader for an epoch, report what it received."""
+    for name, value in job["env"].items():
+        if value is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = value
+    try:
+        import torch
+        import torch.distributed as dist
+
+        torch.set_num_threads(1)
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                                world_size=world)
+        try:
+            results.put((rank, "ok", _iterate(rank, world, job)))
+        finally:
+            dist.destroy_process_group()
+    except BaseException as exc:   # reported by the parent, which exits non-zero
+        results.put((rank, "error", f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"))
+
+
+def _iterate(rank: int, world: int, job: dict) -> dict:
+    import numpy as np
+
+    import streamload as sl
+
+    sources = [sl.Source(s["uri"], weight=s["weight"], name=s["name"], format=s["format"],
+                         storage_options=s["storage_options"]) for s in job["sources"]]
+    names = [s.name for s in sources]
+    C, M = job["micro_batch_tokens"], job["micro_batches"]
+    ids: list[str] = []
+    source_tokens = Counter()
+    source_samples = Counter()
+    imbalances: list[float] = []
+    step_source_tokens: list[list[int]] = []      # [step][source] tokens this rank received
+    rank_tokens_total = np.zeros(world)
+    printed_last = -1
+    last = None
+    started = time.perf_counter()
+    first_batch_s = None
+    header_every = 25
+    lines = 0
+    with sl.Loader(sources, micro_batch_tokens=C, micro_batches=M, seed=job["seed"], epochs=1,
+                   planner=job["planner"]) as loader:
+        for batch in loader:
+            if first_batch_s is None:
+                first_batch_s = time.perf_counter() - started
+            this_step = [0] * len(names)
+            for mb in batch.micro_batches:
+                if mb.num_tokens > C:
+                    raise AssertionError(f"step {batch.step}: a row holds {mb.num_tokens} > {C} tokens")
+                lengths = np.diff(mb.cu_seqlens.numpy()).tolist()
+                for sid, n in zip(mb.sample_ids, lengths):
+                    ids.append(sid)
+                    source = sid.split("/", 1)[0]
+                    source_tokens[source] += n
+                    source_samples[source] += 1
+                    this_step[names.index(source)] += n
+            step_source_tokens.append(this_step)
+            if len(batch.micro_batches) != M:
+                raise AssertionError(f"step {batch.step}: {len(batch.micro_batches)} rows, not {M}")
+            imbalances.append(batch.imbalance)
+            rank_tokens_total += batch.rank_tokens
+            last = batch
+            if rank == 0 and _should_print(batch.step, job):
+                if lines % header_every == 0:
+                    _print_header(world)
+                _print_step(batch, rank_tokens_total.sum(), time.perf_counter() - started)
+                printed_last = batch.step
+                lines += 1
+            if job["steps"] is not None and batch.step + 1 >= job["steps"]:
+                break
+        stats = loader.stats()
+    elapsed = time.perf_counter() - started
+    if rank == 0 and last is not None and printed_last != last.step:
+        _print_step(last, rank_tokens_total.sum(), elapsed)
+    return {
+        "rank": rank, "ids": ids, "steps": len(imbalances), "imbalances": imbalances,
+        "source_tokens": dict(source_tokens), "source_samples": dict(source_samples),
+        "tokens": int(sum(source_tokens.values())), "loader_s": elapsed,
+        "first_batch_s": first_batch_s, "stats": stats, "sources": names,
+        "all_rank_tokens": rank_tokens_total.tolist(), "step_source_tokens": step_source_tokens,
+    }
+
+
+def _should_print(step: int, job: dict) -> bool:
+    if step < job["print_first"]:
+        return True
+    return (step - job["print_first"] + 1) % job["print_every"] == 0
+
+
+def _print_header(world: int) -> None:
+    per = "per rank" if world <= 4 else "min / max"
+    print(f"{'step':>6} | {'tokens ' + per:>{max(17, 8 * min(world, 4))}} | "
+          f"{'predicted cost ' + per:>{max(24, 8 * min(world, 4))}} | {'imbal.':>6} | "
+          f"{'tok/s so far':>12}", flush=True)
+
+
+def _print_step(batch, tokens_so_far: float, elapsed: float) -> None:
+    world = len(batch.rank_tokens)
+    tokens = _per_rank(batch.rank_tokens, 7, lambda v: f"{int(v):,}")
+    costs = _per_rank(batch.rank_cost, 7, _fmt_count)
+    rate = tokens_so_far / elapsed if elapsed > 0 else 0.0
+    print(f"{batch.step:>6} | {tokens:>{max(17, 8 * min(world, 4))}} | "
+          f"{costs:>{max(24, 8 * min(world, 4))}} | {batch.imbalance:>6.3f} | "
+          f"{_fmt_count(rate):>12}", flush=True)
+
+
+def _run_ranks(world: int, job: dict, timeout: float) -> list[dict]:
+    import torch.multiprocessing as mp
+
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    port = _free_port()
+    procs = [ctx.Process(target=_rank_main, args=(r, world, port, job, results), daemon=True,
+                         name=f"streamload-demo-rank{r}") for r in range(world)]
+    for p in procs:
+        p.start()
+    out: dict[int, tuple] = {}
+    deadline = time.monotonic() + timeout
+    try:
+        while len(out) < world:
+            try:
+                rank, status, value = results.get(timeout=1.0)
+                out[rank] = (status, value)
+                continue
+            except queue_module.Empty:
+                pass
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"the ranks did not finish within {timeout:g} s")
+            dead = [p for r, p in enumerate(procs) if r not in out and p.exitcode is not None]
+            if dead:
+                time.sleep(1.0)   # a report may still be in flight
+                while True:
+                    try:
+                        rank, status, value = results.get_nowait()
+                        out[rank] = (status, value)
+                    except queue_module.Empty:
+                        break
+                silent = [f"rank {r} (exit code {p.exitcode})" for r, p in enumerate(procs)
+                          if r not in out and p.exitcode is not None]
+                if silent:
+                    raise RuntimeError(f"{', '.join(silent)} exited without reporting")
+    finally:
+        for p in procs:
+            p.join(timeout=10)
+            if p.is_alive():
+                p.kill()
+                p.join(timeout=5)
+    failed = {r: v for r, (s, v) in out.items() if s != "ok"}
+    if failed:
+        raise RuntimeError("rank(s) failed:\n" + "\n".join(f"--- rank {r}:\n{v}" for r, v in
+                                                            sorted(failed.items())))
+    return [out[r][1] for r in range(world)]
+
+
+# --- the job ---------------------------------------------------------------------------------
+
+def _print_corpus(c: corpus_module.Corpus, capacity: int) -> None:
+    print(f"corpus: {c.docs:,} documents, {c.tokens:,} tokens in {c.root}")
+    print(f"  {'source':<7} {'where':<6} {'format':<7} {'shards':>6} {'docs':>6} {'tokens':>10} "
+          f"{'weight':>6} {'longest':>8} {'>C':>5}")
+    for s in c.sources:
+        print(f"  {s.name:<7} {s.location:<6} {s.format:<7} {len(s.shards):>6} {s.docs:>6} "
+              f"{s.tokens:>10,} {s.weight:>6.2f} {s.longest:>8,} {s.longer_than(capacity):>5}")
+
+
+def run(args: argparse.Namespace) -> int:
+    started = time.perf_counter()
+    C, M, world = args.micro_batch_tokens, args.micro_batches, args.ranks
+    for key, value in (("--micro-batch-tokens", C), ("--micro-batches", M), ("--ranks", world)):
+        if value < 1:
+            print(f"streamload demo: {key} must be >= 1", file=sys.stderr)
+            return 2
+    workdir = os.path.abspath(args.workdir) if args.workdir else \
+        tempfile.mkdtemp(prefix="streamload-demo-")
+    try:
+        corpus = corpus_module.generate(os.path.join(workdir, "corpus"), scale=args.scale,
+                                        small=args.small, seed=args.seed, capacity=C)
+        _print_corpus(corpus, C)
+        from .s3server import local_s3
+
+        with local_s3() as s3:
+            for s in corpus.sources:
+                if s.location == "s3":
+                    s.uri = f"s3://{BUCKET}/{s.name}/"
+                    n = s3.upload_dir(s.local_dir, s.uri)
+                    print(f"uploaded {n} objects to {s.uri} on the embedded S3 server "
+                          f"{s3.endpoint_url}")
+                else:
+                    s.uri = s.local_dir + "/"
+            step_tokens = world * M * C
+            est_steps = max(1, math.ceil(corpus.tokens / step_tokens))
+            if args.steps is not None:
+                est_steps = min(est_steps, args.steps)
+            print_every = args.print_every or max(1, math.ceil(
+                max(0, est_steps - args.print_first) / 10))
+            job = {
+                "sources": [{"uri": s.uri, "name": s.name, "weight": s.weight, "format": s.format,
+                             "storage_options": s3.storage_options if s.location == "s3" else None}
+                            for s in corpus.sources],
+                "micro_batch_tokens": C, "micro_batches": M, "seed": args.seed,
+                "planner": args.planner, "steps": args.steps, "print_first": args.print_first,
+                "print_every": print_every, "env": s3.env,
+            }
+            print(f"running {world} gloo ranks: C={C} tokens per row, M={M} rows per rank, "
+                  f"planner={args.planner!r}, about {est_steps} steps of {step_tokens:,} tokens",
+                  flush=True)
+            ranks = _run_ranks(world, job, args.timeout)
+        wall = time.perf_counter() - started
+        summary = summarize(corpus, ranks, args, wall)
+        _print_summary(summary)
+        print(json.dumps(summary), flush=True)
+        return 0 if summary["ok"] else 1
+    finally:
+        if not args.workdir:
+            shutil.rmtree(workdir, ignore_errors=True)
+
+
+def summarize(corpus: corpus_module.Corpus, ranks: list[dict], args, wall: float) -> dict:
+    C = args.micro_batch_tokens
+    complete = args.steps is None or any(r["steps"] < args.steps for r in ranks)
+    delivered = Counter()
+    for r in ranks:
+        delivered.update(r["ids"])
+    duplicates = sorted(i for i, n in delivered.items() if n > 1)
+    expected = corpus.expected_ids(C)
+    unexpected = sorted(set(delivered) - expected)
+    missing = sorted(expected - set(delivered))
+    no_duplicates = not duplicates and not unexpected
+    complete = complete or not missing
+    exactly_once = (no_duplicates and not missing) if complete else None
+    if not complete:
+        missing = []   # stopped early by --steps: what was not reached is not missing
+    steps = {r["steps"] for r in ranks}
+    total_tokens = sum(r["tokens"] for r in ranks)
+    weights = {s.name: s.weight for s in corpus.sources}
+    weight_sum = sum(weights.values())
+    source_tokens = Counter()
+    for r in ranks:
+        source_tokens.update(r["source_tokens"])
+    # The mix while every source still had data: up to the step where the first one ran out.
+    # Over the whole epoch the realized mix is the corpus's own, whatever the weights.
+    names = ranks[0]["sources"]
+    per_step = sum(np.array(r["step_source_tokens"], dtype=np.int64).reshape(-1, len(names))
+                   for r in ranks)
+    cumulative = np.cumsum(per_step, axis=0)
+    totals = np.array([corpus.source(n).tokens for n in names])
+    ran_out = [int(np.argmax(cumulative[:, k] >= totals[k])) if (cumulative[:, k] >= totals[k]).any()
+               else len(per_step) for k in range(len(names))]
+    active_steps = min(ran_out) if ran_out else 0
+    active = per_step[:active_steps].sum(axis=0)
+    mix = {name: {"target": weights[name] / weight_sum,
+                  "realized_all_active": float(active[k] / active.sum()) if active.sum() else None,
+                  "realized": source_tokens[name] / total_tokens if total_tokens else 0.0,
+                  "corpus": corpus.source(name).tokens / corpus.tokens,
+                  "tokens": int(source_tokens[name]),
+                  "ran_out_at_step": ran_out[k] if ran_out[k] < len(per_step) else None}
+           for k, name in enumerate(names)}
+    skipped = {"records": 0, "shards": 0, "empty_documents": 0, "dropped_documents": 0,
+               "truncated_documents": 0}
+    for r in ranks:
+        for metrics in r["stats"]["sources"].values():
+            skipped["records"] += metrics["skipped_records"]
+            skipped["shards"] += metrics["skipped_shards"]
+            skipped["empty_documents"] += metrics["empty_documents"]
+            skipped["dropped_documents"] += metrics["dropped_documents"]
+            skipped["truncated_documents"] += metrics["truncated_documents"]
+    imbalances = ranks[0]["imbalances"]
+    loader_s = max(r["loader_s"] for r in ranks)
+    rank_tokens = ranks[0]["all_rank_tokens"]
+    return {
+        "ok": bool(no_duplicates and (exactly_once is not False) and len(steps) == 1),
+        "ranks": len(ranks), "planner": args.planner,
+        "micro_batch_tokens": C, "micro_batches": args.micro_batches,
+        "steps": ranks[0]["steps"], "equal_steps_on_every_rank": len(steps) == 1,
+        "epoch_complete": complete,
+        "samples": sum(len(r["ids"]) for r in ranks), "expected_samples": len(expected),
+        "documents": corpus.docs, "tokens": total_tokens, "corpus_tokens": corpus.tokens,
+        "tokens_per_rank": [int(t) for t in rank_tokens],
+        "fill": total_tokens / (ranks[0]["steps"] * len(ranks) * args.micro_batches * C)
+        if ranks[0]["steps"] else 0.0,
+        "mix": mix, "steps_with_all_sources": active_steps,
+        "imbalance_mean": sum(imbalances) / len(imbalances) if imbalances else None,
+        "imbalance_max": max(imbalances) if imbalances else None,
+        "exactly_once": exactly_once, "duplicates": len(duplicates), "missing": len(missing),
+        "unexpected": len(unexpected),
+        "examples": {"duplicates": duplicates[:3], "missing": missing[:3],
+                     "unexpected": unexpected[:3]},
+        "skipped": skipped,
+        "wall_s": round(wall, 3), "loader_s": round(loader_s, 3),
+        "first_batch_s": round(ranks[0]["first_batch_s"] or 0.0, 3),
+        "tokens_per_s": total_tokens / loader_s if loader_s > 0 else 0.0,
+    }
+
+
+def _print_summary(s: dict) -> None:
+    print()
+    print(f"summary ({s['ranks']} ranks, planner {s['planner']!r}, "
+          f"C={s['micro_batch_tokens']}, M={s['micro_batches']})")
+    print(f"  steps          {s['steps']}"
+          + ("" if s["equal_steps_on_every_rank"] else "  (ranks stopped at DIFFERENT steps)"))
+    print(f"  samples        {s['samples']:,} ({s['documents']:,} documents; long ones split)")
+    print(f"  tokens         {s['tokens']:,} of {s['corpus_tokens']:,} in the corpus, "
+          f"rows {s['fill']:.1%} full")
+    print(f"  tokens/rank    {', '.join(f'{t:,}' for t in s['tokens_per_rank'])}")
+    active = s["steps_with_all_sources"]
+    span = f"steps 0-{active - 1}" if active > 0 else "(none)"
+    print(f"  mix            {'source':<8} {'target':>6}  {span:>12}  {'epoch':>6}  ran out at"
+          f"   (realized token shares; {span}: while every source had data)")
+    for name, m in s["mix"].items():
+        early = m["realized_all_active"]
+        early = f"{early:.1%}" if early is not None else "-"
+        out = f"step {m['ran_out_at_step']}" if m["ran_out_at_step"] is not None else "-"
+        print(f"                 {name:<8} {m['target']:>6.1%}  {early:>12}  {m['realized']:>6.1%}  {out}")
+    if s["imbalance_mean"] is not None:
+        print(f"  imbalance      mean {s['imbalance_mean']:.3f}, max {s['imbalance_max']:.3f} "
+              f"(predicted max rank cost / mean rank cost)")
+    print(f"  time           {s['wall_s']:.1f} s wall, {s['loader_s']:.1f} s in the loader "
+          f"(first batch after {s['first_batch_s']:.1f} s)")
+    print(f"  throughput     {s['tokens_per_s']:,.0f} tokens/s")
+    if s["exactly_once"] is None:
+        verdict = ("not checked: stopped early by --steps; no duplicates" if s["ok"]
+                   else "FAILED: duplicates or unknown ids")
+    else:
+        verdict = "OK" if s["exactly_once"] else "FAILED"
+    print(f"  exactly-once   {verdict} (duplicates {s['duplicates']}, missing {s['missing']}, "
+          f"unexpected {s['unexpected']})")
+    if not s["ok"]:
+        for kind, ids in s["examples"].items():
+            if ids:
+                print(f"                 e.g. {kind}: {', '.join(ids)}")
+    sk = s["skipped"]
+    print(f"  skipped        {sk['records']} records, {sk['shards']} shards, "
+          f"{sk['empty_documents']} empty, {sk['dropped_documents']} dropped, "
+          f"{sk['truncated_documents']} truncated")
