@@ -17,7 +17,7 @@ demo: $(VENV)/.installed
 	$(VENV)/bin/streamload demo
 
 test: $(VENV)/.installed
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q -p no:cacheprovider
 
 bench: $(VENV)/.installed
 	$(PY) benchmarks/balance.py
