@@ -19,9 +19,9 @@ from .config import LoaderConfig, Source
 from .dist.comm import Comm, collective_thread
 from .dist.coordinator import (SourceWindow, decode_plan, decode_summaries, encode_failure,
                                encode_plan, encode_summary, raise_on_failure)
-from .dist.exchange import exchange_items
+from .dist.exchange import exchange_tokens
 from .metrics import SourceMetrics, StepMetrics
-from .pipeline.buffer import Item, SourceBuffer
+from .pipeline.buffer import SourceBuffer
 from .pipeline.fetch import Shard, SourceFetcher, list_shards
 from .pipeline.supervisor import Supervisor
 from .pipeline.workers import DaemonExecutor
@@ -140,7 +140,9 @@ class Runtime:
         self._windows = [b.window() for b in self.buffers]
         return encode_summary([
             SourceWindow(np.fromiter((len(i) for i in items), np.int64, len(items)),
-                         np.fromiter((i.age for i in items), np.int64, len(items)), done)
+                         np.fromiter((i.age for i in items), np.int64, len(items)),
+                         np.array([(i.shard, i.record, i.chunk) for i in items],
+                                  dtype=np.int64).reshape(-1, 3), done)
             for items, done in self._windows])
 
     async def _step_loop(self, emit: Emit) -> None:
@@ -148,7 +150,8 @@ class Runtime:
         step_tokens = self.geometry.step_tokens
         while True:
             gathered = await self._agree(self._summary)
-            candidates, exhausted = decode_summaries(gathered, S)
+            summaries = decode_summaries(gathered, S)
+            candidates, exhausted = summaries.candidates, summaries.exhausted
             per_source = np.bincount(candidates.source, minlength=S)
             active = per_source > 0
             targets = self.mixer.targets(step_tokens, active)
@@ -173,36 +176,37 @@ class Runtime:
             lengths = candidates.length[plan.take]
             realized = np.bincount(candidates.source[plan.take], weights=lengths, minlength=S)
             self.mixer.update(targets, realized, active, step_tokens)
-            await emit(await self._deliver(candidates, plan, lengths))
+            await emit(await self._deliver(summaries, plan, lengths))
             self.step += 1
 
-    async def _deliver(self, c, plan, lengths) -> Batch:
+    async def _deliver(self, summaries, plan, lengths) -> Batch:
         me, R, M = self.comm.rank, self.comm.world, self.config.micro_batches
+        c = summaries.candidates
         holder = c.rank[plan.take]
-        mine: dict[int, Item] = {}
+        mine: dict[int, np.ndarray] = {}
         for s, buffer in enumerate(self.buffers):
             entries = np.flatnonzero((holder == me) & (c.source[plan.take] == s))
             positions = c.position[plan.take[entries]]
             order = np.argsort(positions, kind="stable")
             items = await buffer.take(positions[order], len(self._windows[s][0]))
-            mine.update(zip(entries[order].tolist(), items))
-        entries, items = await self.collectives.run(
-            lambda: exchange_items(self.comm, holder, plan.rank, lengths, mine))
+            mine.update(zip(entries[order].tolist(), (i.tokens for i in items)))
+        entries, tokens = await self.collectives.run(
+            lambda: exchange_tokens(self.comm, holder, plan.rank, lengths, mine))
         sources = c.source[plan.take[entries]]
-        rows = pack_rows([i.tokens for i in items], plan.row[entries], M,
-                         self.config.micro_batch_tokens)
+        item_ids = summaries.ids[plan.take[entries]]
+        rows = pack_rows(tokens, plan.row[entries], M, self.config.micro_batch_tokens)
         micro_batches = []
         for row in rows:
-            ids = [self._sample_id(int(sources[k]), items[k]) for k in row.item_indices]
+            ids = [self._sample_id(int(sources[k]), *map(int, item_ids[k])) for k in row.item_indices]
             seqlens = np.diff(row.cu_seqlens)
             micro_batches.append(MicroBatch(
                 tokens=torch.from_numpy(row.tokens), cu_seqlens=torch.from_numpy(row.cu_seqlens),
                 position_ids=torch.from_numpy(row.position_ids), sample_ids=ids,
                 max_seqlen=int(seqlens.max()) if seqlens.size else 0))
-        for k, item in enumerate(items):
+        for k, t in enumerate(tokens):
             metrics = self.source_metrics[int(sources[k])]
             metrics.delivered_samples += 1
-            metrics.delivered_tokens += len(item)
+            metrics.delivered_tokens += len(t)
         rank_rows = plan.rank * M + plan.row
         rank_tokens = np.bincount(plan.rank, weights=lengths, minlength=R)
         rank_cost = self.cost.row_costs(lengths, rank_rows, R * M).reshape(R, M).sum(axis=1)
@@ -210,9 +214,9 @@ class Runtime:
         self.step_metrics.exchanged_tokens += int(lengths[holder != plan.rank].sum())
         return Batch(self.step, self.epoch, micro_batches, rank_tokens, rank_cost)
 
-    def _sample_id(self, source: int, item: Item) -> str:
-        base = f"{self.sources[source].name}/{self.shards[source][item.shard].name}/{item.record}"
-        return base if item.chunk < 0 else f"{base}:{item.chunk}"
+    def _sample_id(self, source: int, shard: int, record: int, chunk: int) -> str:
+        base = f"{self.sources[source].name}/{self.shards[source][shard].name}/{record}"
+        return base if chunk < 0 else f"{base}:{chunk}"
 
     def stats(self) -> dict:
         sources = {}

@@ -1,7 +1,9 @@
 """Encode what ranks tell each other each step as flat int64 arrays.
 
-* A *summary* is one rank's head windows: for every source, the item lengths, their ages and
-  whether the window holds the rest of the epoch. Rank 0 plans from all of them.
+* A *summary* is one rank's head windows: for every source, the items' lengths, ages and ids
+  (shard, record, chunk), and whether the window holds the rest of the epoch. Rank 0 plans from
+  the lengths and ages; every rank learns every id, so each can track the whole job's progress
+  (resumable state) and receive exchanged samples without sending ids again.
 * A *plan* is the assignment rank 0 broadcasts.
 * Both start with a status word, so a rank that failed can still take part in the collective
   and tell every other rank why, instead of leaving them waiting until a timeout.
@@ -34,36 +36,54 @@ def raise_on_failure(gathered: list[np.ndarray], rank: int, local_error: Optiona
             raise DistributedError(f"rank {other} failed, so rank {rank} stops too: {message}")
 
 
+ID_FIELDS = 3   # shard, record, chunk (-1 for a document that was not split)
+
+
 @dataclass(frozen=True)
 class SourceWindow:
-    lengths: np.ndarray   # int64
-    ages: np.ndarray      # int64
+    lengths: np.ndarray   # int64 [n]
+    ages: np.ndarray      # int64 [n]
+    ids: np.ndarray       # int64 [n, 3]
     exhausted: bool       # the window holds the rest of this epoch for this source
+
+
+@dataclass(frozen=True)
+class Summaries:
+    """Every rank's windows. `ids` rows line up with `candidates`."""
+    candidates: Candidates
+    ids: np.ndarray          # int64 [n, 3]
+    exhausted: np.ndarray    # bool [rank, source]
 
 
 def encode_summary(windows: list[SourceWindow]) -> np.ndarray:
     parts = [np.array([OK], dtype=np.int64)]
     for w in windows:
         parts.append(np.array([w.lengths.shape[0], int(w.exhausted)], dtype=np.int64))
-        parts.append(w.lengths.astype(np.int64))
-        parts.append(w.ages.astype(np.int64))
+        parts += [w.lengths.astype(np.int64), w.ages.astype(np.int64),
+                  w.ids.astype(np.int64).reshape(-1)]
     return np.concatenate(parts)
 
 
-def decode_summaries(gathered: list[np.ndarray], num_sources: int) -> tuple[Candidates, np.ndarray]:
-    """-> (candidates over all ranks, exhausted[rank, source])."""
+def decode_summaries(gathered: list[np.ndarray], num_sources: int) -> Summaries:
     lengths = [[None] * num_sources for _ in gathered]
     ages = [[None] * num_sources for _ in gathered]
+    ids = [[None] * num_sources for _ in gathered]
     exhausted = np.zeros((len(gathered), num_sources), dtype=bool)
     for r, array in enumerate(gathered):
         at = 1
         for s in range(num_sources):
             n, done = int(array[at]), bool(array[at + 1])
-            lengths[r][s] = array[at + 2:at + 2 + n]
-            ages[r][s] = array[at + 2 + n:at + 2 + 2 * n]
+            at += 2
+            lengths[r][s] = array[at:at + n]
+            ages[r][s] = array[at + n:at + 2 * n]
+            ids[r][s] = array[at + 2 * n:at + (2 + ID_FIELDS) * n].reshape(n, ID_FIELDS)
             exhausted[r, s] = done
-            at += 2 + 2 * n
-    return Candidates.from_windows(lengths, ages), exhausted
+            at += (2 + ID_FIELDS) * n
+    # Candidates are ordered source-major, then rank: lay the ids out the same way.
+    flat_ids = [ids[r][s] for s in range(num_sources) for r in range(len(gathered))]
+    return Summaries(Candidates.from_windows(lengths, ages),
+                     np.concatenate(flat_ids) if flat_ids else np.zeros((0, ID_FIELDS), np.int64),
+                     exhausted)
 
 
 def encode_plan(assignment: Optional[Assignment], end_of_epoch: bool) -> np.ndarray:
