@@ -19,6 +19,7 @@ from .dist.comm import Comm, connect
 from .errors import ConfigError
 from .pipeline.transform import Tokenizer
 from .runtime import Runtime
+from .state import decode_state, encode_state
 
 
 class _End:
@@ -122,6 +123,7 @@ class Loader:
         self._background: Optional[_Background] = None
         self._finished = False
         self._finalizer = None
+        self._last_snapshot = None
 
     @property
     def rank(self) -> int:
@@ -152,7 +154,28 @@ class Loader:
             if item.error is not None:
                 raise item.error
             raise StopIteration
+        self._last_snapshot = item.state_snapshot
         return item
+
+    def state_dict(self) -> dict:
+        """Where this job is, as of the last batch `next()` returned: small, plain data.
+
+        Every rank returns the same state (each tracks the whole job), so any rank's copy
+        resumes the job, at this world size or another. Works as a
+        torch.distributed.checkpoint Stateful. The value is JSON text written by msgspec."""
+        state = self._runtime.state(self._last_snapshot)
+        return {"streamload": encode_state(state).decode()}
+
+    def load_state_dict(self, state_dict) -> None:
+        """Resume from `state_dict()`'s output (a dict, or its JSON bytes). Call before iterating."""
+        if self._background is not None:
+            raise RuntimeError("load_state_dict() must be called before iterating the loader")
+        payload = state_dict.get("streamload") if isinstance(state_dict, dict) else state_dict
+        if payload is None:
+            raise ConfigError("loader state: expected the dict returned by Loader.state_dict()")
+        state = decode_state(payload.encode() if isinstance(payload, str) else payload)
+        self._runtime.resume = state
+        self._last_snapshot = None
 
     def stats(self) -> dict:
         """Counters for this rank: per source, per step, skipped records, retries."""

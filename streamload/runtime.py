@@ -16,6 +16,7 @@ import torch
 
 from .batch import Batch, MicroBatch
 from .config import LoaderConfig, Source
+from .errors import ConfigError
 from .dist.comm import Comm, collective_thread
 from .dist.coordinator import (SourceWindow, decode_plan, decode_summaries, encode_failure,
                                encode_plan, encode_summary, raise_on_failure)
@@ -31,6 +32,8 @@ from .plan.mixing import Mixer
 from .plan.packing import pack_rows
 from .plan.planner import Planner
 from .plan.types import Geometry
+from .state import (STATE_VERSION, EpochLayout, LoaderState, SourceTracker, fresh_layout,
+                    layout_from_progress)
 from .storage import ObjectStore, open_store
 
 Emit = Callable[[Batch], Awaitable[None]]
@@ -70,6 +73,9 @@ class Runtime:
         self.stores: list[ObjectStore] = []
         self.step = 0
         self.epoch = 0
+        self.resume: Optional[LoaderState] = None   # set by Loader.load_state_dict
+        self.trackers: list[SourceTracker] = []
+        self.listing_crcs: list[int] = []
 
     # -- set-up ---------------------------------------------------------------------------
     def _stores(self) -> list[ObjectStore]:
@@ -103,8 +109,81 @@ class Runtime:
         for metrics, shards in zip(self.source_metrics, self.shards):
             metrics.shards_listed = len(shards)
         # A fingerprint per source, so ranks that listed different shards fail loudly.
-        return np.array([0] + [zlib.crc32("\n".join(sh.name for sh in shards).encode())
-                               for shards in self.shards], dtype=np.int64)
+        self.listing_crcs = [zlib.crc32("\n".join(sh.name for sh in shards).encode())
+                             for shards in self.shards]
+        return np.array([0] + self.listing_crcs, dtype=np.int64)
+
+    # -- epochs and resumption -------------------------------------------------------------
+    def _apply_resume(self) -> None:
+        state = self.resume
+        if state.seed != self.config.seed:
+            raise ConfigError(f"loader state: saved with seed {state.seed}, "
+                              f"but this loader has seed {self.config.seed}")
+        self.epoch, self.step = state.epoch, state.step
+        self.mixer.carry = np.array(state.mixer_carry, dtype=np.float64)
+        self.resume_ages = [{} for _ in self.sources]
+        if not state.sources:   # saved before the first step: a fresh start
+            self.resume = None
+            return
+        if [p.name for p in state.sources] != [s.name for s in self.sources]:
+            raise ConfigError(f"loader state: saved for sources {[p.name for p in state.sources]}, "
+                              f"but this loader has {[s.name for s in self.sources]}")
+        for s, progress in enumerate(state.sources):
+            if (progress.num_shards, progress.listing_crc) != (len(self.shards[s]), self.listing_crcs[s]):
+                raise ConfigError(
+                    f"loader state: source {progress.name!r} ({self.sources[s].uri}) lists "
+                    f"{len(self.shards[s])} shards now but {progress.num_shards} when the state "
+                    f"was saved (or their names changed); cannot resume exactly")
+        self.resumed_layouts = [
+            layout_from_progress(p, seed=self.config.seed, epoch=state.epoch, source_index=s,
+                                 world=self.comm.world) for s, p in enumerate(state.sources)]
+        for source, shard, record, chunk, age in state.ages:
+            self.resume_ages[source][(shard, record, chunk)] = age
+
+    def layout_for(self, source: int, epoch: int) -> EpochLayout:
+        if self.resume is not None and epoch == self.resume.epoch:
+            return self.resumed_layouts[source]
+        return fresh_layout(len(self.shards[source]), seed=self.config.seed, epoch=epoch,
+                            source_index=source, world=self.comm.world)
+
+    def _start_epoch_tracking(self) -> None:
+        self.trackers = [SourceTracker(self.layout_for(s, self.epoch))
+                         for s in range(len(self.sources))]
+
+    def _track(self, summaries, plan) -> None:
+        c, R = summaries.candidates, self.comm.world
+        taken = np.zeros(len(c), dtype=bool)
+        taken[plan.take] = True
+        # Candidates are ordered by (source, rank, position): slice each window out.
+        bounds = np.searchsorted(c.source.astype(np.int64) * R + c.rank,
+                                 np.arange(len(self.sources) * R + 1))
+        for s, tracker in enumerate(self.trackers):
+            for q in range(R):
+                lo, hi = bounds[s * R + q], bounds[s * R + q + 1]
+                if hi > lo:
+                    tracker.observe(q, summaries.ids[lo:hi], c.age[lo:hi].astype(np.int64),
+                                    taken[lo:hi])
+
+    def snapshot(self):
+        """What `state()` needs to describe the job right after the current step."""
+        return (self.epoch, self.step + 1, tuple(self.mixer.carry.tolist()),
+                [t.snapshot() for t in self.trackers])
+
+    def state(self, snapshot) -> LoaderState:
+        if snapshot is None:   # nothing consumed yet: where this loader would start
+            if self.resume is not None:
+                return self.resume
+            return LoaderState(STATE_VERSION, self.config.seed, self.comm.world, 0, 0,
+                               tuple(0.0 for _ in self.sources), ())
+        epoch, step, carry, trackers = snapshot
+        sources, ages = [], []
+        for s, (source, (tracker, ranks)) in enumerate(zip(self.sources, trackers)):
+            progress, pending = tracker.progress(ranks, source.name, self.listing_crcs[s],
+                                                 len(self.shards[s]))
+            sources.append(progress)
+            ages += [(s, *a) for a in pending]
+        return LoaderState(STATE_VERSION, self.config.seed, self.comm.world, epoch, step, carry,
+                           tuple(sources), tuple(ages))
 
     # -- main -----------------------------------------------------------------------------
     async def run(self, emit: Emit) -> None:
@@ -118,6 +197,9 @@ class Runtime:
                 if len({int(g[1 + s]) for g in gathered}) > 1:
                     raise RuntimeError(f"source {source.name!r}: ranks listed different shards "
                                        f"for {source.uri}; is the bucket changing under the job?")
+            if self.resume is not None:
+                self._apply_resume()
+            self._start_epoch_tracking()
             sizes = buffer_sizes(self.config, self.mixer.weights)
             self.buffers = [SourceBuffer(cap, win) for cap, win in sizes]
             for s, source in enumerate(self.sources):
@@ -125,7 +207,9 @@ class Runtime:
                     source_index=s, source=source, shards=self.shards[s], store=self.stores[s],
                     buffer=self.buffers[s], metrics=self.source_metrics[s], config=self.config,
                     rank=self.comm.rank, world=self.comm.world, tokenizer=self.tokenizer,
-                    executor=executor, supervisor=supervisor)
+                    executor=executor, supervisor=supervisor,
+                    layout_for=lambda epoch, s=s: self.layout_for(s, epoch),
+                    resume_ages=self.resume_ages[s] if self.resume is not None else None)
                 supervisor.spawn(fetcher.run(self.epoch), name=f"fetch {source.name}")
             await self._step_loop(emit)
         finally:
@@ -172,11 +256,15 @@ class Runtime:
                 self.mixer.carry[:] = 0
                 if self.config.epochs is not None and self.epoch >= self.config.epochs:
                     return
+                self._start_epoch_tracking()
                 continue
             lengths = candidates.length[plan.take]
             realized = np.bincount(candidates.source[plan.take], weights=lengths, minlength=S)
             self.mixer.update(targets, realized, active, step_tokens)
-            await emit(await self._deliver(summaries, plan, lengths))
+            self._track(summaries, plan)
+            batch = await self._deliver(summaries, plan, lengths)
+            batch.state_snapshot = self.snapshot()
+            await emit(batch)
             self.step += 1
 
     async def _deliver(self, summaries, plan, lengths) -> Batch:

@@ -10,9 +10,7 @@ from __future__ import annotations
 import asyncio
 import time
 from dataclasses import dataclass
-from typing import Optional
-
-import numpy as np
+from typing import Callable, Optional
 
 from ..config import LoaderConfig, Source
 from ..errors import StorageError
@@ -20,6 +18,7 @@ from ..formats import format_for
 from ..formats.base import ShardFormat
 from ..metrics import SourceMetrics
 from ..storage import ObjectInfo, ObjectStore, relative_name
+from ..state import EpochLayout, ReadUnit
 from .buffer import SourceBuffer
 from .prefetch import ordered_prefetch
 from .supervisor import Supervisor
@@ -51,48 +50,40 @@ async def list_shards(source: Source, store: ObjectStore) -> list[Shard]:
     return shards
 
 
-def shards_for_rank(num_shards: int, *, seed: int, epoch: int, source_index: int,
-                    rank: int, world: int) -> np.ndarray:
-    """This rank's shard indices for an epoch: a seeded permutation, strided by rank."""
-    order = np.random.default_rng([seed, epoch, source_index]).permutation(num_shards)
-    return order[rank::world]
-
-
 class SourceFetcher:
     def __init__(self, *, source_index: int, source: Source, shards: list[Shard],
                  store: ObjectStore, buffer: SourceBuffer, metrics: SourceMetrics,
                  config: LoaderConfig, rank: int, world: int, tokenizer: Optional[Tokenizer],
-                 executor, supervisor: Supervisor):
+                 executor, supervisor: Supervisor,
+                 layout_for: Callable[[int], EpochLayout], resume_ages: Optional[dict] = None):
         self.source_index, self.source, self.shards = source_index, source, shards
         self.store, self.buffer, self.metrics, self.config = store, buffer, metrics, config
         self.rank, self.world, self.tokenizer = rank, world, tokenizer
         self.executor, self.supervisor = executor, supervisor
+        self.layout_for, self.ages = layout_for, resume_ages
 
     async def run(self, start_epoch: int = 0) -> None:
         epoch = start_epoch
         while self.config.epochs is None or epoch < self.config.epochs:
-            mine = shards_for_rank(len(self.shards), seed=self.config.seed, epoch=epoch,
-                                   source_index=self.source_index, rank=self.rank, world=self.world)
-            await self._read_epoch([self.shards[i] for i in mine])
+            await self._read_epoch(self.layout_for(epoch).rank_units(self.rank))
             await self.buffer.end_epoch(epoch)
+            self.ages = None   # restored ages apply to the resumed epoch only
             epoch += 1
 
-    async def _read_epoch(self, shards: list[Shard]) -> None:
+    async def _read_epoch(self, units: list[ReadUnit]) -> None:
         # Shards are read ahead concurrently into their own small queues, then drained in order.
-        def start(shard: Shard) -> asyncio.Queue:
+        async def start(unit: ReadUnit) -> asyncio.Queue:
             queue: asyncio.Queue = asyncio.Queue(maxsize=self.config.range_readahead)
-            self.supervisor.spawn(self._read_shard(shard, queue),
+            shard = self.shards[unit.shard]
+            self.supervisor.spawn(self._read_shard(shard, unit.keep_filter(), queue),
                                   name=f"read {self.source.name}/{shard.name}")
             return queue
 
-        async def opened(shard: Shard) -> asyncio.Queue:
-            return start(shard)
-
-        async for queue in ordered_prefetch(shards, opened, self.config.shard_prefetch):
+        async for queue in ordered_prefetch(units, start, self.config.shard_prefetch):
             while (items := await queue.get()) is not None:
                 await self.buffer.put(items)
 
-    async def _read_shard(self, shard: Shard, queue: asyncio.Queue) -> None:
+    async def _read_shard(self, shard: Shard, keep, queue: asyncio.Queue) -> None:
         loop = asyncio.get_running_loop()
         skips: list[tuple[Optional[int], str]] = []
         on_skip = (lambda record, reason: skips.append((record, reason))) \
@@ -109,7 +100,7 @@ class SourceFetcher:
             records = await loop.run_in_executor(self.executor, decode, *args)
             items, counts = await loop.run_in_executor(
                 self.executor, records_to_items, records, shard.index, self.tokenizer,
-                self.config.micro_batch_tokens, self.config.long_documents)
+                self.config.micro_batch_tokens, self.config.long_documents, keep, self.ages)
             counts.add_to(self.metrics)
             self.metrics.transform_s += time.perf_counter() - started
             self._record_skips(shard, skips)

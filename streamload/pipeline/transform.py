@@ -48,7 +48,9 @@ def to_tokens(payload, tokenizer: Optional[Tokenizer]) -> np.ndarray:
 
 
 def records_to_items(records: list[RawRecord], shard: int, tokenizer: Optional[Tokenizer],
-                     capacity: int, long_documents: str) -> tuple[list[Item], TransformCounts]:
+                     capacity: int, long_documents: str, keep=None,
+                     ages: Optional[dict] = None) -> tuple[list[Item], TransformCounts]:
+    """`keep(record, chunk)` filters items of a resumed shard; `ages` restores deferral ages."""
     items: list[Item] = []
     counts = TransformCounts(records=len(records))
     for record in records:
@@ -67,6 +69,11 @@ def records_to_items(records: list[RawRecord], shard: int, tokenizer: Optional[T
             items.append(Item(shard, record.index, -1, tokens[:capacity]))
         else:
             counts.dropped += 1
+    if keep is not None:
+        items = [item for item in items if keep(item.record, item.chunk)]
+    if ages:
+        for item in items:
+            item.age = ages.get((shard, item.record, item.chunk), 0)
     counts.samples = len(items)
     counts.tokens = int(sum(len(item) for item in items))
     return items, counts
