@@ -4,7 +4,8 @@ from .config import LoaderConfig, Source
 from .errors import ConfigError, DataError, DistributedError, StorageError, StreamloadError
 from .loader import Loader
 from .plan.cost import CostModel
+from .storage.retry import RetryPolicy
 
-__all__ = ["Loader", "Source", "Batch", "MicroBatch", "CostModel", "LoaderConfig",
+__all__ = ["Loader", "Source", "Batch", "MicroBatch", "CostModel", "LoaderConfig", "RetryPolicy",
            "StreamloadError", "ConfigError", "StorageError", "DataError", "DistributedError"]
 __version__ = "0.1.0"

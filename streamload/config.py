@@ -8,6 +8,7 @@ from typing import Literal, Optional
 import msgspec
 
 from .errors import ConfigError
+from .storage.retry import RetryPolicy
 
 OnError = Literal["raise", "skip"]
 LongDocuments = Literal["split", "truncate", "drop"]
@@ -73,6 +74,7 @@ class LoaderConfig(msgspec.Struct, kw_only=True):
     max_concurrency: int = 16               # concurrent requests per store
     transform_workers: int = 2              # threads for decode + tokenize
     collective_timeout_s: float = 300.0     # a collective waiting longer than this fails
+    retry: RetryPolicy = RetryPolicy()      # storage retries, backoff, per-request timeout
     cost_a: float = 1.0 / 4096              # cost model: a*L^2 + b*L per document
     cost_b: float = 1.0
     document_masking: bool = True

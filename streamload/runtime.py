@@ -88,7 +88,8 @@ class Runtime:
             options = {**shared, **(s.storage_options or {})}
             key = (scheme, tuple(sorted((k, repr(v)) for k, v in options.items())))
             if key not in cache:
-                cache[key] = open_store(s.uri, options, max_concurrency=self.config.max_concurrency)
+                cache[key] = open_store(s.uri, options, retry=self.config.retry,
+                                        max_concurrency=self.config.max_concurrency)
             out.append(cache[key])
         return out
 
