@@ -28,6 +28,7 @@ import numpy as np
 from . import corpus as corpus_module
 
 BUCKET = "streamload-demo"
+MAX_EMPTY_STEPS = 20   # this many steps in a row with no tokens at all: the loader is stuck
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -57,6 +58,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 # --- the ranks -------------------------------------------------------------------------------
+
+class DemoError(RuntimeError):
+    """The ranks failed or hung; the message holds what they reported."""
+
 
 def _free_port() -> int:
     with socket.socket() as s:
@@ -93,12 +98,23 @@ def _rank_main(rank: int, world: int, port: int, job: dict, results) -> None:
         torch.set_num_threads(1)
         dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
                                 world_size=world)
-        try:
-            results.put((rank, "ok", _iterate(rank, world, job)))
-        finally:
-            dist.destroy_process_group()
+        result = _iterate(rank, world, job)
+        results.put((rank, "ok", result))
+        if result["stopped_early"]:
+            # The loader was closed mid-epoch, possibly with a collective of its own still in
+            # flight on its gloo group; tearing that down at exit aborts the process with
+            # "terminate called without an active exception". The result is sent, so leave now.
+            sys.stdout.flush()
+            results.close()
+            results.join_thread()
+            os._exit(0)
+        dist.destroy_process_group()
     except BaseException as exc:   # reported by the parent, which exits non-zero
-        results.put((rank, "error", f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"))
+        from streamload.errors import ConfigError
+        message = f"{type(exc).__name__}: {exc}"
+        if not isinstance(exc, ConfigError):   # a bad option needs no traceback
+            message += "\n" + traceback.format_exc()
+        results.put((rank, "error", message))
 
 
 def _iterate(rank: int, world: int, job: dict) -> dict:
@@ -106,8 +122,8 @@ def _iterate(rank: int, world: int, job: dict) -> dict:
 
     import streamload as sl
 
-    sources = [sl.Source(s["uri"], weight=s["weight"], name=s["name"], format=s["format"],
-                         storage_options=s["storage_options"]) for s in job["sources"]]
+    sources = [sl.Source(s["uri"], weight=s["weight"], name=s["name"], format=s["format"])
+               for s in job["sources"]]
     names = [s.name for s in sources]
     C, M = job["micro_batch_tokens"], job["micro_batches"]
     ids: list[str] = []
@@ -121,9 +137,12 @@ def _iterate(rank: int, world: int, job: dict) -> dict:
     started = time.perf_counter()
     first_batch_s = None
     header_every = 25
+    empty_steps = 0
+    stalled = None
+    stopped_early = False
     lines = 0
     with sl.Loader(sources, micro_batch_tokens=C, micro_batches=M, seed=job["seed"], epochs=1,
-                   planner=job["planner"]) as loader:
+                   planner=job["planner"], storage_options=job["storage_options"]) as loader:
         for batch in loader:
             if first_batch_s is None:
                 first_batch_s = time.perf_counter() - started
@@ -142,6 +161,8 @@ def _iterate(rank: int, world: int, job: dict) -> dict:
             if len(batch.micro_batches) != M:
                 raise AssertionError(f"step {batch.step}: {len(batch.micro_batches)} rows, not {M}")
             imbalances.append(batch.imbalance)
+            # Every rank sees the same rank_tokens, so every rank stops at the same step.
+            empty_steps = empty_steps + 1 if not batch.rank_tokens.any() else 0
             rank_tokens_total += batch.rank_tokens
             last = batch
             if rank == 0 and _should_print(batch.step, job):
@@ -151,6 +172,14 @@ def _iterate(rank: int, world: int, job: dict) -> dict:
                 printed_last = batch.step
                 lines += 1
             if job["steps"] is not None and batch.step + 1 >= job["steps"]:
+                stopped_early = True
+                break
+            if empty_steps >= MAX_EMPTY_STEPS:
+                stalled = batch.step
+                stopped_early = True
+                if rank == 0:
+                    print(f"{'':>6}   {MAX_EMPTY_STEPS} steps in a row delivered nothing: "
+                          f"stopping (the loader is stuck)", flush=True)
                 break
         stats = loader.stats()
     elapsed = time.perf_counter() - started
@@ -161,6 +190,7 @@ def _iterate(rank: int, world: int, job: dict) -> dict:
         "source_tokens": dict(source_tokens), "source_samples": dict(source_samples),
         "tokens": int(sum(source_tokens.values())), "loader_s": elapsed,
         "first_batch_s": first_batch_s, "stats": stats, "sources": names,
+        "stalled_at_step": stalled, "stopped_early": stopped_early,
         "all_rank_tokens": rank_tokens_total.tolist(), "step_source_tokens": step_source_tokens,
     }
 
@@ -205,11 +235,15 @@ def _run_ranks(world: int, job: dict, timeout: float) -> list[dict]:
             try:
                 rank, status, value = results.get(timeout=1.0)
                 out[rank] = (status, value)
+                if status != "ok":   # the others should fail soon too; do not wait for long
+                    deadline = min(deadline, time.monotonic() + 30.0)
                 continue
             except queue_module.Empty:
                 pass
             if time.monotonic() > deadline:
-                raise RuntimeError(f"the ranks did not finish within {timeout:g} s")
+                if any(status != "ok" for status, _ in out.values()):
+                    break
+                raise DemoError(f"the ranks did not finish within {timeout:g} s")
             dead = [p for r, p in enumerate(procs) if r not in out and p.exitcode is not None]
             if dead:
                 time.sleep(1.0)   # a report may still be in flight
@@ -222,7 +256,7 @@ def _run_ranks(world: int, job: dict, timeout: float) -> list[dict]:
                 silent = [f"rank {r} (exit code {p.exitcode})" for r, p in enumerate(procs)
                           if r not in out and p.exitcode is not None]
                 if silent:
-                    raise RuntimeError(f"{', '.join(silent)} exited without reporting")
+                    raise DemoError(f"{', '.join(silent)} exited without reporting")
     finally:
         for p in procs:
             p.join(timeout=10)
@@ -231,8 +265,13 @@ def _run_ranks(world: int, job: dict, timeout: float) -> list[dict]:
                 p.join(timeout=5)
     failed = {r: v for r, (s, v) in out.items() if s != "ok"}
     if failed:
-        raise RuntimeError("rank(s) failed:\n" + "\n".join(f"--- rank {r}:\n{v}" for r, v in
-                                                            sorted(failed.items())))
+        first = min(failed)
+        lines = [f"rank {first} failed:\n{failed[first]}"]
+        for r, message in sorted(failed.items()):
+            if r != first:
+                lines.append(f"rank {r} failed: {message.splitlines()[0]}")
+        lines += [f"rank {r} did not report" for r in range(world) if r not in out]
+        raise DemoError("\n".join(lines))
     return [out[r][1] for r in range(world)]
 
 
@@ -260,8 +299,13 @@ def run(args: argparse.Namespace) -> int:
         corpus = corpus_module.generate(os.path.join(workdir, "corpus"), scale=args.scale,
                                         small=args.small, seed=args.seed, capacity=C)
         _print_corpus(corpus, C)
-        from .s3server import local_s3
+        from .s3server import ServerUnavailable, local_s3, require_server
 
+        try:
+            require_server()
+        except ServerUnavailable as exc:
+            print(f"streamload demo: {exc}", file=sys.stderr)
+            return 2
         with local_s3() as s3:
             for s in corpus.sources:
                 if s.location == "s3":
@@ -278,9 +322,9 @@ def run(args: argparse.Namespace) -> int:
             print_every = args.print_every or max(1, math.ceil(
                 max(0, est_steps - args.print_first) / 10))
             job = {
-                "sources": [{"uri": s.uri, "name": s.name, "weight": s.weight, "format": s.format,
-                             "storage_options": s3.storage_options if s.location == "s3" else None}
+                "sources": [{"uri": s.uri, "name": s.name, "weight": s.weight, "format": s.format}
                             for s in corpus.sources],
+                "storage_options": {"endpoint_url": s3.endpoint_url},   # for the s3:// sources
                 "micro_batch_tokens": C, "micro_batches": M, "seed": args.seed,
                 "planner": args.planner, "steps": args.steps, "print_first": args.print_first,
                 "print_every": print_every, "env": s3.env,
@@ -288,7 +332,11 @@ def run(args: argparse.Namespace) -> int:
             print(f"running {world} gloo ranks: C={C} tokens per row, M={M} rows per rank, "
                   f"planner={args.planner!r}, about {est_steps} steps of {step_tokens:,} tokens",
                   flush=True)
-            ranks = _run_ranks(world, job, args.timeout)
+            try:
+                ranks = _run_ranks(world, job, args.timeout)
+            except DemoError as exc:
+                print(f"streamload demo: {exc}", file=sys.stderr)
+                return 1
         wall = time.perf_counter() - started
         summary = summarize(corpus, ranks, args, wall)
         _print_summary(summary)
@@ -301,7 +349,9 @@ def run(args: argparse.Namespace) -> int:
 
 def summarize(corpus: corpus_module.Corpus, ranks: list[dict], args, wall: float) -> dict:
     C = args.micro_batch_tokens
-    complete = args.steps is None or any(r["steps"] < args.steps for r in ranks)
+    stalled = ranks[0]["stalled_at_step"]
+    complete = args.steps is None or any(r["steps"] < args.steps for r in ranks) or \
+        stalled is not None
     delivered = Counter()
     for r in ranks:
         delivered.update(r["ids"])
@@ -352,7 +402,9 @@ def summarize(corpus: corpus_module.Corpus, ranks: list[dict], args, wall: float
     loader_s = max(r["loader_s"] for r in ranks)
     rank_tokens = ranks[0]["all_rank_tokens"]
     return {
-        "ok": bool(no_duplicates and (exactly_once is not False) and len(steps) == 1),
+        "ok": bool(no_duplicates and (exactly_once is not False) and len(steps) == 1
+                   and stalled is None),
+        "stalled_at_step": stalled,
         "ranks": len(ranks), "planner": args.planner,
         "micro_batch_tokens": C, "micro_batches": args.micro_batches,
         "steps": ranks[0]["steps"], "equal_steps_on_every_rank": len(steps) == 1,
@@ -381,7 +433,9 @@ def _print_summary(s: dict) -> None:
     print(f"summary ({s['ranks']} ranks, planner {s['planner']!r}, "
           f"C={s['micro_batch_tokens']}, M={s['micro_batches']})")
     print(f"  steps          {s['steps']}"
-          + ("" if s["equal_steps_on_every_rank"] else "  (ranks stopped at DIFFERENT steps)"))
+          + ("" if s["equal_steps_on_every_rank"] else "  (ranks stopped at DIFFERENT steps)")
+          + (f"  (STUCK: only empty steps since step {s['stalled_at_step'] - MAX_EMPTY_STEPS + 1})"
+             if s["stalled_at_step"] is not None else ""))
     print(f"  samples        {s['samples']:,} ({s['documents']:,} documents; long ones split)")
     print(f"  tokens         {s['tokens']:,} of {s['corpus_tokens']:,} in the corpus, "
           f"rows {s['fill']:.1%} full")
@@ -389,7 +443,7 @@ def _print_summary(s: dict) -> None:
     active = s["steps_with_all_sources"]
     span = f"steps 0-{active - 1}" if active > 0 else "(none)"
     print(f"  mix            {'source':<8} {'target':>6}  {span:>12}  {'epoch':>6}  ran out at"
-          f"   (realized token shares; {span}: while every source had data)")
+          f"   (realized token shares)")
     for name, m in s["mix"].items():
         early = m["realized_all_active"]
         early = f"{early:.1%}" if early is not None else "-"

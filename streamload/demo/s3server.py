@@ -2,11 +2,13 @@
 
     with local_s3() as s3:
         s3.upload_dir(local_dir, "s3://demo/web/")
-        Loader([Source("s3://demo/web/", storage_options=s3.storage_options)], ...)
+        # in a process the demo spawns, after s3.apply_env() (fake credentials, endpoint):
+        Loader([Source("s3://demo/web/")], storage_options={"endpoint_url": s3.endpoint_url})
+        # or, in this process: Source("s3://demo/web/", storage_options=s3.storage_options)
 
 Nothing here talks to any address but the loopback server. The fake credentials live in
-`s3.env` (for processes the demo spawns) and `s3.storage_options` (for the loader); the calling
-process's environment is left as it was, except while `client()` builds a boto3 client.
+`s3.env` (for the processes the demo spawns) and `s3.storage_options`; the calling process's
+environment is left as it was, except for the moment `client()` builds a boto3 client.
 """
 from __future__ import annotations
 
@@ -23,6 +25,10 @@ REGION = "us-east-1"
 _CLEARED = ("AWS_PROFILE", "AWS_DEFAULT_PROFILE", "AWS_SESSION_TOKEN", "AWS_SECURITY_TOKEN",
             "AWS_ENDPOINT_URL_S3", "AWS_CA_BUNDLE", "AWS_ROLE_ARN", "AWS_WEB_IDENTITY_TOKEN_FILE",
             "AWS_CONTAINER_CREDENTIALS_RELATIVE_URI", "AWS_CONTAINER_CREDENTIALS_FULL_URI")
+
+
+class ServerUnavailable(RuntimeError):
+    """moto (with its server extra) is not installed."""
 
 
 @dataclass
@@ -86,13 +92,21 @@ def _scoped_env(env: dict) -> Iterator[None]:
                 os.environ[name] = value
 
 
+def require_server() -> None:
+    """Raise ServerUnavailable unless moto's server and boto3 can be imported."""
+    try:
+        import boto3  # noqa: F401
+        from moto.server import ThreadedMotoServer  # noqa: F401
+    except ImportError as exc:  # pragma: no cover - depends on the install
+        raise ServerUnavailable(f"the demo needs moto's S3 server and boto3 ({exc}); "
+                                "pip install 'streamload[demo]'") from exc
+
+
 @contextlib.contextmanager
 def local_s3() -> Iterator[LocalS3]:
     """Start moto's S3 server on 127.0.0.1 (port chosen by the OS); stop it on exit."""
-    try:
-        from moto.server import ThreadedMotoServer
-    except ImportError as exc:  # pragma: no cover - depends on the install
-        raise RuntimeError("the demo needs moto's server: pip install 'streamload[demo]'") from exc
+    require_server()
+    from moto.server import ThreadedMotoServer
 
     logging.getLogger("werkzeug").setLevel(logging.ERROR)   # no line per request
     server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)

@@ -1,0 +1,191 @@
+"""The `streamload` command: inspect (local and S3), the demo end to end, calibrate's hand-off."""
+from __future__ import annotations
+
+import gzip
+import json
+import os
+import subprocess
+import sys
+import types
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from streamload.cli import main
+from streamload.formats import write_jsonl, write_token_shard
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture
+def small_source(tmp_path):
+    """Two JSONL shards (plain and gz) plus a stray file; texts with multi-byte characters."""
+    root = tmp_path / "src"
+    a = ["hello", "café " * 3, "x" * 5000]            # 5, 18 and 5000 UTF-8 bytes
+    b = ["日本", "ab", "abcd", "z" * 100]                # 6, 2, 4, 100
+    write_jsonl(root / "part-0.jsonl", a)
+    write_jsonl(root / "part-1.jsonl.gz", b)
+    (root / "README.txt").write_text("not a shard")
+    return root, a + b
+
+
+@pytest.mark.timeout(60)
+def test_inspect_local_json(small_source, capsys):
+    root, texts = small_source
+    assert main(["inspect", str(root), "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["shards_listed"] == 2
+    assert [(s["name"], s["records"]) for s in report["shards"]] == \
+        [("part-0.jsonl", 3), ("part-1.jsonl.gz", 4)]
+    assert [s["size"] for s in report["shards"]] == \
+        [(root / "part-0.jsonl").stat().st_size, (root / "part-1.jsonl.gz").stat().st_size]
+    lengths = sorted(len(t.encode()) for t in texts)
+    assert report["records"] == 7
+    assert report["tokens"] == sum(lengths)
+    assert report["length"]["min"] == 2 and report["length"]["max"] == 5000
+    assert report["longer_than_capacity"] == 1
+    assert sum(b["count"] for b in report["histogram"]) == 7
+    # Power-of-two bins: 2 -> [2,4), 4,5,6 -> [4,8), 18 -> [16,32), 100 -> [64,128), 5000 -> [4096, 8192)
+    counts = {b["lo"]: b["count"] for b in report["histogram"]}
+    assert counts[2] == 1 and counts[4] == 3 and counts[16] == 1 and counts[64] == 1
+    assert counts[4096] == 1
+
+
+@pytest.mark.timeout(60)
+def test_inspect_text_report_glob_and_tokens(tmp_path, small_source, capsys):
+    root, _ = small_source
+    assert main(["inspect", str(root / "*.gz")]) == 0
+    out = capsys.readouterr().out
+    assert "part-1.jsonl.gz" in out and "part-0.jsonl " not in out
+    assert "4 records" in out and "#" in out
+
+    docs = [np.arange(n, dtype=np.uint16) for n in (3, 10, 0, 7)]
+    write_token_shard(tmp_path / "tok" / "shard-a", docs)
+    write_token_shard(tmp_path / "tok" / "shard-b", docs[:2])
+    assert main(["inspect", str(tmp_path / "tok"), "--format", "tokens", "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert [s["name"] for s in report["shards"]] == ["shard-a.tokens.npy", "shard-b.tokens.npy"]
+    assert report["records"] == 6 and report["tokens"] == 20 + 13
+    assert report["empty_records"] == 1
+
+
+@pytest.mark.timeout(60)
+def test_inspect_reports_bad_records_and_missing_paths(tmp_path, capsys):
+    path = tmp_path / "bad" / "part.jsonl"
+    path.parent.mkdir()
+    path.write_bytes(b'{"text": "ok"}\n{"text": 3}\nnot json\n{"body": "x"}\n')
+    assert main(["inspect", str(path.parent), "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["records"] == 1 and report["skipped_records"] == 3
+    assert any("record 1" in p for p in report["problems"])
+
+    assert main(["inspect", str(tmp_path / "nothing-here")]) == 1
+    assert "nothing-here" in capsys.readouterr().err
+
+    assert main(["inspect", str(tmp_path), "--endpoint-url", "http://127.0.0.1:1"]) == 1
+    assert "remote" in capsys.readouterr().err
+
+
+@pytest.mark.timeout(60)
+def test_inspect_s3(tmp_path, s3_bucket, capsys):
+    client, bucket = s3_bucket
+    texts = [f"document {i} " + "word " * i for i in range(20)]
+    local = write_jsonl(tmp_path / "web.jsonl.zst", texts)
+    client.upload_file(str(local), bucket, "web/part-000.jsonl.zst")
+    client.put_object(Bucket=bucket, Key="web/part-001.jsonl.gz",
+                      Body=gzip.compress(b'{"body": "abc"}\n'))
+    # The endpoint comes from AWS_ENDPOINT_URL (set by the fixture), or from --endpoint-url.
+    assert main(["inspect", f"s3://{bucket}/web/", "--text-field", "text", "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["shards_listed"] == 2
+    assert report["shards"][0]["records"] == 20
+    assert report["tokens"] == sum(len(t.encode()) for t in texts)
+    assert report["skipped_records"] == 1          # part-001 lacks the "text" field
+
+    endpoint = os.environ["AWS_ENDPOINT_URL"]
+    assert main(["inspect", f"s3://{bucket}/web/*.gz", "--text-field", "body",
+                 "--endpoint-url", endpoint, "--storage-option", "region_name=us-east-1",
+                 "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["records"] == 1 and report["tokens"] == 3
+
+
+def test_calibrate_is_handed_its_arguments(monkeypatch):
+    seen = []
+    fake = types.ModuleType("streamload.calibrate")
+    fake.calibrate_main = lambda argv: seen.append(argv) or 7
+    monkeypatch.setitem(sys.modules, "streamload.calibrate", fake)
+    assert main(["calibrate", "--device", "cpu", "--help-me"]) == 7
+    assert seen == [["--device", "cpu", "--help-me"]]
+
+
+def test_help_and_no_command(capsys):
+    assert main([]) == 2
+    out = capsys.readouterr().out
+    assert "demo" in out and "inspect" in out and "calibrate" in out
+    with pytest.raises(SystemExit) as exc:
+        main(["demo", "--help"])
+    assert exc.value.code == 0
+    assert "--planner" in capsys.readouterr().out
+
+
+def _run_demo(cwd: Path, *args: str, timeout: float = 100) -> tuple[subprocess.CompletedProcess, dict]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("AWS_")}   # no fixture leakage
+    env["PYTHONPATH"] = str(REPO) + os.pathsep + env.get("PYTHONPATH", "")
+    proc = subprocess.run([sys.executable, "-m", "streamload.cli", "demo", *args], cwd=cwd,
+                          env=env, capture_output=True, text=True, timeout=timeout)
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("{")]
+    summary = json.loads(lines[-1]) if lines else {}
+    return proc, summary
+
+
+@pytest.mark.timeout(120)
+def test_demo_small_delivers_everything_exactly_once(tmp_path):
+    proc, summary = _run_demo(tmp_path, "--small", "--workdir", str(tmp_path / "work"))
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert summary["exactly_once"] is True and summary["ok"] is True
+    assert summary["duplicates"] == 0 and summary["missing"] == 0
+    assert summary["samples"] == summary["expected_samples"] > summary["documents"]  # some split
+    assert summary["tokens"] == summary["corpus_tokens"]
+    assert summary["ranks"] == 2 and summary["equal_steps_on_every_rank"]
+    assert set(summary["mix"]) == {"web", "code", "books", "math"}
+    assert summary["skipped"]["records"] == 0
+    out = proc.stdout
+    assert "predicted cost" in out and "exactly-once   OK" in out
+    assert "s3://streamload-demo/web/" in out
+    manifest = json.loads((tmp_path / "work" / "corpus" / "manifest.json").read_text())
+    assert {s["name"]: s["location"] for s in manifest["sources"]} == \
+        {"web": "s3", "code": "s3", "books": "local", "math": "local"}
+
+
+@pytest.mark.timeout(120)
+def test_demo_stops_after_steps_and_reports_rank_failures(tmp_path):
+    proc, summary = _run_demo(tmp_path, "--small", "--steps", "3", "--micro-batch-tokens", "1024")
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert summary["steps"] == 3 and summary["epoch_complete"] is False
+    assert summary["exactly_once"] is None and summary["duplicates"] == 0
+    assert summary["samples"] < summary["expected_samples"]
+
+    proc, summary = _run_demo(tmp_path, "--small", "--planner", "no-such-planner")
+    assert proc.returncode != 0 and not summary
+    assert "no-such-planner" in proc.stderr
+
+
+@pytest.mark.timeout(60)
+def test_demo_corpus_matches_inspect(tmp_path, capsys):
+    from streamload.demo.corpus import generate
+
+    corpus = generate(tmp_path / "corpus", small=True, capacity=4096)
+    books = corpus.source("books")
+    assert books.longer_than(4096) >= 1                       # the demo exercises splitting
+    assert {s.format for s in corpus.sources} == {"jsonl", "tokens"}
+    for source in corpus.sources:
+        assert main(["inspect", source.local_dir, "--json"]) == 0
+        report = json.loads(capsys.readouterr().out)
+        assert [s["name"] for s in report["shards"]] == source.shards
+        assert [s["records"] for s in report["shards"]] == [len(x) for x in source.lengths]
+        assert report["tokens"] == source.tokens
+    assert len(corpus.expected_ids(4096)) == sum(s.samples(4096) for s in corpus.sources)
+    again = generate(tmp_path / "again", small=True, capacity=4096)
+    assert [s.lengths for s in again.sources] == [s.lengths for s in corpus.sources]
