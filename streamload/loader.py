@@ -81,13 +81,17 @@ class _Background:
                 pass
         return item
 
-    def stop(self, timeout: float = 30.0) -> None:
-        if self.thread.is_alive():
+    def stop(self, timeout: float) -> None:
+        """Ask the step loop to stop at its next all-gather (so peers are told, and no rank is
+        left inside a collective); cancel everything if that takes longer than `timeout`."""
+        for action, wait in ((self.runtime.request_close, timeout), (self._cancel, 5.0)):
+            if not self.thread.is_alive():
+                return
             try:
-                self.loop.call_soon_threadsafe(self._cancel)
-            except RuntimeError:
-                pass
-            self.thread.join(timeout)
+                self.loop.call_soon_threadsafe(action)
+            except RuntimeError:   # the loop already closed
+                return
+            self.thread.join(wait)
 
     def _cancel(self) -> None:
         if self.task is not None:
@@ -136,7 +140,8 @@ class Loader:
     def __iter__(self) -> Iterator[Batch]:
         if self._background is None and not self._finished:
             self._background = _Background(self._runtime, self.config.prefetch_steps)
-            self._finalizer = weakref.finalize(self, self._background.stop)
+            self._finalizer = weakref.finalize(self, self._background.stop,
+                                               self.config.collective_timeout_s)
         return self
 
     def __next__(self) -> Batch:
@@ -150,7 +155,7 @@ class Loader:
         self._runtime.step_metrics.stall_s += time.perf_counter() - started
         if isinstance(item, _End):
             self._finished = True
-            self._background.stop()
+            self._finalizer()
             if item.error is not None:
                 raise item.error
             raise StopIteration

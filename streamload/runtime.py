@@ -18,8 +18,9 @@ from .batch import Batch, MicroBatch
 from .config import LoaderConfig, Source
 from .errors import ConfigError
 from .dist.comm import Comm, collective_thread
-from .dist.coordinator import (SourceWindow, decode_plan, decode_summaries, encode_failure,
-                               encode_plan, encode_summary, raise_on_failure)
+from .dist.coordinator import (SourceWindow, StopStepping, check_statuses, decode_plan,
+                               decode_summaries, encode_closing, encode_failure, encode_plan,
+                               encode_summary)
 from .dist.exchange import exchange_tokens
 from .metrics import SourceMetrics, StepMetrics
 from .pipeline.buffer import SourceBuffer
@@ -76,6 +77,7 @@ class Runtime:
         self.resume: Optional[LoaderState] = None   # set by Loader.load_state_dict
         self.trackers: list[SourceTracker] = []
         self.listing_crcs: list[int] = []
+        self.closing = asyncio.Event()   # set by request_close(), on the loop
 
     # -- set-up ---------------------------------------------------------------------------
     def _stores(self) -> list[ObjectStore]:
@@ -93,15 +95,37 @@ class Runtime:
             out.append(cache[key])
         return out
 
+    # -- closing ------------------------------------------------------------------------------
+    def request_close(self) -> None:
+        """Called on the loop (call_soon_threadsafe). The step loop stops at its next all-gather,
+        telling the other ranks, so no rank is left inside a collective."""
+        self.closing.set()
+
+    async def _unless_closing(self, awaitable):
+        """Await `awaitable`, unless close is requested first: then cancel it and return None."""
+        task = asyncio.ensure_future(awaitable)
+        closing = asyncio.ensure_future(self.closing.wait())
+        done, _ = await asyncio.wait({task, closing}, return_when=asyncio.FIRST_COMPLETED)
+        if task in done:
+            closing.cancel()
+            return task.result()
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+        return None
+
     async def _agree(self, local: Callable[[], Awaitable[np.ndarray]]) -> list[np.ndarray]:
-        """All-gather `local()`'s array; if it raised anywhere, every rank raises."""
+        """All-gather `local()`'s array; if it raised anywhere, every rank raises. A closing rank
+        sends CLOSING instead, and stops (StopStepping) once the gather returns."""
         error = None
         try:
-            array = await local()
+            array = await self._unless_closing(local())
         except Exception as exc:   # told to every rank, then re-raised here
             error, array = exc, encode_failure(exc)
+        closing = self.closing.is_set()
+        if closing:
+            array = encode_closing()
         gathered = await self.collectives.run(lambda: self.comm.all_gather(array))
-        raise_on_failure(gathered, self.comm.rank, error)
+        check_statuses(gathered, self.comm.rank, error, closing)
         return gathered
 
     async def _list_all(self) -> np.ndarray:
@@ -213,6 +237,8 @@ class Runtime:
                     resume_ages=self.resume_ages[s] if self.resume is not None else None)
                 supervisor.spawn(fetcher.run(self.epoch), name=f"fetch {source.name}")
             await self._step_loop(emit)
+        except StopStepping:
+            pass
         finally:
             await supervisor.cancel_all()
             executor.shutdown()
@@ -265,7 +291,7 @@ class Runtime:
             self._track(summaries, plan)
             batch = await self._deliver(summaries, plan, lengths)
             batch.state_snapshot = self.snapshot()
-            await emit(batch)
+            await self._unless_closing(emit(batch))
             self.step += 1
 
     async def _deliver(self, summaries, plan, lengths) -> Batch:

@@ -99,3 +99,37 @@ def test_a_failing_rank_stops_every_rank_with_a_named_error(tmp_path):
     results = run_ranks(failing_job, 2, str(tmp_path), timeout=60)
     assert results[1].startswith("DataError") and "record 0" in results[1], results[1]
     assert results[0].startswith("DistributedError") and "rank 1 failed" in results[0], results[0]
+
+
+def close_job(rank, world, root, stop_at):
+    """Stop iterating after stop_at[rank] steps and close; report how it went."""
+    import time
+    import streamload as sl
+    loader = sl.Loader([sl.Source(root)], micro_batch_tokens=256, micro_batches=1, epochs=None,
+                       collective_timeout_s=60)
+    try:
+        for step, _ in enumerate(loader):
+            if step + 1 == stop_at[rank]:
+                break
+        else:
+            return "ran out"
+    except Exception as exc:
+        return f"{type(exc).__name__}: {exc}"
+    started = time.monotonic()
+    loader.close()
+    return f"closed in {time.monotonic() - started:.1f}s"
+
+
+def test_ranks_closing_together_release_every_collective(tmp_path):
+    write_jsonl_source(tmp_path, "a", shards=4, per_shard=200, seed=6)
+    results = run_ranks(close_job, 2, str(tmp_path / "a"), [5, 5], timeout=60)
+    for result in results:
+        assert result.startswith("closed in"), results
+        assert float(result.split()[2][:-1]) < 10, results
+
+
+def test_a_rank_closing_early_is_an_error_for_the_others(tmp_path):
+    write_jsonl_source(tmp_path, "a", shards=4, per_shard=200, seed=6)
+    results = run_ranks(close_job, 2, str(tmp_path / "a"), [3, 10_000], timeout=60)
+    assert results[0].startswith("closed in"), results
+    assert results[1].startswith("DistributedError") and "rank 0 closed its loader" in results[1], results

@@ -18,7 +18,15 @@ import numpy as np
 from ..errors import DistributedError
 from ..plan.types import Assignment, Candidates
 
-OK, FAILED = 0, 1
+OK, FAILED, CLOSING = 0, 1, 2
+
+
+class StopStepping(Exception):
+    """Every rank agreed to stop: this rank is closing and so is at least one other (or all)."""
+
+
+def encode_closing() -> np.ndarray:
+    return np.array([CLOSING], dtype=np.int64)
 
 
 def encode_failure(error: BaseException) -> np.ndarray:
@@ -26,14 +34,23 @@ def encode_failure(error: BaseException) -> np.ndarray:
     return np.concatenate([[FAILED], np.frombuffer(message, dtype=np.uint8).astype(np.int64)])
 
 
-def raise_on_failure(gathered: list[np.ndarray], rank: int, local_error: Optional[BaseException]):
-    """Every rank raises if any rank failed: its own error if it failed, else a named one."""
+def check_statuses(gathered: list[np.ndarray], rank: int, local_error: Optional[BaseException],
+                   closing: bool) -> None:
+    """Every rank raises if any rank failed: its own error if it failed, else a named one.
+    Raises StopStepping if this rank is closing; a peer closing alone is an error here."""
     if local_error is not None:
         raise local_error
     for other, array in enumerate(gathered):
         if array.shape[0] and array[0] == FAILED:
             message = bytes(array[1:].astype(np.uint8)).decode("utf-8", "replace")
             raise DistributedError(f"rank {other} failed, so rank {rank} stops too: {message}")
+    if closing:
+        raise StopStepping()
+    for other, array in enumerate(gathered):
+        if array.shape[0] and array[0] == CLOSING:
+            raise DistributedError(
+                f"rank {other} closed its loader while rank {rank} was still iterating; "
+                f"every rank must stop at the same step")
 
 
 ID_FIELDS = 3   # shard, record, chunk (-1 for a document that was not split)
