@@ -68,9 +68,13 @@ class LoaderConfig(msgspec.Struct, kw_only=True):
     window_factor: float = 2.0              # head window per source per rank, in steps' worth of quota
     buffer_tokens: Optional[int] = None     # per source per rank; default: 2 windows + one row
     prefetch_steps: int = 2                 # planned batches queued ahead of the trainer
-    shard_prefetch: int = 2                 # shards read ahead per source
-    range_readahead: int = 2                # byte ranges in flight per shard
-    chunk_bytes: int = 2 << 20              # size of one ranged read
+    memory_budget: int = 256 << 20          # bytes per rank for buffers and data in flight
+    shard_prefetch: int = 2                 # shards read at once per source (initial; adapts)
+    range_readahead: int = 2                # byte ranges in flight per shard (initial; adapts)
+    max_shard_prefetch: int = 8             # the autoscaler's ceilings
+    max_range_readahead: int = 8
+    autoscale: bool = True                  # adapt the two knobs to measured waits
+    chunk_bytes: int = 1 << 20              # size of one ranged read
     max_concurrency: int = 16               # concurrent requests per store
     transform_workers: int = 2              # threads for decode + tokenize
     collective_timeout_s: float = 300.0     # a collective waiting longer than this fails
@@ -86,7 +90,7 @@ class LoaderConfig(msgspec.Struct, kw_only=True):
                 raise ConfigError(f"{key}: must be an integer >= 1, got {value!r}")
         for key in ("micro_batch_tokens", "micro_batches", "prefetch_steps", "shard_prefetch",
                     "range_readahead", "chunk_bytes", "max_concurrency", "transform_workers",
-                    "lookahead"):
+                    "lookahead", "memory_budget", "max_shard_prefetch", "max_range_readahead"):
             positive_int(key)
         if self.epochs is not None:
             positive_int("epochs")

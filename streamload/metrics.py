@@ -22,6 +22,7 @@ class SourceMetrics:
     truncated_documents: int = 0
     dropped_documents: int = 0  # long_documents="drop"
     transform_s: float = 0.0
+    step_wait_s: float = 0.0    # time steps waited for this source's head window
     skip_reasons: deque = field(default_factory=lambda: deque(maxlen=8))
 
     def snapshot(self, store_counters=None, buffer=None) -> dict:

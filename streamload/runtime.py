@@ -23,6 +23,7 @@ from .dist.coordinator import (SourceWindow, StopStepping, check_statuses, decod
                                encode_summary)
 from .dist.exchange import exchange_tokens
 from .metrics import SourceMetrics, StepMetrics
+from .pipeline.autoscale import Autoscaler, Knobs, MemoryGate, plan_memory
 from .pipeline.buffer import SourceBuffer
 from .pipeline.fetch import Shard, SourceFetcher, list_shards
 from .pipeline.supervisor import Supervisor
@@ -40,23 +41,6 @@ from .storage import ObjectStore, open_store
 Emit = Callable[[Batch], Awaitable[None]]
 
 
-def buffer_sizes(config: LoaderConfig, weights: np.ndarray) -> list[tuple[int, int]]:
-    """(capacity, window) tokens per source per rank.
-
-    The window must hold a source's share of a step (more for lookahead) with room to spare,
-    so the planner has a choice; the capacity holds two windows so fetching runs ahead.
-    """
-    C, M = config.micro_batch_tokens, config.micro_batches
-    steps = config.lookahead if config.planner == "lookahead" else 1
-    shares = weights / weights.sum()
-    out = []
-    for share in shares:
-        window = int(np.ceil(config.window_factor * steps * share * M * C)) + C
-        capacity = config.buffer_tokens or 2 * window + C
-        out.append((max(capacity, window), window))
-    return out
-
-
 class Runtime:
     def __init__(self, sources: list[Source], config: LoaderConfig, tokenizer: Optional[Tokenizer],
                  comm: Comm, storage_options: Optional[dict] = None):
@@ -67,6 +51,18 @@ class Runtime:
         self.planner = Planner(self.geometry, self.cost, method=config.planner, seed=config.seed,
                                **({"lookahead": config.lookahead} if config.planner == "lookahead" else {}))
         self.mixer = Mixer(np.array([s.weight for s in sources]))
+        # Checked here, so a budget too small for the geometry fails when the Loader is built.
+        self.budgets = plan_memory(config, self.mixer.weights, [s.name for s in sources])
+        self.knobs = [Knobs(min(config.shard_prefetch, max_shards), min(config.range_readahead, max_ranges),
+                            max_shards, max_ranges)
+                      for b in self.budgets
+                      for ranges in [max(1, b.inflight_bytes // config.chunk_bytes)]
+                      for max_shards, max_ranges in [(min(config.max_shard_prefetch, ranges),
+                                                      min(config.max_range_readahead, ranges))]]
+        self.autoscaler = Autoscaler(self.knobs) if config.autoscale else None
+        self.gates: list[MemoryGate] = []
+        self.fetchers: list[SourceFetcher] = []
+        self.source_waits = np.zeros(len(sources))
         self.source_metrics = [SourceMetrics() for _ in sources]
         self.step_metrics = StepMetrics()
         self.shards: list[list[Shard]] = []
@@ -225,8 +221,8 @@ class Runtime:
             if self.resume is not None:
                 self._apply_resume()
             self._start_epoch_tracking()
-            sizes = buffer_sizes(self.config, self.mixer.weights)
-            self.buffers = [SourceBuffer(cap, win) for cap, win in sizes]
+            self.buffers = [SourceBuffer(b.capacity_tokens, b.window_tokens) for b in self.budgets]
+            self.gates = [MemoryGate(b.inflight_bytes) for b in self.budgets]
             for s, source in enumerate(self.sources):
                 fetcher = SourceFetcher(
                     source_index=s, source=source, shards=self.shards[s], store=self.stores[s],
@@ -234,7 +230,9 @@ class Runtime:
                     rank=self.comm.rank, world=self.comm.world, tokenizer=self.tokenizer,
                     executor=executor, supervisor=supervisor,
                     layout_for=lambda epoch, s=s: self.layout_for(s, epoch),
+                    knobs=self.knobs[s], gate=self.gates[s],
                     resume_ages=self.resume_ages[s] if self.resume is not None else None)
+                self.fetchers.append(fetcher)
                 supervisor.spawn(fetcher.run(self.epoch), name=f"fetch {source.name}")
             await self._step_loop(emit)
         except StopStepping:
@@ -246,8 +244,13 @@ class Runtime:
                 await store.aclose()
             self.collectives.shutdown()
 
+    async def _wait_ready(self, s: int) -> None:
+        started = time.perf_counter()
+        await self.buffers[s].wait_ready()
+        self.source_waits[s] = time.perf_counter() - started
+
     async def _summary(self) -> np.ndarray:
-        await asyncio.gather(*(b.wait_ready() for b in self.buffers))
+        await asyncio.gather(*(self._wait_ready(s) for s in range(len(self.buffers))))
         self._windows = [b.window() for b in self.buffers]
         return encode_summary([
             SourceWindow(np.fromiter((len(i) for i in items), np.int64, len(items)),
@@ -289,6 +292,7 @@ class Runtime:
             realized = np.bincount(candidates.source[plan.take], weights=lengths, minlength=S)
             self.mixer.update(targets, realized, active, step_tokens)
             self._track(summaries, plan)
+            self._autoscale()
             batch = await self._deliver(summaries, plan, lengths)
             batch.state_snapshot = self.snapshot()
             await self._unless_closing(emit(batch))
@@ -329,6 +333,17 @@ class Runtime:
         self.step_metrics.exchanged_tokens += int(lengths[holder != plan.rank].sum())
         return Batch(self.step, self.epoch, micro_batches, rank_tokens, rank_cost)
 
+    def _autoscale(self) -> None:
+        now = time.perf_counter()
+        blocked = np.array([b.blocked_s for b in self.buffers])
+        if self.autoscaler is not None and hasattr(self, "_scale_mark"):
+            then, blocked_then = self._scale_mark
+            fraction = (blocked - blocked_then) / max(now - then, 1e-9)
+            self.autoscaler.observe(self.step, self.source_waits.copy(), fraction)
+        self._scale_mark = (now, blocked)
+        for metrics, wait in zip(self.source_metrics, self.source_waits):
+            metrics.step_wait_s += float(wait)
+
     def _sample_id(self, source: int, shard: int, record: int, chunk: int) -> str:
         base = f"{self.sources[source].name}/{self.shards[source][shard].name}/{record}"
         return base if chunk < 0 else f"{base}:{chunk}"
@@ -336,9 +351,17 @@ class Runtime:
     def stats(self) -> dict:
         sources = {}
         for s, source in enumerate(self.sources):
-            store = self.stores[s] if self.stores else None
+            counters = self.fetchers[s].store.counters if self.fetchers else None
             buffer = self.buffers[s] if self.buffers else None
-            sources[source.name] = self.source_metrics[s].snapshot(
-                getattr(store, "counters", None), buffer)
+            sources[source.name] = self.source_metrics[s].snapshot(counters, buffer)
+            knobs = self.knobs[s]
+            sources[source.name].update(
+                shard_concurrency=knobs.shards, range_readahead=knobs.readahead,
+                autoscale_changes=[list(h) for h in knobs.history[-8:]],
+                inflight_bytes=self.gates[s].used if self.gates else 0,
+                inflight_bytes_peak=self.gates[s].peak if self.gates else 0,
+                inflight_budget_bytes=self.budgets[s].inflight_bytes,
+                decoded_per_raw_byte=self.gates[s].expansion if self.gates else None,
+                buffer_blocked_s=buffer.blocked_s if buffer is not None else 0.0)
         return {"rank": self.comm.rank, "world_size": self.comm.world,
                 **self.step_metrics.snapshot(), "sources": sources}

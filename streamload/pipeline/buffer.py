@@ -9,6 +9,7 @@ independent of fetch timing.
 from __future__ import annotations
 
 import asyncio
+import time
 from collections import deque
 from typing import Iterable, Optional
 
@@ -46,14 +47,18 @@ class SourceBuffer:
         self._markers = 0
         self._changed = asyncio.Condition()
         self._error: Optional[BaseException] = None
+        self.blocked_s = 0.0      # time the producer waited because the buffer was full
 
     # -- producer side -------------------------------------------------------------------
     async def put(self, items: Iterable[Item]) -> None:
         """Append items in order; waits while the buffer is at capacity."""
         for item in items:
             async with self._changed:
-                while self._tokens >= self.capacity_tokens and self._error is None:
-                    await self._changed.wait()
+                if self._tokens >= self.capacity_tokens:
+                    started = time.perf_counter()
+                    while self._tokens >= self.capacity_tokens and self._error is None:
+                        await self._changed.wait()
+                    self.blocked_s += time.perf_counter() - started
                 self._raise_if_failed()
                 self._entries.append(item)
                 self._tokens += len(item)

@@ -1,9 +1,10 @@
 """Per-source fetchers: list shards, read this rank's shards in a seeded order, fill the buffer.
 
-Each rank reads a disjoint subset of every source's shards: the epoch's seeded permutation,
-strided by rank. Shards are read `shard_prefetch` at a time and byte ranges `range_readahead`
-at a time, but items reach the buffer shard by shard and record by record, so the buffer's
-order never depends on which fetch finished first.
+Each rank reads a disjoint subset of every source's shards: its read units for the epoch (see
+state.py; a fresh epoch deals the seeded permutation of shards, strided by rank). Several shards
+are read at once and several byte ranges per shard (the autoscaler's knobs, within the memory
+gate), but items reach the buffer shard by shard and record by record, so the buffer's order
+never depends on which fetch finished first.
 """
 from __future__ import annotations
 
@@ -18,7 +19,9 @@ from ..formats import format_for
 from ..formats.base import ShardFormat
 from ..metrics import SourceMetrics
 from ..storage import ObjectInfo, ObjectStore, relative_name
+from ..storage.base import CountedStore
 from ..state import EpochLayout, ReadUnit
+from .autoscale import ITEM_OVERHEAD_BYTES, Knobs, MemoryGate
 from .buffer import SourceBuffer
 from .prefetch import ordered_prefetch
 from .supervisor import Supervisor
@@ -55,12 +58,15 @@ class SourceFetcher:
                  store: ObjectStore, buffer: SourceBuffer, metrics: SourceMetrics,
                  config: LoaderConfig, rank: int, world: int, tokenizer: Optional[Tokenizer],
                  executor, supervisor: Supervisor,
-                 layout_for: Callable[[int], EpochLayout], resume_ages: Optional[dict] = None):
+                 layout_for: Callable[[int], EpochLayout], knobs: Knobs, gate: MemoryGate,
+                 resume_ages: Optional[dict] = None):
         self.source_index, self.source, self.shards = source_index, source, shards
         self.store, self.buffer, self.metrics, self.config = store, buffer, metrics, config
         self.rank, self.world, self.tokenizer = rank, world, tokenizer
         self.executor, self.supervisor = executor, supervisor
         self.layout_for, self.ages = layout_for, resume_ages
+        self.knobs, self.gate = knobs, gate
+        self.store = CountedStore(store)   # this source's requests, even on a shared store
 
     async def run(self, start_epoch: int = 0) -> None:
         epoch = start_epoch
@@ -71,17 +77,21 @@ class SourceFetcher:
             epoch += 1
 
     async def _read_epoch(self, units: list[ReadUnit]) -> None:
-        # Shards are read ahead concurrently into their own small queues, then drained in order.
-        async def start(unit: ReadUnit) -> asyncio.Queue:
-            queue: asyncio.Queue = asyncio.Queue(maxsize=self.config.range_readahead)
+        # Shards are read ahead concurrently into their own queues, then drained in order. The
+        # memory gate bounds what they hold; the drained shard may always proceed.
+        async def start(unit: ReadUnit) -> tuple[Shard, asyncio.Queue]:
+            queue: asyncio.Queue = asyncio.Queue()
             shard = self.shards[unit.shard]
             self.supervisor.spawn(self._read_shard(shard, unit.keep_filter(), queue),
                                   name=f"read {self.source.name}/{shard.name}")
-            return queue
+            return shard, queue
 
-        async for queue in ordered_prefetch(units, start, self.config.shard_prefetch):
-            while (items := await queue.get()) is not None:
+        async for shard, queue in ordered_prefetch(units, start, lambda: self.knobs.shards):
+            await self.gate.set_head(shard.index)
+            while (entry := await queue.get()) is not None:
+                items, held = entry
                 await self.buffer.put(items)
+                await self.gate.release(held, shard.index)
 
     async def _read_shard(self, shard: Shard, keep, queue: asyncio.Queue) -> None:
         loop = asyncio.get_running_loop()
@@ -92,24 +102,38 @@ class SourceFetcher:
                                          shard_name=shard.name, on_skip=on_skip,
                                          chunk_bytes=self.config.chunk_bytes)
 
-        async def fetch(byte_range: tuple[int, int]) -> bytes:
-            return await self.store.read_range(shard.info.uri, *byte_range)
+        in_order = asyncio.Lock()   # FIFO: a shard's fetches reserve memory in range order
 
-        async def transform(decode, *args):
+        async def fetch(byte_range: tuple[int, int]) -> tuple[int, int, bytes]:
+            size = byte_range[1] - byte_range[0]
+            reserved = self.gate.reservation(size)
+            async with in_order:   # else a later range could hold memory the next one waits for
+                await self.gate.acquire(reserved, shard.index)
+            return reserved, size, await self.store.read_range(shard.info.uri, *byte_range)
+
+        def decode_and_tokenize(decode, *args):
+            records = decode(*args)
+            return records_to_items(records, shard.index, self.tokenizer,
+                                    self.config.micro_batch_tokens, self.config.long_documents,
+                                    keep, self.ages)
+
+        async def transform(reserved: int, raw_bytes: int, decode, *args):
             started = time.perf_counter()
-            records = await loop.run_in_executor(self.executor, decode, *args)
-            items, counts = await loop.run_in_executor(
-                self.executor, records_to_items, records, shard.index, self.tokenizer,
-                self.config.micro_batch_tokens, self.config.long_documents, keep, self.ages)
+            items, counts = await loop.run_in_executor(self.executor, decode_and_tokenize,
+                                                       decode, *args)
             counts.add_to(self.metrics)
             self.metrics.transform_s += time.perf_counter() - started
             self._record_skips(shard, skips)
+            held = sum(item.tokens.nbytes for item in items) + ITEM_OVERHEAD_BYTES * len(items)
+            held = held if items else 0
+            await self.gate.settle(reserved, raw_bytes, held, shard.index)
             if items:
-                await queue.put(items)
+                await queue.put((items, held))
 
-        async for chunk in ordered_prefetch(stream.ranges(), fetch, self.config.range_readahead):
-            await transform(stream.decode, chunk)
-        await transform(stream.finish)
+        async for reserved, size, chunk in ordered_prefetch(stream.ranges(), fetch,
+                                                            lambda: self.knobs.readahead):
+            await transform(reserved, size, stream.decode, chunk)
+        await transform(0, 0, stream.finish)
         self.metrics.shards_read += 1
         await queue.put(None)
 

@@ -33,9 +33,30 @@ class ObjectStore(Protocol):
         """Objects matching a prefix, a directory or a glob, sorted by URI.
         Raises StorageError naming the URI when the bucket or path does not exist."""
 
-    async def read_range(self, uri: str, start: int, end: int) -> bytes:
+    async def read_range(self, uri: str, start: int, end: int, *,
+                         counters: "StoreCounters | None" = None) -> bytes:
         """Bytes [start, end) of one object, retried per the store's RetryPolicy.
-        Raises StorageError naming the object when retries are exhausted."""
+        Raises StorageError naming the object when retries are exhausted. `counters` (default:
+        the store's own) receives the request, retries, latency and bytes, so sources that
+        share a store can be counted apart."""
 
     async def aclose(self) -> None:
         """Release pooled connections."""
+
+
+class CountedStore:
+    """A view of a shared store that counts its own requests (one per source)."""
+
+    def __init__(self, store: ObjectStore, counters: StoreCounters | None = None):
+        self.store = store
+        self.counters = counters or StoreCounters()
+
+    async def list(self, uri: str) -> list[ObjectInfo]:
+        return await self.store.list(uri)
+
+    async def read_range(self, uri: str, start: int, end: int, *,
+                         counters: StoreCounters | None = None) -> bytes:
+        return await self.store.read_range(uri, start, end, counters=counters or self.counters)
+
+    async def aclose(self) -> None:
+        """The shared store is closed by its owner."""

@@ -65,29 +65,34 @@ class _ThreadedStore:
     def _list(self, uri: str) -> list[ObjectInfo]:
         raise NotImplementedError
 
-    async def _run(self, uri: str, fn: Callable[..., T], *args: Any) -> T:
+    async def _run(self, uri: str, fn: Callable[..., T], *args: Any,
+                   counters: StoreCounters | None = None) -> T:
+        counters = counters or self.counters
+
         async def attempt() -> T:
-            self.counters.requests += 1
+            counters.requests += 1
             return await asyncio.to_thread(fn, *args)
 
         async with self._slots:
             try:
                 return await with_retries(attempt, policy=self.retry, what=uri,
-                                          counters=self.counters, is_retryable=is_retryable)
+                                          counters=counters, is_retryable=is_retryable)
             except StorageError:  # already says what went wrong (and is an OSError too)
                 raise
             except OSError as exc:
                 raise _storage_error(exc, uri) from exc
 
-    async def read_range(self, uri: str, start: int, end: int) -> bytes:
+    async def read_range(self, uri: str, start: int, end: int, *,
+                         counters: StoreCounters | None = None) -> bytes:
         if not 0 <= start <= end:
             raise ValueError(f"bad byte range [{start}, {end}) for {uri}")
         if start == end:
             return b""
+        counters = counters or self.counters
         began = time.perf_counter()
-        data = await self._run(uri, self._read, uri, start, end)
-        self.counters.record_latency(time.perf_counter() - began)
-        self.counters.bytes_read += len(data)
+        data = await self._run(uri, self._read, uri, start, end, counters=counters)
+        counters.record_latency(time.perf_counter() - began)
+        counters.bytes_read += len(data)
         return data
 
     async def list(self, uri: str) -> list[ObjectInfo]:

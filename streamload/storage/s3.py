@@ -180,27 +180,31 @@ class S3Store:
             if stack is not None:
                 await stack.aclose()
 
-    async def _call(self, uri: str, bucket: str, op: Callable[[Any], Awaitable[T]]) -> T:
+    async def _call(self, uri: str, bucket: str, op: Callable[[Any], Awaitable[T]],
+                    counters: StoreCounters | None = None) -> T:
         """One request under the concurrency bound, retried, with final errors translated."""
         client = self._client or await self._get_client()
         # The slot is held across retries, so backing off also lowers our request rate.
         async with self._slots:
             try:
                 return await with_retries(lambda: op(client), policy=self.retry, what=uri,
-                                          counters=self.counters, is_retryable=is_retryable)
+                                          counters=counters or self.counters,
+                                          is_retryable=is_retryable)
             except (ClientError, BotoCoreError) as exc:
                 raise _storage_error(exc, uri, bucket) from exc
 
-    async def read_range(self, uri: str, start: int, end: int) -> bytes:
+    async def read_range(self, uri: str, start: int, end: int, *,
+                         counters: StoreCounters | None = None) -> bytes:
         if not 0 <= start <= end:
             raise ValueError(f"bad byte range [{start}, {end}) for {uri}")
         bucket, key = split_s3_uri(uri)
         if start == end:
             return b""
+        counters = counters or self.counters
 
         async def get(client: Any) -> bytes:
             began = time.perf_counter()
-            self.counters.requests += 1
+            counters.requests += 1
             try:
                 resp = await client.get_object(Bucket=bucket, Key=key,
                                                Range=f"bytes={start}-{end - 1}")
@@ -210,11 +214,11 @@ class S3Store:
                 raise
             async with resp["Body"] as body:
                 data = _body_range(resp, await body.read(), start, end)
-            self.counters.record_latency(time.perf_counter() - began)
-            self.counters.bytes_read += len(data)
+            counters.record_latency(time.perf_counter() - began)
+            counters.bytes_read += len(data)
             return data
 
-        return await self._call(uri, bucket, get)
+        return await self._call(uri, bucket, get, counters)
 
     async def _list_page(self, uri: str, bucket: str, prefix: str, token: str | None = None,
                          max_keys: int | None = None) -> dict[str, Any]:

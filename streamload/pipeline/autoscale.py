@@ -1,0 +1,174 @@
+"""Memory budget and adaptive per-source concurrency.
+
+Memory: the loader's `memory_budget` (bytes per rank) is split across sources, half evenly and
+half by weight. A source's share pays first for its buffer (its head windows must fit) and the
+rest bounds its bytes in flight (fetched ranges not yet decoded, decoded items not yet buffered),
+enforced by a `MemoryGate`.
+
+Concurrency: each source has two knobs, the shards it reads (and decodes) at once and the byte
+ranges in flight per shard. Every few steps, a source that made a step wait gets more of both
+(up to what its memory allows), and a source whose buffer sat full gets less, so a slow or heavy
+source does not starve the step and a light one does not hog memory.
+"""
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass, field
+from typing import Callable
+
+import numpy as np
+
+from ..config import LoaderConfig
+from ..errors import ConfigError
+
+TOKEN_BYTES = 4           # buffered tokens are int32
+ITEM_OVERHEAD_BYTES = 160  # an Item object, its array header
+
+
+@dataclass
+class SourceBudget:
+    capacity_tokens: int   # buffer capacity
+    window_tokens: int     # head window offered to the planner
+    inflight_bytes: int    # bytes fetched or decoded but not yet buffered
+
+
+def plan_memory(config: LoaderConfig, weights: np.ndarray, names: list[str]) -> list[SourceBudget]:
+    C, M = config.micro_batch_tokens, config.micro_batches
+    steps = config.lookahead if config.planner == "lookahead" else 1
+    shares = weights / weights.sum()
+    S = len(shares)
+    out = []
+    for name, share in zip(names, shares):
+        window = int(np.ceil(config.window_factor * steps * share * M * C)) + C
+        source_bytes = config.memory_budget * (0.5 / S + 0.5 * share)
+        if config.buffer_tokens is not None:
+            capacity = max(config.buffer_tokens, window)
+        else:   # half the source's share buys buffer (at least a window and a row of room)
+            capacity = max(window + C, int(source_bytes / 2 / TOKEN_BYTES))
+        inflight = int(source_bytes - capacity * TOKEN_BYTES)
+        if inflight < config.chunk_bytes:
+            need = (window + C) * TOKEN_BYTES + config.chunk_bytes
+            raise ConfigError(
+                f"memory_budget: {config.memory_budget} bytes leaves source {name!r} "
+                f"{int(source_bytes)} bytes, less than it needs for a head window plus one "
+                f"fetched range ({need} bytes); raise memory_budget or lower chunk_bytes, "
+                f"micro_batch_tokens or window_factor")
+        out.append(SourceBudget(capacity, window, inflight))
+    return out
+
+
+class MemoryGate:
+    """Bytes in flight for one source, by owner (a shard).
+
+    A fetch reserves, before it starts, what its range will hold once decoded (its size times
+    the largest decoded/raw ratio seen so far, `expansion`), and `acquire` waits while that
+    would exceed the limit. Decoded items are then accounted at their true size (`settle`,
+    which never waits: the bytes already exist) until they reach the buffer. One exception
+    keeps the ordered pipeline from deadlocking: the shard being drained (`head`) may always
+    start a fetch while it holds nothing. So the bound is the limit plus one range of the head
+    shard, plus whatever a range decodes to beyond the expansion seen so far."""
+
+    def __init__(self, limit: int, expansion: float = 4.0):
+        self.limit = limit
+        self.expansion = expansion
+        self.observed = False   # until a range has been decoded, fetch one at a time
+        self.used = 0
+        self.peak = 0
+        self.head = None
+        self._by_owner: dict = {}
+        self._changed = asyncio.Condition()
+
+    def reservation(self, raw_bytes: int) -> int:
+        return int(raw_bytes * self.expansion)
+
+    async def settle(self, reserved: int, raw_bytes: int, decoded: int, owner) -> None:
+        """Swap a fetch's reservation for the decoded bytes it produced."""
+        if raw_bytes:
+            self.expansion = max(self.expansion, decoded / raw_bytes)
+            self.observed = True
+        async with self._changed:
+            self._add(decoded - reserved, owner)
+            self._changed.notify_all()
+
+    def _add(self, n: int, owner) -> None:
+        self.used += n
+        left = self._by_owner.get(owner, 0) + n
+        if left:
+            self._by_owner[owner] = left
+        else:
+            self._by_owner.pop(owner, None)
+        self.peak = max(self.peak, self.used)
+
+    def _may_take(self, n: int, owner) -> bool:
+        if self.used == 0 or (self.observed and self.used + n <= self.limit):
+            return True
+        return owner == self.head and self._by_owner.get(owner, 0) == 0
+
+    async def acquire(self, n: int, owner) -> None:
+        async with self._changed:
+            while not self._may_take(n, owner):
+                await self._changed.wait()
+            self._add(n, owner)
+
+    async def release(self, n: int, owner) -> None:
+        async with self._changed:
+            self._add(-n, owner)
+            self._changed.notify_all()
+
+    async def set_head(self, owner) -> None:
+        async with self._changed:
+            self.head = owner
+            self._changed.notify_all()
+
+
+@dataclass
+class Knobs:
+    """A source's concurrency, read by its fetcher each time it starts a shard or a range."""
+    shards: int
+    readahead: int
+    max_shards: int
+    max_readahead: int
+    history: list = field(default_factory=list)   # (step, shards, readahead) changes
+
+    def grow(self, step: int) -> bool:
+        if self.shards >= self.max_shards and self.readahead >= self.max_readahead:
+            return False
+        self.shards = min(self.max_shards, self.shards * 2)
+        self.readahead = min(self.max_readahead, self.readahead * 2)
+        self.history.append((step, self.shards, self.readahead))
+        return True
+
+    def shrink(self, step: int) -> bool:
+        if self.shards <= 1 and self.readahead <= 1:
+            return False
+        if self.readahead >= self.shards:
+            self.readahead = max(1, self.readahead - 1)
+        else:
+            self.shards = max(1, self.shards - 1)
+        self.history.append((step, self.shards, self.readahead))
+        return True
+
+
+class Autoscaler:
+    """Every `every` steps: grow the knobs of sources that made steps wait, shrink the knobs
+    of sources whose buffers sat full (their producer was blocked) and never made one wait."""
+
+    def __init__(self, knobs: list[Knobs], every: int = 8, wait_threshold_s: float = 1e-3,
+                 full_threshold: float = 0.5):
+        self.knobs = knobs
+        self.every, self.wait_threshold_s, self.full_threshold = every, wait_threshold_s, full_threshold
+        self._waits = np.zeros(len(knobs))
+        self._steps = 0
+
+    def observe(self, step: int, waits_s: np.ndarray, blocked_fraction: np.ndarray) -> None:
+        self._waits += waits_s
+        self._steps += 1
+        if self._steps < self.every:
+            return
+        for s, knobs in enumerate(self.knobs):
+            if self._waits[s] > self.wait_threshold_s * self._steps:
+                knobs.grow(step)
+            elif blocked_fraction[s] > self.full_threshold:
+                knobs.shrink(step)
+        self._waits[:] = 0
+        self._steps = 0
