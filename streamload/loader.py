@@ -59,18 +59,20 @@ class _Background:
     async def _main(self) -> None:
         self.slots = asyncio.Semaphore(self.prefetch_steps)
         self.task = asyncio.current_task()
-
-        async def emit(batch: Batch) -> None:
-            await self.slots.acquire()
-            self.queue.put(batch)
-
         try:
-            await self.runtime.run(emit)
+            await self.runtime.run(self)
             self.queue.put(_End())
         except asyncio.CancelledError:
             self.queue.put(_End())
         except BaseException as exc:  # handed to the trainer's thread with its traceback
             self.queue.put(_End(exc))
+
+    async def reserve(self) -> None:
+        """Wait for room for one more batch (the trainer frees it in `get`)."""
+        await self.slots.acquire()
+
+    def put(self, batch: Batch) -> None:
+        self.queue.put(batch)
 
     def get(self):
         item = self.queue.get()

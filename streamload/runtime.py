@@ -9,7 +9,7 @@ from __future__ import annotations
 import asyncio
 import time
 import zlib
-from typing import Awaitable, Callable, Optional
+from typing import Awaitable, Callable, Optional, Protocol
 
 import numpy as np
 import torch
@@ -20,6 +20,7 @@ from .errors import ConfigError
 from .dist.comm import Comm, collective_thread
 from .dist.coordinator import (SourceWindow, StopStepping, check_statuses, decode_plan,
                                decode_summaries, encode_closing, encode_failure, encode_plan,
+                               encode_waiting,
                                encode_summary)
 from .dist.exchange import exchange_tokens
 from .metrics import SourceMetrics, StepMetrics
@@ -38,7 +39,12 @@ from .state import (STATE_VERSION, EpochLayout, LoaderState, SourceTracker, fres
                     layout_from_progress)
 from .storage import ObjectStore, open_store
 
-Emit = Callable[[Batch], Awaitable[None]]
+class Handoff(Protocol):
+    """Where batches go: `reserve()` waits for room (the trainer took an earlier batch),
+    `put()` hands one over and never blocks."""
+
+    async def reserve(self) -> None: ...
+    def put(self, batch: Batch) -> None: ...
 
 
 class Runtime:
@@ -97,32 +103,39 @@ class Runtime:
         telling the other ranks, so no rank is left inside a collective."""
         self.closing.set()
 
-    async def _unless_closing(self, awaitable):
-        """Await `awaitable`, unless close is requested first: then cancel it and return None."""
-        task = asyncio.ensure_future(awaitable)
-        closing = asyncio.ensure_future(self.closing.wait())
-        done, _ = await asyncio.wait({task, closing}, return_when=asyncio.FIRST_COMPLETED)
-        if task in done:
-            closing.cancel()
-            return task.result()
-        task.cancel()
-        await asyncio.gather(task, return_exceptions=True)
-        return None
-
     async def _agree(self, local: Callable[[], Awaitable[np.ndarray]]) -> list[np.ndarray]:
-        """All-gather `local()`'s array; if it raised anywhere, every rank raises. A closing rank
-        sends CLOSING instead, and stops (StopStepping) once the gather returns."""
-        error = None
+        """All-gather `local()`'s array once every rank has one.
+
+        A rank that is not ready within the heartbeat period (a third of the collective
+        timeout) gathers WAITING, and everyone gathers again: a busy trainer or a slow source
+        never trips the timeout, which is left to catch dead or frozen processes. If `local()`
+        raised anywhere, every rank raises. A closing rank sends CLOSING and stops
+        (StopStepping) once the gather returns."""
+        task = asyncio.ensure_future(local())
+        heartbeat_s = self.config.collective_timeout_s / 3
         try:
-            array = await self._unless_closing(local())
-        except Exception as exc:   # told to every rank, then re-raised here
-            error, array = exc, encode_failure(exc)
-        closing = self.closing.is_set()
-        if closing:
-            array = encode_closing()
-        gathered = await self.collectives.run(lambda: self.comm.all_gather(array))
-        check_statuses(gathered, self.comm.rank, error, closing)
-        return gathered
+            while True:
+                closing_wait = asyncio.ensure_future(self.closing.wait())
+                await asyncio.wait({task, closing_wait}, timeout=heartbeat_s,
+                                   return_when=asyncio.FIRST_COMPLETED)
+                closing_wait.cancel()
+                error, closing = None, self.closing.is_set()
+                if closing:
+                    array = encode_closing()
+                elif not task.done():
+                    array = encode_waiting()
+                elif task.exception() is not None:   # told to every rank, then re-raised here
+                    error = task.exception()
+                    array = encode_failure(error)
+                else:
+                    array = task.result()
+                gathered = await self.collectives.run(lambda: self.comm.all_gather(array))
+                if check_statuses(gathered, self.comm.rank, error, closing):
+                    return gathered
+        finally:
+            if not task.done():
+                task.cancel()
+                await asyncio.gather(task, return_exceptions=True)
 
     async def _list_all(self) -> np.ndarray:
         self.shards = list(await asyncio.gather(
@@ -207,7 +220,7 @@ class Runtime:
                            tuple(sources), tuple(ages))
 
     # -- main -----------------------------------------------------------------------------
-    async def run(self, emit: Emit) -> None:
+    async def run(self, handoff: Handoff) -> None:
         self.collectives = collective_thread()
         executor = DaemonExecutor(self.config.transform_workers, "streamload-transform")
         supervisor = Supervisor(on_failure=lambda exc: [b.fail(exc) for b in self.buffers])
@@ -234,7 +247,7 @@ class Runtime:
                     resume_ages=self.resume_ages[s] if self.resume is not None else None)
                 self.fetchers.append(fetcher)
                 supervisor.spawn(fetcher.run(self.epoch), name=f"fetch {source.name}")
-            await self._step_loop(emit)
+            await self._step_loop(handoff)
         except StopStepping:
             pass
         finally:
@@ -250,6 +263,9 @@ class Runtime:
         self.source_waits[s] = time.perf_counter() - started
 
     async def _summary(self) -> np.ndarray:
+        if not self._slot_held:   # room for this step's batch first: then the step can't stall
+            await self.handoff.reserve()
+            self._slot_held = True
         await asyncio.gather(*(self._wait_ready(s) for s in range(len(self.buffers))))
         self._windows = [b.window() for b in self.buffers]
         return encode_summary([
@@ -259,7 +275,8 @@ class Runtime:
                                   dtype=np.int64).reshape(-1, 3), done)
             for items, done in self._windows])
 
-    async def _step_loop(self, emit: Emit) -> None:
+    async def _step_loop(self, handoff: Handoff) -> None:
+        self.handoff, self._slot_held = handoff, False
         S, R = len(self.sources), self.comm.world
         step_tokens = self.geometry.step_tokens
         while True:
@@ -295,7 +312,8 @@ class Runtime:
             self._autoscale()
             batch = await self._deliver(summaries, plan, lengths)
             batch.state_snapshot = self.snapshot()
-            await self._unless_closing(emit(batch))
+            handoff.put(batch)
+            self._slot_held = False
             self.step += 1
 
     async def _deliver(self, summaries, plan, lengths) -> Batch:

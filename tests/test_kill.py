@@ -234,12 +234,6 @@ def test_a_rank_that_freezes_makes_the_other_fail_after_the_collective_timeout(t
 
 
 @pytest.mark.timeout(45)
-@pytest.mark.xfail(strict=True, reason=(
-    "a live rank that stops calling next() for longer than collective_timeout_s (here: a "
-    "rank-0-only checkpoint save after the step's barrier) fails the whole job: the other "
-    "rank has consumed one more batch, so its loader thread enters the next step's all_gather "
-    "while rank 0's loader thread waits for a free prefetch slot (loader._Background emit), "
-    "and gloo times out after collective_timeout_s"))
 def test_a_rank_that_is_busy_longer_than_the_collective_timeout_does_not_fail_the_job(
         tmp_path, launch):
     """Only a dead or frozen process should trip collective_timeout_s, not a trainer that is

@@ -18,7 +18,7 @@ import numpy as np
 from ..errors import DistributedError
 from ..plan.types import Assignment, Candidates
 
-OK, FAILED, CLOSING = 0, 1, 2
+OK, FAILED, CLOSING, WAITING = 0, 1, 2, 3
 
 
 class StopStepping(Exception):
@@ -29,15 +29,23 @@ def encode_closing() -> np.ndarray:
     return np.array([CLOSING], dtype=np.int64)
 
 
+def encode_waiting() -> np.ndarray:
+    """A heartbeat: this rank is alive but not ready (its trainer has not taken the last batch,
+    or its buffers are still filling). Everyone gathers again, so no collective waits on a
+    busy rank for longer than the heartbeat period."""
+    return np.array([WAITING], dtype=np.int64)
+
+
 def encode_failure(error: BaseException) -> np.ndarray:
     message = f"{type(error).__name__}: {error}".encode("utf-8", "replace")[:4000]
     return np.concatenate([[FAILED], np.frombuffer(message, dtype=np.uint8).astype(np.int64)])
 
 
 def check_statuses(gathered: list[np.ndarray], rank: int, local_error: Optional[BaseException],
-                   closing: bool) -> None:
+                   closing: bool) -> bool:
     """Every rank raises if any rank failed: its own error if it failed, else a named one.
-    Raises StopStepping if this rank is closing; a peer closing alone is an error here."""
+    Raises StopStepping if this rank is closing; a peer closing alone is an error here.
+    Returns False if some rank is still waiting (gather again), True when all are ready."""
     if local_error is not None:
         raise local_error
     for other, array in enumerate(gathered):
@@ -51,6 +59,7 @@ def check_statuses(gathered: list[np.ndarray], rank: int, local_error: Optional[
             raise DistributedError(
                 f"rank {other} closed its loader while rank {rank} was still iterating; "
                 f"every rank must stop at the same step")
+    return not any(array.shape[0] and array[0] == WAITING for array in gathered)
 
 
 ID_FIELDS = 3   # shard, record, chunk (-1 for a document that was not split)
