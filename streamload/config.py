@@ -77,6 +77,8 @@ class LoaderConfig(msgspec.Struct, kw_only=True):
     chunk_bytes: int = 1 << 20              # size of one ranged read
     max_concurrency: int = 16               # concurrent requests per store
     transform_workers: int = 2              # threads for decode + tokenize
+    tokenize_in: Literal["threads", "processes"] = "threads"   # processes: GIL-bound tokenizers
+    tokenizer_processes: int = 2            # size of that process pool
     collective_timeout_s: float = 300.0     # a collective waiting longer than this fails
     retry: RetryPolicy = RetryPolicy()      # storage retries, backoff, per-request timeout
     cost_a: float = 1.0 / 4096              # cost model: a*L^2 + b*L per document
@@ -90,7 +92,8 @@ class LoaderConfig(msgspec.Struct, kw_only=True):
                 raise ConfigError(f"{key}: must be an integer >= 1, got {value!r}")
         for key in ("micro_batch_tokens", "micro_batches", "prefetch_steps", "shard_prefetch",
                     "range_readahead", "chunk_bytes", "max_concurrency", "transform_workers",
-                    "lookahead", "memory_budget", "max_shard_prefetch", "max_range_readahead"):
+                    "lookahead", "memory_budget", "max_shard_prefetch", "max_range_readahead",
+                    "tokenizer_processes"):
             positive_int(key)
         if self.epochs is not None:
             positive_int("epochs")

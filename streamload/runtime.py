@@ -223,6 +223,7 @@ class Runtime:
     async def run(self, handoff: Handoff) -> None:
         self.collectives = collective_thread()
         executor = DaemonExecutor(self.config.transform_workers, "streamload-transform")
+        processes = self._tokenizer_processes()
         supervisor = Supervisor(on_failure=lambda exc: [b.fail(exc) for b in self.buffers])
         self.stores = self._stores()
         try:
@@ -241,7 +242,7 @@ class Runtime:
                     source_index=s, source=source, shards=self.shards[s], store=self.stores[s],
                     buffer=self.buffers[s], metrics=self.source_metrics[s], config=self.config,
                     rank=self.comm.rank, world=self.comm.world, tokenizer=self.tokenizer,
-                    executor=executor, supervisor=supervisor,
+                    executor=executor, supervisor=supervisor, tokenizer_processes=processes,
                     layout_for=lambda epoch, s=s: self.layout_for(s, epoch),
                     knobs=self.knobs[s], gate=self.gates[s],
                     resume_ages=self.resume_ages[s] if self.resume is not None else None)
@@ -253,6 +254,8 @@ class Runtime:
         finally:
             await supervisor.cancel_all()
             executor.shutdown()
+            if processes is not None:
+                processes.shutdown(wait=False, cancel_futures=True)
             for store in {id(s): s for s in self.stores}.values():
                 await store.aclose()
             self.collectives.shutdown()
@@ -261,6 +264,18 @@ class Runtime:
         started = time.perf_counter()
         await self.buffers[s].wait_ready()
         self.source_waits[s] = time.perf_counter() - started
+
+    def _tokenizer_processes(self):
+        """A process pool for tokenizers that hold the GIL (`tokenize_in="processes"`)."""
+        if self.config.tokenize_in != "processes" or self.tokenizer is None:
+            return None
+        import multiprocessing
+        from concurrent.futures import ProcessPoolExecutor
+
+        from .pipeline.transform import set_process_tokenizer
+        return ProcessPoolExecutor(self.config.tokenizer_processes,
+                                   mp_context=multiprocessing.get_context("spawn"),
+                                   initializer=set_process_tokenizer, initargs=(self.tokenizer,))
 
     async def _summary(self) -> np.ndarray:
         if not self._slot_held:   # room for this step's batch first: then the step can't stall

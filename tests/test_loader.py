@@ -187,3 +187,18 @@ def test_s3_and_local_sources_together(tmp_path, s3_bucket, storage_options):
     assert set(base_ids(ids)) == s3_ids | local_ids
     assert stats["sources"]["web"]["bytes_fetched"] > 0
     assert stats["sources"]["web"]["requests"] >= 3
+
+
+def word_tokenizer(text):
+    """A pure-Python tokenizer (holds the GIL); module-level so processes can use it."""
+    return [len(w) for w in text.split()]
+
+
+def test_tokenizing_in_processes_gives_the_same_batches(tmp_path):
+    write_jsonl_source(tmp_path, "a", shards=3, per_shard=50, seed=4)
+    runs = []
+    for where in ("threads", "processes"):
+        with sl.Loader([sl.Source(str(tmp_path / "a"))], micro_batch_tokens=256, epochs=1,
+                       tokenizer=word_tokenizer, tokenize_in=where, tokenizer_processes=2) as loader:
+            runs.append(fingerprint(list(loader)))
+    assert runs[0] == runs[1] and runs[0]

@@ -25,7 +25,7 @@ from .autoscale import ITEM_OVERHEAD_BYTES, Knobs, MemoryGate
 from .buffer import SourceBuffer
 from .prefetch import ordered_prefetch
 from .supervisor import Supervisor
-from .transform import Tokenizer, records_to_items
+from .transform import Tokenizer, pretokenize, records_to_items, tokenize_texts
 
 
 @dataclass(frozen=True)
@@ -59,13 +59,14 @@ class SourceFetcher:
                  config: LoaderConfig, rank: int, world: int, tokenizer: Optional[Tokenizer],
                  executor, supervisor: Supervisor,
                  layout_for: Callable[[int], EpochLayout], knobs: Knobs, gate: MemoryGate,
-                 resume_ages: Optional[dict] = None):
+                 resume_ages: Optional[dict] = None, tokenizer_processes=None):
         self.source_index, self.source, self.shards = source_index, source, shards
         self.store, self.buffer, self.metrics, self.config = store, buffer, metrics, config
         self.rank, self.world, self.tokenizer = rank, world, tokenizer
         self.executor, self.supervisor = executor, supervisor
         self.layout_for, self.ages = layout_for, resume_ages
         self.knobs, self.gate = knobs, gate
+        self.tokenizer_processes = tokenizer_processes
         self.store = CountedStore(store)   # this source's requests, even on a shared store
 
     async def run(self, start_epoch: int = 0) -> None:
@@ -111,16 +112,27 @@ class SourceFetcher:
                 await self.gate.acquire(reserved, shard.index)
             return reserved, size, await self.store.read_range(shard.info.uri, *byte_range)
 
-        def decode_and_tokenize(decode, *args):
-            records = decode(*args)
+        def to_items(records):
             return records_to_items(records, shard.index, self.tokenizer,
                                     self.config.micro_batch_tokens, self.config.long_documents,
                                     keep, self.ages)
 
+        def decode_and_tokenize(decode, *args):
+            return to_items(decode(*args))
+
         async def transform(reserved: int, raw_bytes: int, decode, *args):
             started = time.perf_counter()
-            items, counts = await loop.run_in_executor(self.executor, decode_and_tokenize,
-                                                       decode, *args)
+            if self.tokenizer_processes is None:
+                items, counts = await loop.run_in_executor(self.executor, decode_and_tokenize,
+                                                           decode, *args)
+            else:   # a GIL-bound tokenizer: decode in a thread, tokenize in a process
+                records = await loop.run_in_executor(self.executor, decode, *args)
+                texts = [r.payload for r in records if isinstance(r.payload, str)]
+                if texts:
+                    tokens = await loop.run_in_executor(self.tokenizer_processes,
+                                                        tokenize_texts, texts)
+                    records = pretokenize(records, tokens)
+                items, counts = await loop.run_in_executor(self.executor, to_items, records)
             counts.add_to(self.metrics)
             self.metrics.transform_s += time.perf_counter() - started
             self._record_skips(shard, skips)

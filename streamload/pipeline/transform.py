@@ -39,6 +39,28 @@ class TransformCounts:
         metrics.dropped_documents += self.dropped
 
 
+_process_tokenizer: Optional[Tokenizer] = None
+
+
+def set_process_tokenizer(tokenizer: Tokenizer) -> None:
+    """Initializer of a tokenizer process: keep the tokenizer, so calls do not re-send it."""
+    global _process_tokenizer
+    _process_tokenizer = tokenizer
+
+
+def tokenize_texts(texts: list[str]) -> list[np.ndarray]:
+    """Runs in a tokenizer process (for tokenizers that hold the GIL)."""
+    return [to_tokens(text, _process_tokenizer) for text in texts]
+
+
+def pretokenize(records: list[RawRecord], tokens: list[np.ndarray]) -> list[RawRecord]:
+    """Records whose text payloads were tokenized elsewhere, in order."""
+    out, it = [], iter(tokens)
+    for record in records:
+        out.append(RawRecord(record.index, next(it)) if isinstance(record.payload, str) else record)
+    return out
+
+
 def to_tokens(payload, tokenizer: Optional[Tokenizer]) -> np.ndarray:
     if isinstance(payload, str):
         if tokenizer is None:
