@@ -3,9 +3,13 @@ from .batch import Batch, MicroBatch
 from .config import LoaderConfig, Source
 from .errors import ConfigError, DataError, DistributedError, StorageError, StreamloadError
 from .loader import Loader
+from .configfile import LoaderSpec, load_config
 from .plan.cost import CostModel
+from .plan.mixing import MixtureState
+from .plan.mixture import LengthQuota, Mixture, MixPoint
 from .storage.retry import RetryPolicy
 
 __all__ = ["Loader", "Source", "Batch", "MicroBatch", "CostModel", "LoaderConfig", "RetryPolicy",
+           "Mixture", "MixPoint", "LengthQuota", "MixtureState", "LoaderSpec", "load_config",
            "StreamloadError", "ConfigError", "StorageError", "DataError", "DistributedError"]
 __version__ = "0.1.0"

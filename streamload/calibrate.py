@@ -25,8 +25,10 @@ to do that with SDPA:
   flash-attention kernels that production trainers use. This is what `doc_attention` does. It
   batches consecutive documents of equal length into one call on a view of the row, so a row of
   64 documents of 64 tokens is one SDPA call and not 64, and it falls back to gathering equal
-  lengths together when a row has very many distinct runs. The result is exactly that of the block-diagonal mask
-  (tests check it against `document_mask`).
+  lengths together when a row has very many distinct runs. The result is exactly that of the
+  block-diagonal mask (tests check it against `document_mask`). On CUDA, a varlen
+  flash-attention kernel would do the same work in one call; SDPA per document keeps one code
+  path that runs on the CPU too.
 
 The a and b measured here are in seconds for `--layers` blocks (default 1). A model of n such
 blocks costs about n times as much for both terms, which leaves the ratio a/b, and so the
@@ -38,6 +40,7 @@ import argparse
 import functools
 import json
 import math
+import os
 import statistics
 import sys
 import time
@@ -325,28 +328,35 @@ def calibration_rows(totals, min_doc: int) -> list[list[int]]:
 
 
 def time_rows(model, rows, *, warmup: int = 1, repeats: int = 3, seed: int = 0,
-              stat: str = "median") -> list[float]:
+              stat: str = "median", clock: str = "wall") -> list[float]:
     """Time forward+backward of each row: the median (or min) over `repeats` timed passes.
 
     `model` has `.device`, `make_input(row, generator)` and `step(x, lengths)`. Passes go
     round-robin over the rows, so slow drifts (clock, other load) spread over all rows instead
     of biasing some. `stat="min"` is the more robust choice on a machine shared with other work,
-    since interference only ever adds time.
+    since interference only ever adds time. `clock="cpu"` times with the calling thread's CPU
+    time, which leaves out the time the thread sat descheduled by other load; it is only
+    meaningful on the CPU device with one torch thread (the work then runs on this thread).
     """
     torch = _torch()
     if stat not in ("median", "min"):
         raise ValueError(f"stat must be 'median' or 'min', got {stat!r}")
+    if clock not in ("wall", "cpu"):
+        raise ValueError(f"clock must be 'wall' or 'cpu', got {clock!r}")
+    if clock == "cpu" and (str(model.device).startswith("cuda") or torch.get_num_threads() != 1):
+        raise ValueError("clock='cpu' needs the CPU device and one torch thread (--threads 1)")
+    now = time.perf_counter if clock == "wall" else time.thread_time
     gen = torch.Generator().manual_seed(seed)
     inputs = [model.make_input(r, gen) for r in rows]
     samples: list[list[float]] = [[] for _ in rows]
     for rep in range(warmup + max(repeats, 1)):
         for i, (row, x) in enumerate(zip(rows, inputs)):
             synchronize(model.device)
-            t0 = time.perf_counter()
+            t0 = now()
             model.step(x, row)
             synchronize(model.device)
             if rep >= warmup:
-                samples[i].append(time.perf_counter() - t0)
+                samples[i].append(now() - t0)
     reduce = statistics.median if stat == "median" else min
     return [float(reduce(s)) for s in samples]
 
@@ -378,7 +388,7 @@ def calibrate(*, device: str = "auto", d_model: int | None = None, heads: int | 
               ffn_mult: int = 4, layers: int = 1, totals=None, min_doc: int | None = None,
               dtype: str | None = None, warmup: int = 1, repeats: int = 3, quick: bool = False,
               threads: int | None = None, seed: int = 0, constant: bool = True,
-              stat: str = "median") -> dict:
+              stat: str = "median", clock: str = "wall") -> dict:
     """Measure and fit; returns the JSON-able record that `calibrate_main` prints last."""
     torch = _torch()
     device = resolve_device(device)
@@ -389,27 +399,35 @@ def calibrate(*, device: str = "auto", d_model: int | None = None, heads: int | 
     totals = list(totals or d["totals"])
     min_doc = min_doc or d["min_doc"]
     dtype_name = dtype or d["dtype"]
+    saved_threads = torch.get_num_threads()
     if threads:
         torch.set_num_threads(threads)
-    torch.manual_seed(seed)
-    model = Blocks(d_model, heads, ffn_mult, layers, device, getattr(torch, dtype_name))
-    rows = calibration_rows(totals, min_doc)
-    t0 = time.perf_counter()
-    times = time_rows(model, rows, warmup=warmup, repeats=repeats, seed=seed, stat=stat)
-    elapsed = time.perf_counter() - t0
+    try:
+        used_threads = torch.get_num_threads()
+        torch.manual_seed(seed)
+        model = Blocks(d_model, heads, ffn_mult, layers, device, getattr(torch, dtype_name))
+        rows = calibration_rows(totals, min_doc)
+        t0 = time.perf_counter()
+        times = time_rows(model, rows, warmup=warmup, repeats=repeats, seed=seed, stat=stat,
+                          clock=clock)
+        elapsed = time.perf_counter() - t0
+    finally:
+        torch.set_num_threads(saved_threads)
     fit = fit_rows(rows, times, constant=constant)
     sum_sq = [sum(L * L for L in r) for r in rows]
     flops = CostModel.transformer(model.params(), layers, d_model)
     dev_name = torch.cuda.get_device_name(device) if device.startswith("cuda") else "cpu"
     return {
         "device": device, "device_name": dev_name, "dtype": dtype_name,
-        "threads": torch.get_num_threads(), "stat": stat, "repeats": repeats,
+        "threads": used_threads, "stat": stat, "clock": clock,
+        "repeats": repeats,
         "d_model": d_model, "heads": heads, "ffn_mult": ffn_mult, "layers": layers,
         "a": fit.a, "b": fit.b, "c": fit.c, "r2": fit.r2,
         "max_rel_residual": fit.max_rel_residual,
         "crossover_length": fit.b / fit.a if fit.a > 0 else None,
         "flops_crossover_length": flops.crossover_length,
         "measure_s": elapsed,
+        "loadavg_1m": os.getloadavg()[0] if hasattr(os, "getloadavg") else None,
         "rows": [{"docs": describe(r), "tokens": int(sum(r)), "num_docs": len(r),
                   "sum_sq": int(sq), "measured_s": float(t), "predicted_s": float(p),
                   "rel_residual": float(e)}
@@ -433,7 +451,13 @@ def format_table(result: dict) -> str:
     lines.append(f"  R^2 = {result['r2']:.5f}   max |relative residual| = {result['max_rel_residual']:.2%}")
     co, fco = result["crossover_length"], result["flops_crossover_length"]
     lines.append(f"  attention = linear at L = b/a = {co:.0f} tokens (FLOP model: {fco:.0f})"
-                 if co else "  a = 0: attention cost not visible at these lengths")
+                 if co else "  a = 0: no attention cost visible at these lengths (or noisy timings)")
+    load = result.get("loadavg_1m")
+    if result["r2"] < 0.95 or result["max_rel_residual"] > 0.25:
+        lines.append("warning: poor fit: the timings are noisy"
+                     + (f" (1-minute load average {load:.1f} on {os.cpu_count()} CPUs)" if load else "")
+                     + ". Rerun on a quiet machine, or with --stat min, or on the CPU with "
+                       "--threads 1 --clock cpu.")
     return "\n".join(lines)
 
 
@@ -458,6 +482,9 @@ def calibrate_main(argv: list[str] | None = None) -> int:
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's)")
     p.add_argument("--stat", choices=["median", "min"], default="median",
                    help="per-row statistic over the repeats (default median; min resists other load)")
+    p.add_argument("--clock", choices=["wall", "cpu"], default="wall",
+                   help="wall time (default), or this thread's CPU time (CPU device with --threads 1; "
+                        "ignores time lost to other load)")
     p.add_argument("--no-constant", action="store_true", help="fit without the per-row constant c")
     p.add_argument("--quick", action="store_true", help="smaller rows and fewer repeats (~10 s on 2 CPU cores)")
     p.add_argument("--seed", type=int, default=0)
@@ -470,7 +497,7 @@ def calibrate_main(argv: list[str] | None = None) -> int:
                            min_doc=args.min_doc, dtype=args.dtype, warmup=args.warmup,
                            repeats=args.repeats or (3 if args.quick else 5), quick=args.quick,
                            threads=args.threads, seed=args.seed, constant=not args.no_constant,
-                           stat=args.stat)
+                           stat=args.stat, clock=args.clock)
     except ValueError as e:
         print(f"calibrate: {e}", file=sys.stderr)
         return 2

@@ -37,6 +37,11 @@ class Source(msgspec.Struct):
     text_field: str = "text"
     format: Optional[str] = None          # "jsonl" | "tokens"; None = by file name
     storage_options: Optional[dict] = None
+    # When this source runs out in an epoch: the others go on by their weights ("renormalize"),
+    # or the whole run stops ("stop"). "restart" is accepted by the config schema but not yet
+    # supported by the loader.
+    on_exhausted: Literal["renormalize", "stop", "restart"] = "renormalize"
+    repeat: int = 1                       # passes over this source per epoch (upsampling)
 
     def __post_init__(self):
         if not isinstance(self.uri, str) or not self.uri:
@@ -50,6 +55,12 @@ class Source(msgspec.Struct):
             raise ConfigError(f"source {self.name!r} ({self.uri}): weight must be a positive number, "
                               f"got {self.weight!r}")
         self.weight = float(self.weight)
+        if isinstance(self.repeat, bool) or not isinstance(self.repeat, int) or self.repeat < 1:
+            raise ConfigError(f"source {self.name!r} ({self.uri}): repeat must be an integer >= 1, "
+                              f"got {self.repeat!r}")
+        if self.on_exhausted not in ("renormalize", "stop", "restart"):
+            raise ConfigError(f"source {self.name!r} ({self.uri}): on_exhausted must be "
+                              f"'renormalize', 'stop' or 'restart', got {self.on_exhausted!r}")
         if self.format not in (None, "jsonl", "tokens"):
             raise ConfigError(f"source {self.name!r} ({self.uri}): format must be 'jsonl' or 'tokens', "
                               f"got {self.format!r}")

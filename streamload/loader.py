@@ -13,7 +13,11 @@ import threading
 import weakref
 from typing import Iterable, Iterator, Optional
 
+import msgspec
+
 from .batch import Batch
+from .configfile import load_config
+from .plan.mixture import Mixture
 from .config import LoaderConfig, Source, make_config
 from .dist.comm import Comm, connect
 from .errors import ConfigError
@@ -110,7 +114,7 @@ class Loader:
     def __init__(self, sources: Iterable[Source], micro_batch_tokens: int = 4096,
                  micro_batches: int = 2, tokenizer: Optional[Tokenizer] = None, seed: int = 0,
                  epochs: Optional[int] = None, *, storage_options: Optional[dict] = None,
-                 **options):
+                 mixture: Optional[Mixture] = None, **options):
         self.sources = [s if isinstance(s, Source) else Source(s) for s in sources]
         if not self.sources:
             raise ConfigError("sources: at least one Source is required")
@@ -125,11 +129,23 @@ class Loader:
             micro_batch_tokens=micro_batch_tokens, micro_batches=micro_batches, seed=seed,
             epochs=epochs, **options)
         self.comm: Comm = connect(self.config.collective_timeout_s)
-        self._runtime = Runtime(self.sources, self.config, tokenizer, self.comm, storage_options)
+        if mixture is not None and not isinstance(mixture, Mixture):
+            mixture = msgspec.convert(mixture, Mixture) if isinstance(mixture, dict) else mixture
+        self._runtime = Runtime(self.sources, self.config, tokenizer, self.comm, storage_options,
+                                mixture)
         self._background: Optional[_Background] = None
         self._finished = False
         self._finalizer = None
         self._last_snapshot = None
+
+    @classmethod
+    def from_config(cls, path, *, tokenizer: Optional[Tokenizer] = None, **overrides) -> "Loader":
+        """Build a Loader from a TOML file (sources, weights, schedules, geometry, cost model).
+        Keyword arguments override the file's loader options."""
+        spec = load_config(path)
+        return cls(spec.sources, tokenizer=tokenizer or spec.load_tokenizer(),
+                   mixture=spec.mixture, storage_options=spec.storage_options,
+                   **{**spec.options, **overrides})
 
     @property
     def rank(self) -> int:

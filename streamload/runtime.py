@@ -18,7 +18,7 @@ from .batch import Batch, MicroBatch
 from .config import LoaderConfig, Source
 from .errors import ConfigError
 from .dist.comm import Comm, collective_thread
-from .dist.coordinator import (SourceWindow, StopStepping, check_statuses, decode_plan,
+from .dist.coordinator import (OUTCOMES, SourceWindow, StopStepping, check_statuses, decode_plan,
                                decode_summaries, encode_closing, encode_failure, encode_plan,
                                encode_waiting,
                                encode_summary)
@@ -31,7 +31,8 @@ from .pipeline.supervisor import Supervisor
 from .pipeline.workers import DaemonExecutor
 from .pipeline.transform import Tokenizer
 from .plan.cost import CostModel
-from .plan.mixing import Mixer
+from .plan.mixing import QuotaMixer
+from .plan.mixture import Mixture
 from .plan.packing import pack_rows
 from .plan.planner import Planner
 from .plan.types import Geometry
@@ -49,16 +50,22 @@ class Handoff(Protocol):
 
 class Runtime:
     def __init__(self, sources: list[Source], config: LoaderConfig, tokenizer: Optional[Tokenizer],
-                 comm: Comm, storage_options: Optional[dict] = None):
+                 comm: Comm, storage_options: Optional[dict] = None,
+                 mixture: Optional[Mixture] = None):
         self.sources, self.config, self.tokenizer, self.comm = sources, config, tokenizer, comm
         self.storage_options = storage_options or {}
         self.geometry = Geometry(comm.world, config.micro_batches, config.micro_batch_tokens)
         self.cost = CostModel(config.cost_a, config.cost_b, config.document_masking)
         self.planner = Planner(self.geometry, self.cost, method=config.planner, seed=config.seed,
                                **({"lookahead": config.lookahead} if config.planner == "lookahead" else {}))
-        self.mixer = Mixer(np.array([s.weight for s in sources]))
+        restarting = [s.name for s in sources if s.on_exhausted == "restart"]
+        if restarting:
+            raise ConfigError(f"sources {restarting}: on_exhausted='restart' is not supported by "
+                              f"the loader yet; use repeat=k (k passes per epoch) instead")
+        self.mixer = QuotaMixer.from_sources(mixture, sources, capacity=config.micro_batch_tokens)
         # Checked here, so a budget too small for the geometry fails when the Loader is built.
-        self.budgets = plan_memory(config, self.mixer.weights, [s.name for s in sources])
+        # Windows are sized for each source's largest share over the schedule.
+        self.budgets = plan_memory(config, self.mixer.max_shares(), [s.name for s in sources])
         self.knobs = [Knobs(min(config.shard_prefetch, max_shards), min(config.range_readahead, max_ranges),
                             max_shards, max_ranges)
                       for b in self.budgets
@@ -154,7 +161,8 @@ class Runtime:
             raise ConfigError(f"loader state: saved with seed {state.seed}, "
                               f"but this loader has seed {self.config.seed}")
         self.epoch, self.step = state.epoch, state.step
-        self.mixer.carry = np.array(state.mixer_carry, dtype=np.float64)
+        if state.mixture is not None:
+            self.mixer.load_state(state.mixture)
         self.resume_ages = [{} for _ in self.sources]
         if not state.sources:   # saved before the first step: a fresh start
             self.resume = None
@@ -163,21 +171,26 @@ class Runtime:
             raise ConfigError(f"loader state: saved for sources {[p.name for p in state.sources]}, "
                               f"but this loader has {[s.name for s in self.sources]}")
         for s, progress in enumerate(state.sources):
-            if (progress.num_shards, progress.listing_crc) != (len(self.shards[s]), self.listing_crcs[s]):
+            if (progress.num_shards, progress.listing_crc) != (self._virtual_shards(s), self.listing_crcs[s]):
                 raise ConfigError(
-                    f"loader state: source {progress.name!r} ({self.sources[s].uri}) lists "
-                    f"{len(self.shards[s])} shards now but {progress.num_shards} when the state "
-                    f"was saved (or their names changed); cannot resume exactly")
+                    f"loader state: source {progress.name!r} ({self.sources[s].uri}) has "
+                    f"{self._virtual_shards(s)} shards now (times repeat) but "
+                    f"{progress.num_shards} when the state was saved (or their names changed); "
+                    f"cannot resume exactly")
         self.resumed_layouts = [
             layout_from_progress(p, seed=self.config.seed, epoch=state.epoch, source_index=s,
                                  world=self.comm.world) for s, p in enumerate(state.sources)]
         for source, shard, record, chunk, age in state.ages:
             self.resume_ages[source][(shard, record, chunk)] = age
 
+    def _virtual_shards(self, source: int) -> int:
+        """Shards per epoch: each listed shard once per pass (`Source.repeat`)."""
+        return len(self.shards[source]) * self.sources[source].repeat
+
     def layout_for(self, source: int, epoch: int) -> EpochLayout:
         if self.resume is not None and epoch == self.resume.epoch:
             return self.resumed_layouts[source]
-        return fresh_layout(len(self.shards[source]), seed=self.config.seed, epoch=epoch,
+        return fresh_layout(self._virtual_shards(source), seed=self.config.seed, epoch=epoch,
                             source_index=source, world=self.comm.world)
 
     def _start_epoch_tracking(self) -> None:
@@ -200,23 +213,22 @@ class Runtime:
 
     def snapshot(self):
         """What `state()` needs to describe the job right after the current step."""
-        return (self.epoch, self.step + 1, tuple(self.mixer.carry.tolist()),
+        return (self.epoch, self.step + 1, self.mixer.to_state(),
                 [t.snapshot() for t in self.trackers])
 
     def state(self, snapshot) -> LoaderState:
         if snapshot is None:   # nothing consumed yet: where this loader would start
             if self.resume is not None:
                 return self.resume
-            return LoaderState(STATE_VERSION, self.config.seed, self.comm.world, 0, 0,
-                               tuple(0.0 for _ in self.sources), ())
-        epoch, step, carry, trackers = snapshot
+            return LoaderState(STATE_VERSION, self.config.seed, self.comm.world, 0, 0, None, ())
+        epoch, step, mixture, trackers = snapshot
         sources, ages = [], []
         for s, (source, (tracker, ranks)) in enumerate(zip(self.sources, trackers)):
             progress, pending = tracker.progress(ranks, source.name, self.listing_crcs[s],
-                                                 len(self.shards[s]))
+                                                 self._virtual_shards(s))
             sources.append(progress)
             ages += [(s, *a) for a in pending]
-        return LoaderState(STATE_VERSION, self.config.seed, self.comm.world, epoch, step, carry,
+        return LoaderState(STATE_VERSION, self.config.seed, self.comm.world, epoch, step, mixture,
                            tuple(sources), tuple(ages))
 
     # -- main -----------------------------------------------------------------------------
@@ -298,31 +310,36 @@ class Runtime:
             gathered = await self._agree(self._summary)
             summaries = decode_summaries(gathered, S)
             candidates, exhausted = summaries.candidates, summaries.exhausted
-            per_source = np.bincount(candidates.source, minlength=S)
-            active = per_source > 0
-            targets = self.mixer.targets(step_tokens, active)
+            has_data = np.bincount(candidates.source, minlength=S) > 0
+            quota = None
             if self.comm.rank == 0:
                 started = time.perf_counter()
-                end_of_epoch = bool(exhausted.all() and len(candidates) == 0)
-                assignment = None if end_of_epoch else self.planner.plan(candidates, targets, self.step)
+                outcome = self.mixer.outcome(has_data, exhausted)
+                assignment = None
+                if outcome == "continue":
+                    quota = self.mixer.plan(candidates, step_tokens, self.step)
+                    assignment = self.planner.plan(quota.candidates, quota.token_targets, self.step)
                 self.step_metrics.plan_ms.append((time.perf_counter() - started) * 1e3)
-                message = encode_plan(assignment, end_of_epoch)
+                message = encode_plan(assignment, OUTCOMES.index(outcome))
             else:
                 message = None
             plan = decode_plan(await self.collectives.run(lambda: self.comm.broadcast(message)))
-            if plan.end_of_epoch:
+            if OUTCOMES[plan.outcome] == "stop":   # a source with on_exhausted="stop" ran out
+                return
+            if OUTCOMES[plan.outcome] == "end_epoch":
                 for b in self.buffers:
                     await b.next_epoch()
                 self.epoch += 1
                 self.step_metrics.epoch = self.epoch
-                self.mixer.carry[:] = 0
+                self.mixer.new_epoch()
                 if self.config.epochs is not None and self.epoch >= self.config.epochs:
                     return
                 self._start_epoch_tracking()
                 continue
+            if quota is None:   # every rank keeps the mixer's state (the schedule's position)
+                quota = self.mixer.plan(candidates, step_tokens, self.step)
+            self.mixer.update(quota, plan.take)
             lengths = candidates.length[plan.take]
-            realized = np.bincount(candidates.source[plan.take], weights=lengths, minlength=S)
-            self.mixer.update(targets, realized, active, step_tokens)
             self._track(summaries, plan)
             self._autoscale()
             batch = await self._deliver(summaries, plan, lengths)
@@ -378,7 +395,8 @@ class Runtime:
             metrics.step_wait_s += float(wait)
 
     def _sample_id(self, source: int, shard: int, record: int, chunk: int) -> str:
-        base = f"{self.sources[source].name}/{self.shards[source][shard].name}/{record}"
+        shards = self.shards[source]
+        base = f"{self.sources[source].name}/{shards[shard % len(shards)].name}/{record}"
         return base if chunk < 0 else f"{base}:{chunk}"
 
     def stats(self) -> dict:

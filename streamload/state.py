@@ -24,8 +24,9 @@ import msgspec
 import numpy as np
 
 from .errors import ConfigError
+from .plan.mixing import MixtureState
 
-STATE_VERSION = 1
+STATE_VERSION = 2
 _END = (2**62, 2**62)   # skip_through for "only the extras"
 
 
@@ -58,7 +59,7 @@ class LoaderState(msgspec.Struct, frozen=True):
     world_size: int
     epoch: int
     step: int
-    mixer_carry: tuple[float, ...]
+    mixture: Optional[MixtureState]      # the schedule's position and carried deficits
     sources: tuple[SourceProgress, ...]
     ages: tuple[tuple[int, int, int, int, int], ...] = ()   # (source, shard, record, chunk, age)
 

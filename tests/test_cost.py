@@ -218,15 +218,18 @@ def test_calibrate_tiny_run_is_sane(tmp_path, capsys):
     from streamload.calibrate import calibrate_main
     out = tmp_path / "cost.json"
     t0 = time.perf_counter()
+    import torch
+    threads = torch.get_num_threads()
     rc = calibrate_main(["--device", "cpu", "--d-model", "64", "--heads", "2", "--tokens", "512",
                          "256", "--min-doc", "32", "--repeats", "2", "--stat", "min",
-                         "--output", str(out)])
+                         "--threads", "1", "--clock", "cpu", "--output", str(out)])
+    assert torch.get_num_threads() == threads       # restored
     assert rc == 0
     assert time.perf_counter() - t0 < 30
     lines = capsys.readouterr().out.strip().splitlines()
     result = json.loads(lines[-1])
     assert {"device", "a", "b", "c", "r2", "max_rel_residual", "rows"} <= set(result)
-    assert result["device"] == "cpu"
+    assert result["device"] == "cpu" and result["threads"] == 1 and result["clock"] == "cpu"
     assert len(result["rows"]) == len(_rows_for([512, 256], 32))
     assert result["b"] > 0            # the linear part always shows
     loaded = CostModel.load(out)
@@ -237,3 +240,19 @@ def test_calibrate_tiny_run_is_sane(tmp_path, capsys):
 def _rows_for(totals, min_doc):
     from streamload.calibrate import calibration_rows
     return calibration_rows(totals, min_doc)
+
+
+def test_cpu_clock_needs_one_thread():
+    torch = pytest.importorskip("torch")
+    from streamload.calibrate import Blocks, time_rows
+    model = Blocks(32, 2, 4, 1, "cpu", torch.float32)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        with pytest.raises(ValueError, match="one torch thread"):
+            time_rows(model, [[16]], clock="cpu")
+        torch.set_num_threads(1)
+        (t,) = time_rows(model, [[16, 16]], repeats=1, clock="cpu")
+        assert t > 0
+    finally:
+        torch.set_num_threads(threads)

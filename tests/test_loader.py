@@ -202,3 +202,66 @@ def test_tokenizing_in_processes_gives_the_same_batches(tmp_path):
                        tokenizer=word_tokenizer, tokenize_in=where, tokenizer_processes=2) as loader:
             runs.append(fingerprint(list(loader)))
     assert runs[0] == runs[1] and runs[0]
+
+
+def test_repeat_and_stop_policies(tmp_path):
+    small = write_jsonl_source(tmp_path, "small", shards=2, per_shard=20, seed=7)
+    big = write_jsonl_source(tmp_path, "big", shards=4, per_shard=200, seed=8)
+    # repeat=3: every sample of "small" three times per epoch, "big" once.
+    with sl.Loader([sl.Source(str(tmp_path / "small"), repeat=3), sl.Source(str(tmp_path / "big"))],
+                   micro_batch_tokens=1024, epochs=1) as loader:
+        _, ids = collect(loader)
+    from collections import Counter
+    counts = Counter(ids)   # by sample (a chunk of a split document is its own sample)
+    assert set(base_ids(ids)) == small | big
+    assert all(n == 3 for i, n in counts.items() if i.startswith("small/"))
+    assert all(n == 1 for i, n in counts.items() if i.startswith("big/"))
+    # on_exhausted="stop": the run ends when "small" runs out, before "big" does.
+    with sl.Loader([sl.Source(str(tmp_path / "small"), weight=1, on_exhausted="stop"),
+                    sl.Source(str(tmp_path / "big"), weight=1)],
+                   micro_batch_tokens=1024, epochs=None) as loader:
+        _, ids = collect(loader)
+    assert set(i for i in base_ids(ids) if i.startswith("small/")) == small
+    assert len([i for i in ids if i.startswith("big/")]) < len(big)
+    with pytest.raises(sl.ConfigError, match="restart"):
+        sl.Loader([sl.Source(str(tmp_path / "small"), on_exhausted="restart")])
+
+
+def test_mixture_schedule_from_a_config_file(tmp_path):
+    write_jsonl_source(tmp_path, "a", shards=2, per_shard=300, median=100, seed=1)
+    write_jsonl_source(tmp_path, "b", shards=2, per_shard=300, median=100, seed=2)
+    config = tmp_path / "job.toml"
+    config.write_text(f"""
+[loader]
+micro_batch_tokens = 1024
+micro_batches = 2
+epochs = 1
+
+[mixture]
+interpolate = "step"
+[[mixture.schedule]]
+at = 0
+weights = {{ a = 0.9, b = 0.1 }}
+[[mixture.schedule]]
+at = 10
+weights = {{ a = 0.1, b = 0.9 }}
+
+[[source]]
+name = "a"
+uri = "{tmp_path / 'a'}"
+[[source]]
+name = "b"
+uri = "{tmp_path / 'b'}"
+""")
+    shares = []
+    with sl.Loader.from_config(config) as loader:
+        for batch in loader:
+            tokens = {"a": 0, "b": 0}
+            for mb in batch.micro_batches:
+                cu = mb.cu_seqlens.numpy()
+                for k, sid in enumerate(mb.sample_ids):
+                    tokens[sid.split("/")[0]] += int(cu[k + 1] - cu[k])
+            shares.append(tokens["a"] / max(1, tokens["a"] + tokens["b"]))
+            if batch.step == 19:
+                break
+    assert np.mean(shares[1:10]) > 0.8 and np.mean(shares[11:20]) < 0.2, shares

@@ -112,24 +112,27 @@ def decode_summaries(gathered: list[np.ndarray], num_sources: int) -> Summaries:
                      exhausted)
 
 
-def encode_plan(assignment: Optional[Assignment], end_of_epoch: bool) -> np.ndarray:
+OUTCOMES = ("continue", "end_epoch", "stop")   # what the job does after this plan
+
+
+def encode_plan(assignment: Optional[Assignment], outcome: int) -> np.ndarray:
     if assignment is None:
-        return np.array([OK, int(end_of_epoch), 0], dtype=np.int64)
+        return np.array([OK, outcome, 0], dtype=np.int64)
     k = len(assignment)
-    return np.concatenate([np.array([OK, int(end_of_epoch), k], dtype=np.int64),
+    return np.concatenate([np.array([OK, outcome, k], dtype=np.int64),
                            assignment.take.astype(np.int64), assignment.rank.astype(np.int64),
                            assignment.row.astype(np.int64)])
 
 
 @dataclass(frozen=True)
 class PlanMessage:
-    end_of_epoch: bool
+    outcome: int          # index into OUTCOMES
     take: np.ndarray
     rank: np.ndarray
     row: np.ndarray
 
 
 def decode_plan(array: np.ndarray) -> PlanMessage:
-    end_of_epoch, k = bool(array[1]), int(array[2])
+    outcome, k = int(array[1]), int(array[2])
     body = array[3:]
-    return PlanMessage(end_of_epoch, body[:k], body[k:2 * k], body[2 * k:3 * k])
+    return PlanMessage(outcome, body[:k], body[k:2 * k], body[2 * k:3 * k])

@@ -82,19 +82,20 @@ class SourceFetcher:
         # memory gate bounds what they hold; the drained shard may always proceed.
         async def start(unit: ReadUnit) -> tuple[Shard, asyncio.Queue]:
             queue: asyncio.Queue = asyncio.Queue()
-            shard = self.shards[unit.shard]
-            self.supervisor.spawn(self._read_shard(shard, unit.keep_filter(), queue),
+            # With repeat=k, a source has k passes of "virtual" shards: v reads shard v % n.
+            shard = self.shards[unit.shard % len(self.shards)]
+            self.supervisor.spawn(self._read_shard(shard, unit.shard, unit.keep_filter(), queue),
                                   name=f"read {self.source.name}/{shard.name}")
-            return shard, queue
+            return unit.shard, queue
 
-        async for shard, queue in ordered_prefetch(units, start, lambda: self.knobs.shards):
-            await self.gate.set_head(shard.index)
+        async for virtual, queue in ordered_prefetch(units, start, lambda: self.knobs.shards):
+            await self.gate.set_head(virtual)
             while (entry := await queue.get()) is not None:
                 items, held = entry
                 await self.buffer.put(items)
-                await self.gate.release(held, shard.index)
+                await self.gate.release(held, virtual)
 
-    async def _read_shard(self, shard: Shard, keep, queue: asyncio.Queue) -> None:
+    async def _read_shard(self, shard: Shard, virtual: int, keep, queue: asyncio.Queue) -> None:
         loop = asyncio.get_running_loop()
         skips: list[tuple[Optional[int], str]] = []
         on_skip = (lambda record, reason: skips.append((record, reason))) \
@@ -109,11 +110,11 @@ class SourceFetcher:
             size = byte_range[1] - byte_range[0]
             reserved = self.gate.reservation(size)
             async with in_order:   # else a later range could hold memory the next one waits for
-                await self.gate.acquire(reserved, shard.index)
+                await self.gate.acquire(reserved, virtual)
             return reserved, size, await self.store.read_range(shard.info.uri, *byte_range)
 
         def to_items(records):
-            return records_to_items(records, shard.index, self.tokenizer,
+            return records_to_items(records, virtual, self.tokenizer,
                                     self.config.micro_batch_tokens, self.config.long_documents,
                                     keep, self.ages)
 
@@ -138,7 +139,7 @@ class SourceFetcher:
             self._record_skips(shard, skips)
             held = sum(item.tokens.nbytes for item in items) + ITEM_OVERHEAD_BYTES * len(items)
             held = held if items else 0
-            await self.gate.settle(reserved, raw_bytes, held, shard.index)
+            await self.gate.settle(reserved, raw_bytes, held, virtual)
             if items:
                 await queue.put((items, held))
 

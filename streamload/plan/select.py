@@ -17,13 +17,16 @@ def arrival_order(c: Candidates) -> np.ndarray:
     return np.lexsort((c.rank, c.position, c.source))
 
 
-def select(c: Candidates, targets: np.ndarray, *, max_age: int | None = None) -> np.ndarray:
+def select(c: Candidates, targets: np.ndarray, *, max_age: int | None = None,
+           counts: np.ndarray | None = None) -> np.ndarray:
     """Indices of selected candidates, interleaved across sources in proportion to their targets.
 
-    `targets[s]` is how many tokens source s should contribute. A source takes items while the
-    tokens taken so far are below its target (so it overshoots by at most one item). When a
-    source has fewer tokens than its target, the shortfall goes to the other sources in
-    proportion to their targets, so the step stays full while any data is left.
+    `targets[s]` is how much source s should contribute, in the unit of `counts`: what each
+    candidate counts toward its source's target (default: its length, so targets are in tokens;
+    `np.ones(len(c))` makes them sample counts). A source takes items while what it took so far
+    is below its target (so it overshoots by at most one item). When a source has less than its
+    target, the shortfall goes to the other sources in proportion to their targets, so the step
+    stays full while any data is left.
     """
     num_sources = c.num_sources
     targets = np.maximum(np.asarray(targets, dtype=np.float64), 0.0).copy()
@@ -33,7 +36,7 @@ def select(c: Candidates, targets: np.ndarray, *, max_age: int | None = None) ->
         overdue = c.age[order] >= max_age
         order = np.concatenate([order[overdue & True], order[~overdue]])
         order = order[np.argsort(c.source[order], kind="stable")]
-    lengths = c.length[order].astype(np.float64)
+    lengths = (c.length if counts is None else np.asarray(counts))[order].astype(np.float64)
     sources = c.source[order]
     bounds = np.searchsorted(sources, np.arange(num_sources + 1))
     available = np.array([lengths[bounds[s]:bounds[s + 1]].sum() for s in range(num_sources)])
