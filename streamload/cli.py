@@ -3,6 +3,7 @@
     streamload demo [--small] [--planner NAME] ...   a multi-source job on 2 gloo ranks
     streamload inspect URI [--format jsonl|tokens]   a source's shards, counts, length histogram
     streamload calibrate [...]                       measure the cost model on this device
+    streamload plan CONFIG.toml --steps N [--ranks R] dry-run a configuration's plan (lengths only)
 
 Each subcommand lives in its own module and is imported only when it runs, so `streamload
 inspect` does not pay for torch.multiprocessing and a missing optional piece breaks only the
@@ -23,6 +24,26 @@ def _demo(args: argparse.Namespace) -> int:
 def _inspect(args: argparse.Namespace) -> int:
     from .inspection import run
     return run(args)
+
+
+def _plan(args: argparse.Namespace) -> int:
+    from .dryrun import run
+    return run(args)
+
+
+def _plan_arguments(parser: argparse.ArgumentParser) -> None:
+    # Here rather than in dryrun.py, so that building the parser does not import the planner.
+    parser.add_argument("config", metavar="CONFIG.toml", help="the configuration file")
+    parser.add_argument("--steps", type=int, default=100, help="steps to plan (default 100)")
+    parser.add_argument("--ranks", type=int, default=8,
+                        help="data-parallel ranks R to plan for (default 8)")
+    parser.add_argument("--max-docs", type=int, default=None, metavar="K",
+                        help="read at most K documents per source (a sample, repeated as "
+                             "needed); default: every document")
+    parser.add_argument("--every", type=int, default=1, metavar="K",
+                        help="print every K-th step in the table (default 1)")
+    parser.add_argument("--json", action="store_true",
+                        help="print one JSON line with the summary and every step, no table")
 
 
 def _calibrate(argv: Sequence[str]) -> int:
@@ -63,6 +84,17 @@ def build_parser() -> argparse.ArgumentParser:
                     "histogram of document lengths (tokens = UTF-8 bytes for text).")
     inspect_arguments(inspect)
     inspect.set_defaults(handler=_inspect)
+
+    plan = sub.add_parser(
+        "plan", help="dry-run a configuration: realized mix and balance per step, no training",
+        description="Read only the sources' lengths (token shards: their offsets index; JSONL: "
+                    "a fast length scan) and run the loader's planning loop on them for N "
+                    "steps: the mixture's quotas, the planner, the head windows. Prints the "
+                    "realized mix against the target and the cost balance across ranks per "
+                    "step, a summary, and the summary as a JSON last line. Exit status 2 for "
+                    "a configuration error.")
+    _plan_arguments(plan)
+    plan.set_defaults(handler=_plan)
 
     # Parsed by calibrate_main itself; listed here for --help.
     sub.add_parser("calibrate", add_help=False,
