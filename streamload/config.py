@@ -75,7 +75,8 @@ class LoaderConfig(msgspec.Struct, kw_only=True):
     on_error: OnError = "raise"
     long_documents: LongDocuments = "split"
     planner: str = "naive"                  # see streamload.plan.planner.METHODS
-    lookahead: int = 4                      # W for planner="lookahead"
+    lookahead: int = 4                      # W for planner="lookahead" (also its max deferral)
+    max_deferral: Optional[int] = None      # a sample offered this many steps is taken first
     window_factor: float = 2.0              # head window per source per rank, in steps' worth of quota
     buffer_tokens: Optional[int] = None     # per source per rank; default: 2 windows + one row
     prefetch_steps: int = 2                 # planned batches queued ahead of the trainer
@@ -108,6 +109,8 @@ class LoaderConfig(msgspec.Struct, kw_only=True):
             positive_int(key)
         if self.epochs is not None:
             positive_int("epochs")
+        if self.max_deferral is not None:
+            positive_int("max_deferral")
         if self.buffer_tokens is not None:
             positive_int("buffer_tokens")
             if self.buffer_tokens < self.micro_batch_tokens:

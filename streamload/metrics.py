@@ -50,6 +50,9 @@ class StepMetrics:
     imbalance_sum: float = 0.0
     plan_ms: deque = field(default_factory=lambda: deque(maxlen=256))
     exchanged_tokens: int = 0
+    deferral_max: int = 0       # most steps any delivered sample waited in a window
+    deferral_sum: int = 0
+    delivered: int = 0
     stall_s: float = 0.0        # time the trainer waited in next()
 
     def record(self, rank_tokens: np.ndarray, rank_cost: np.ndarray) -> None:
@@ -69,4 +72,6 @@ class StepMetrics:
             "imbalance_mean": self.imbalance_sum / self.steps if self.steps else None,
             "plan_ms_median": float(np.median(plan)) if plan.size else None,
             "exchanged_tokens": self.exchanged_tokens, "stall_s": self.stall_s,
+            "deferral_max": self.deferral_max,
+            "deferral_mean": self.deferral_sum / self.delivered if self.delivered else None,
         }

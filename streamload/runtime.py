@@ -57,7 +57,7 @@ class Runtime:
         self.geometry = Geometry(comm.world, config.micro_batches, config.micro_batch_tokens)
         self.cost = CostModel(config.cost_a, config.cost_b, config.document_masking)
         self.planner = Planner(self.geometry, self.cost, method=config.planner, seed=config.seed,
-                               **({"lookahead": config.lookahead} if config.planner == "lookahead" else {}))
+                               max_age=config.max_deferral, lookahead=config.lookahead)
         restarting = [s.name for s in sources if s.on_exhausted == "restart"]
         if restarting:
             raise ConfigError(f"sources {restarting}: on_exhausted='restart' is not supported by "
@@ -381,7 +381,13 @@ class Runtime:
         rank_cost = self.cost.row_costs(lengths, rank_rows, R * M).reshape(R, M).sum(axis=1)
         self.step_metrics.record(rank_tokens, rank_cost)
         self.step_metrics.exchanged_tokens += int(lengths[holder != plan.rank].sum())
-        return Batch(self.step, self.epoch, micro_batches, rank_tokens, rank_cost)
+        ages = c.age[plan.take]
+        deferral = int(ages.max()) if ages.size else 0
+        self.step_metrics.deferral_max = max(self.step_metrics.deferral_max, deferral)
+        self.step_metrics.deferral_sum += int(ages.sum())
+        self.step_metrics.delivered += int(ages.size)
+        return Batch(self.step, self.epoch, micro_batches, rank_tokens, rank_cost,
+                     max_deferral=deferral)
 
     def _autoscale(self) -> None:
         now = time.perf_counter()

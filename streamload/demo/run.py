@@ -205,7 +205,7 @@ def _print_header(world: int) -> None:
     per = "per rank" if world <= 4 else "min / max"
     print(f"{'step':>6} | {'tokens ' + per:>{max(17, 8 * min(world, 4))}} | "
           f"{'predicted cost ' + per:>{max(24, 8 * min(world, 4))}} | {'imbal.':>6} | "
-          f"{'tok/s so far':>12}", flush=True)
+          f"{'defer':>5} | {'tok/s so far':>12}", flush=True)
 
 
 def _print_step(batch, tokens_so_far: float, elapsed: float) -> None:
@@ -215,7 +215,7 @@ def _print_step(batch, tokens_so_far: float, elapsed: float) -> None:
     rate = tokens_so_far / elapsed if elapsed > 0 else 0.0
     print(f"{batch.step:>6} | {tokens:>{max(17, 8 * min(world, 4))}} | "
           f"{costs:>{max(24, 8 * min(world, 4))}} | {batch.imbalance:>6.3f} | "
-          f"{_fmt_count(rate):>12}", flush=True)
+          f"{batch.max_deferral:>5} | {_fmt_count(rate):>12}", flush=True)
 
 
 def _run_ranks(world: int, job: dict, timeout: float) -> list[dict]:

@@ -8,23 +8,29 @@ add up, so bins are ranks. With plain causal attention a row's cost is a convex 
 token count, so the best plan evens out row fills, and every row is a bin of its own whose
 weight is its token count.
 
-Phases, in order (each one vectorized over bins; Python loops run per round, not per item):
+Phases, in order (vectorized over bins; Python loops run per round, never per item):
 
-1. **Forced** items (waited `max_age` steps or more) go first, longest first, so they always fit
-   while they take at most half the step's capacity (first-fit-decreasing cannot fail then).
-2. **Keep at home.** Every rank keeps its own largest items up to `keep_fraction` of the fair
-   share. This costs nothing in balance because phase 3 evens out what is left, and it keeps most
-   bytes off the network.
-3. **LPT.** The rest go, heaviest first, to the least loaded bin with room, in rounds: a round
-   hands one item to each bin whose load is below (least load + next item's weight), which is
-   what one-at-a-time LPT would do for those items.
-4. **Refinement.** Moves and swaps between the most loaded bin and the least loaded ones while
-   they lower the maximum.
-5. **Home swap.** Items with the same length and cost are interchangeable; they are permuted
-   among their slots so as many as possible land on the rank that holds them. Free in balance.
+1. **Heavy items by LPT**, heaviest first, each to the bin with the least *projected* load that
+   has room, in rounds: a round hands one item to every bin within one item's weight of the
+   least loaded one, which is what one-at-a-time LPT would do for those items. An item goes to
+   the rank that holds it instead when that rank is in the round and costs little more.
+2. **Light items by water-filling** (items under `LIGHT_SHARE` of a rank's fair load: most of
+   them by count, few of the cost). A water level gives every bin an allowance of tokens; each
+   bin first keeps light items it holds itself, the rest go out in waves, largest item into
+   largest gap, never past a row's capacity or a bin's allowance.
+3. **Forced** items (waited `max_age` steps) ride along with the rest, ahead of the others;
+   one left out displaces non-forced items from a row (`_repair`). Should even that fail, the
+   plan is made again with the forced items placed first, longest first, which cannot fail while
+   they take at most half the step's capacity (first-fit-decreasing).
+4. **Refinement** (R <= 64): moves and swaps between the most loaded bin and the least loaded
+   ones while they lower the maximum.
+5. **Trim.** With the step full, bins whose documents came out costlier per token sit above the
+   rest with no room to even out. Their light items wait one step when that raises tokens per
+   unit of step time (the next step is full anyway).
 
-Items that fit nowhere without raising the step's maximum stay untaken; the coordinator offers
-them again next step with age + 1, and `max_age` bounds how often that can happen.
+Items not taken stay in their buffers; the coordinator offers them again with age + 1, and
+`max_age` bounds how often that can happen. When the selection leaves room to spare (under
+`TIGHT` of the capacity) nothing that fits is left out.
 """
 from __future__ import annotations
 
@@ -33,8 +39,11 @@ import numpy as np
 from .cost import CostModel
 from .types import Assignment, Candidates, Geometry
 
-KEEP_FRACTION = 0.85     # share of the fair load each rank keeps from its own buffer
 _EPS = 1e-9
+TIGHT = 0.98             # selections with this share of the step's capacity fill the step
+HOME_SLACK = 0.25        # an item may go home this many of its weights above the LPT choice
+DROP_SHARE = 0.1         # refinement may leave out items up to this share of the top bin
+LIGHT_SHARE = 1 / 256    # an item is light below this fraction of a bin's fair load
 
 
 def item_costs(c: Candidates, idx: np.ndarray, cost: CostModel) -> np.ndarray:
@@ -58,19 +67,42 @@ def exchanged_tokens(c: Candidates, assignment: Assignment) -> int:
 
 
 class _Bins:
-    """Fill state of `num_bins` bins with `rows` rows of `capacity` tokens each."""
+    """Fill state of `num_bins` bins with `rows` rows of `capacity` tokens each.
 
-    def __init__(self, num_bins: int, rows: int, capacity: int, weight, length, home_bin):
+    Besides the load (cost) of each bin, it keeps a *projected* load used to choose bins: every
+    bin will be topped up to about `target_tokens` tokens with light items, which cost about
+    `light_density` per token, so a bin short of that will cost that much more by the end. With
+    the step's tokens close to capacity (the usual case) this balances the part of the cost that
+    is not linear in tokens, and the token fill along with it.
+    """
+
+    def __init__(self, num_bins: int, rows: int, capacity: int, weight, length, home_bin,
+                 light_density: float = 0.0, target_tokens: float = 0.0):
         self.num_bins, self.rows, self.capacity = num_bins, rows, capacity
         self.fill = np.zeros((num_bins, rows), dtype=np.int64)
         self.load = np.zeros(num_bins, dtype=np.float64)
+        self.tokens = np.zeros(num_bins, dtype=np.int64)
         self.maxroom = np.full(num_bins, capacity, dtype=np.int64)
+        self.light_density, self.target_tokens = light_density, target_tokens
         self.weight = weight            # per item (local index)
         self.length = length
         self.home_bin = home_bin        # -1 where an item has no home bin
         n = weight.shape[0]
         self.bin = np.full(n, -1, dtype=np.int64)
         self.row = np.full(n, -1, dtype=np.int64)
+
+    def reset(self) -> None:
+        self.fill[:] = 0
+        self.load[:] = 0.0
+        self.tokens[:] = 0
+        self.maxroom[:] = self.capacity
+        self.bin[:] = -1
+        self.row[:] = -1
+
+    def projected(self, bins=None) -> np.ndarray:
+        load = self.load if bins is None else self.load[bins]
+        tokens = self.tokens if bins is None else self.tokens[bins]
+        return load + self.light_density * np.maximum(self.target_tokens - tokens, 0.0)
 
     def place(self, items: np.ndarray, bins: np.ndarray) -> np.ndarray:
         """Best-fit each item into a row of its bin (bins pairwise distinct). Returns success."""
@@ -85,19 +117,20 @@ class _Bins:
         b, r, it = bins[ok], row[ok], items[ok]
         self.fill[b, r] += lengths[ok]
         self.load[b] += self.weight[it]
+        self.tokens[b] += lengths[ok]
         self.maxroom[b] = self.capacity - self.fill[b].min(axis=1)
         self.bin[it] = b
         self.row[it] = r
         return ok
 
     def place_one(self, item: int, cap: float | None) -> bool:
-        """Put one item on the least loaded bin with room; refuse if that would exceed `cap`."""
-        length = self.length[item]
-        fits = np.flatnonzero(self.maxroom >= length)
+        """Put one item on the bin with room and the least projected load; refuse if its load
+        would exceed `cap`."""
+        fits = np.flatnonzero(self.maxroom >= self.length[item])
         if fits.size == 0:
             return False
-        best = fits[np.argmin(self.load[fits])]                      # ties: lowest bin
-        if cap is not None and self.load[best] + self.weight[item] > cap + _EPS:
+        best = fits[np.argmin(self.projected(fits))]                # ties: lowest bin
+        if cap is not None and self.load[best] + self.weight[item] > cap * (1 + 1e-12):
             return False
         return bool(self.place(np.array([item]), np.array([best]))[0])
 
@@ -105,6 +138,7 @@ class _Bins:
         b, r = self.bin[item], self.row[item]
         self.fill[b, r] -= self.length[item]
         self.load[b] -= self.weight[item]
+        self.tokens[b] -= self.length[item]
         self.maxroom[b] = self.capacity - self.fill[b].min()
         self.bin[item] = -1
         self.row[item] = -1
@@ -112,85 +146,351 @@ class _Bins:
     def put(self, item: int, b: int, r: int) -> None:
         self.fill[b, r] += self.length[item]
         self.load[b] += self.weight[item]
+        self.tokens[b] += self.length[item]
         self.maxroom[b] = self.capacity - self.fill[b].min()
         self.bin[item] = b
         self.row[item] = r
 
 
-def _lpt(bins: _Bins, queue: np.ndarray, *, capped: bool, tries: int = 1) -> None:
-    """Place `queue` (sorted heaviest first) by batched LPT; see the module docstring.
+def _pair_home(chunk: np.ndarray, eligible: np.ndarray, keys: np.ndarray, weight: np.ndarray,
+               home_bin: np.ndarray, slot_of_bin: np.ndarray, slack: float) -> np.ndarray:
+    """Bins for one LPT round (`eligible` sorted by projected load `keys`).
 
-    An item that misses its bin (no row with room) falls back to the least loaded bin with room.
-    With `capped`, that fallback may not raise the current maximum load (the item stays untaken).
+    LPT gives the j-th heaviest item the j-th least loaded bin. An item goes to its home bin
+    instead when that bin is in the round, not claimed by a heavier item, and loaded at most
+    `slack` times the item's weight above the bin LPT would give it. The rest take the
+    remaining bins in order, heaviest item to least loaded bin."""
+    k = chunk.size
+    home = home_bin[chunk]
+    slot_of_bin[eligible] = np.arange(eligible.size)    # scratch, one entry per bin
+    slot = np.where(home >= 0, slot_of_bin[np.maximum(home, 0)], -1)
+    slot_of_bin[eligible] = -1
+    near = keys[np.maximum(slot, 0)] <= keys[np.arange(k)] + slack * weight[chunk]
+    wants = np.flatnonzero((slot >= 0) & near)
+    _, first = np.unique(slot[wants], return_index=True)
+    winners = wants[first]                              # the heaviest item per claimed bin
+    targets = np.full(k, -1, dtype=np.int64)
+    targets[winners] = eligible[slot[winners]]
+    free_slots = np.ones(eligible.size, dtype=bool)
+    free_slots[slot[winners]] = False
+    losers = np.flatnonzero(targets < 0)
+    targets[losers] = eligible[np.flatnonzero(free_slots)[:losers.size]]
+    return targets
+
+
+def _lpt(bins: _Bins, queue: np.ndarray, *, cap: float | None, home_first: bool = False,
+         forced: np.ndarray | None = None, home_slack: float = 0.0) -> None:
+    """Place `queue` (heaviest first) by batched LPT on the projected load.
+
+    A round only uses bins with room for its first item. An item that still misses (a longer
+    one later in the round) falls back to the best bin with room. With `cap`, no item goes where
+    it would lift a bin above max(cap, current maximum load): it stays untaken, unless it is
+    `forced`.
     """
-    n = queue.size
-    if n == 0:
-        return
     w, length = bins.weight, bins.length
-    # Smallest length still queued (suffix minimum): bins with less room are useless.
-    suffix_min = np.minimum.accumulate(length[queue][::-1])[::-1]
-    misses = {}
-    pending = np.zeros(0, dtype=np.int64)
-    ptr = 0
-    while ptr < n or pending.size:
-        smallest = suffix_min[ptr] if ptr < n else np.iinfo(np.int64).max
-        if pending.size:
-            smallest = min(smallest, int(length[pending].min()))
-        open_bins = np.flatnonzero(bins.maxroom >= smallest)
+    slot_of_bin = np.full(bins.num_bins, -1, dtype=np.int64)
+    while queue.size:
+        head = queue[0]
+        open_bins = np.flatnonzero(bins.maxroom >= length[head])
+        limit = None if cap is None else max(cap, float(bins.load.max())) * (1 + 1e-12)
+        if forced is not None and forced[head]:
+            limit = None                               # a forced item goes in regardless
+        if limit is not None and open_bins.size:
+            open_bins = open_bins[bins.load[open_bins] + w[head] <= limit]
         if open_bins.size == 0:
-            break
-        head = pending[0] if pending.size else queue[ptr]
-        loads = bins.load[open_bins]
-        eligible = open_bins[loads < loads.min() + max(w[head], _EPS)]
-        eligible = eligible[np.lexsort((eligible, bins.load[eligible]))]
-        take_queue = max(0, min(eligible.size - pending.size, n - ptr))
-        chunk = np.concatenate([pending[:eligible.size], queue[ptr:ptr + take_queue]])
-        pending = pending[eligible.size:]
-        ptr += take_queue
-        ok = bins.place(chunk, eligible[:chunk.size])
-        failed = chunk[~ok]
-        retry = []
-        for item in failed.tolist():
-            misses[item] = misses.get(item, 0) + 1
-            if misses[item] < tries:
-                retry.append(item)
-            else:
-                bins.place_one(item, float(bins.load.max()) if capped else None)
-        if retry:
-            pending = np.concatenate([np.asarray(retry, dtype=np.int64), pending])
+            # The head fits nowhere: drop every queued item that fits nowhere either.
+            least = float(bins.load.min())
+            fits = length[queue] <= bins.maxroom.max()
+            if limit is not None:
+                fits &= least + w[queue] <= limit
+            fits[0] = False
+            queue = queue[fits]
+            continue
+        keys = bins.projected(open_bins)
+        near = keys < keys.min() + max(w[head], _EPS)
+        eligible, keys = open_bins[near], keys[near]
+        order = np.argsort(keys, kind="stable")
+        eligible, keys = eligible[order], keys[order]
+        chunk, queue = queue[:eligible.size], queue[eligible.size:]
+        targets = (_pair_home(chunk, eligible, keys, w, bins.home_bin, slot_of_bin, home_slack)
+                   if home_first else eligible[:chunk.size])
+        if limit is not None:
+            allowed = bins.load[targets] + w[chunk] <= limit
+            if forced is not None:
+                allowed |= forced[chunk]
+            queue = np.concatenate([chunk[~allowed], queue])     # their turn comes again
+            chunk, targets = chunk[allowed], targets[allowed]
+            if chunk.size == 0:
+                continue
+        ok = bins.place(chunk, targets)
+        for item in chunk[~ok].tolist():
+            bins.place_one(item, None if forced is not None and forced[item] else limit)
 
 
-def _keep_home(bins: _Bins, items: np.ndarray, budget: np.ndarray) -> np.ndarray:
-    """Each home bin keeps its heaviest items while their cost stays within `budget[bin]`.
+def _level(load: np.ndarray, room: np.ndarray, density: float, tokens: float, limit: float | None):
+    """Water level L with sum(clip((L - load) / density, 0, room)) = tokens (or the most room
+    allows, or `limit`). Returns each bin's allowance in tokens."""
+    def allowance(level):
+        return np.clip((level - load) / density, 0.0, room)
+    lo = float(load.min())
+    hi = float((load + density * room).max())
+    if limit is not None:
+        hi = min(hi, limit)
+    if hi <= lo or allowance(hi).sum() <= tokens:
+        return allowance(max(hi, lo))
+    for _ in range(48):                                # bisection: deterministic and O(B) each
+        mid = 0.5 * (lo + hi)
+        if allowance(mid).sum() < tokens:
+            lo = mid
+        else:
+            hi = mid
+    return allowance(hi)
 
-    Returns the items not kept. Rounds go by position: round j places the j-th item of every bin.
+
+def _group_starts(keys: np.ndarray) -> np.ndarray:
+    """For a sorted array, the index where each element's run of equal values starts. O(n)."""
+    n = keys.shape[0]
+    if n == 0:
+        return np.zeros(0, dtype=np.int64)
+    new = np.empty(n, dtype=bool)
+    new[0] = True
+    np.not_equal(keys[1:], keys[:-1], out=new[1:])
+    return np.maximum.accumulate(np.where(new, np.arange(n), 0))
+
+
+def _sorted_by(*keys: tuple[np.ndarray, int]) -> np.ndarray:
+    """Indices that sort by several non-negative integer keys, the first one most significant,
+    ties kept in their current order (stable).
+
+    Each key comes with its exclusive upper bound. Keys are packed into one integer; when that
+    fits in 16 bits NumPy's stable sort is a radix sort, which is what makes this cheap.
     """
+    bound = 1
+    packed = np.zeros(keys[0][0].shape[0], dtype=np.int64)
+    for key, key_bound in keys:
+        bound *= max(int(key_bound), 1)
+        packed *= max(int(key_bound), 1)
+        packed += key
+    if bound > 2 ** 62:
+        return np.lexsort(tuple(k for k, _ in reversed(keys)))
+    dtype = np.uint16 if bound <= 2 ** 16 else np.uint32 if bound <= 2 ** 32 else np.int64
+    return np.argsort(packed.astype(dtype, copy=False), kind="stable")
+
+
+def _put_many(bins: _Bins, items: np.ndarray, cells: np.ndarray, gaps: np.ndarray) -> None:
+    """Place items into flat row indices (several per row allowed); shrink `gaps` to match."""
+    M, B = bins.rows, bins.num_bins
+    lengths = bins.length[items]
+    b, r = cells // M, cells % M
+    per_cell = np.bincount(cells, weights=lengths, minlength=B * M)
+    bins.fill += per_cell.astype(np.int64).reshape(B, M)
+    bins.load += np.bincount(b, weights=bins.weight[items], minlength=B)
+    bins.tokens += np.bincount(b, weights=lengths, minlength=B).astype(np.int64)
+    gaps -= per_cell
+    bins.bin[items] = b
+    bins.row[items] = r
+
+
+def _keep_home(bins: _Bins, items: np.ndarray, gaps: np.ndarray) -> np.ndarray:
+    """Each bin's own items (in the given order) into its own gaps by cumulative tokens.
+
+    Bin b's rows cover [b * span, b * span + its gaps) of one axis, so nothing spills into
+    another bin. Returns the items not kept (an item that straddles two rows, or passes the
+    bin's gaps, or has no home), in the given order.
+    """
+    B, M, C = bins.num_bins, bins.rows, bins.capacity
+    length = bins.length
     home = bins.home_bin[items]
-    w = bins.weight[items]
-    order = np.lexsort((items, -w, home))
-    items, home, w = items[order], home[order], w[order]
-    starts = np.searchsorted(home, home, side="left")
-    csum = np.cumsum(w)
-    before = csum - w - (csum[starts] - w[starts])          # cost of earlier items of the same bin
-    keep = before + w <= budget[home] + _EPS
-    # A bin whose heaviest item alone exceeds the budget still keeps it: it is the bottleneck
-    # wherever it goes, and moving it costs bytes.
-    keep |= (np.arange(items.size) == starts) & (budget[home] > 0)
-    # `before + w` grows along a bin's items, so what each bin keeps is a prefix.
-    kept, kept_home = items[keep], home[keep]
-    position = np.arange(kept.size) - np.searchsorted(kept_home, kept_home, side="left")
-    rest = [items[~keep]]
-    by_pos = np.argsort(position, kind="stable")
-    bounds = np.searchsorted(position[by_pos], np.arange(position.max() + 2 if kept.size else 1))
-    for j in range(bounds.size - 1):
-        sel = by_pos[bounds[j]:bounds[j + 1]]
-        ok = bins.place(kept[sel], kept_home[sel])
-        rest.append(kept[sel][~ok])
-    return np.concatenate(rest)
+    own = np.flatnonzero(home >= 0)
+    own = own[_sorted_by((home[own], B))]
+    own_items, own_home = items[own], home[own]
+    lengths = length[own_items]
+    csum = np.cumsum(lengths)
+    starts = _group_starts(own_home)
+    span = float(M * C + 1)
+    end = own_home * span + (csum - (csum[starts] - lengths[starts]))
+    cell_end = (np.cumsum(gaps.reshape(B, M), axis=1) + (np.arange(B) * span)[:, None]).ravel()
+    slot = np.minimum(np.searchsorted(cell_end, end - 0.5, side="left"), B * M - 1)
+    ok = (end - lengths >= cell_end[slot] - gaps[slot] - 0.5) & (end <= cell_end[slot] + 0.5)
+    _put_many(bins, own_items[ok], slot[ok], gaps)
+    rest = np.ones(items.size, dtype=bool)
+    rest[own[ok]] = False
+    return items[rest]
 
 
-def _refine(bins: _Bins, max_iters: int, neighbours: int = 16,
-            drop: np.ndarray | None = None) -> None:
+def _waves(bins: _Bins, items: np.ndarray, gaps: np.ndarray, max_waves: int = 64) -> np.ndarray:
+    """Items (largest first) into rows, at most one per row per wave, never past a row's gap.
+
+    In a wave, rows with room go largest gap first, and each takes the largest remaining item
+    that fits in it. Gaps and items both descend, so the matching is monotone: the item index
+    for the j-th gap is j + running max of (first fitting index - j). Returns what is left.
+    """
+    length = bins.length
+    for _ in range(max_waves):
+        if items.size == 0:
+            break
+        cells = np.flatnonzero(gaps >= length[items[-1]] - 0.5)
+        if cells.size == 0:
+            break
+        cells = cells[np.lexsort((cells, -gaps[cells]))]
+        ascending = length[items[::-1]]
+        first_fit = items.size - np.searchsorted(ascending, gaps[cells] + 0.5, side="right")
+        j = np.arange(cells.size)
+        pick = j + np.maximum.accumulate(first_fit - j)
+        ok = pick < items.size
+        if not ok.any():
+            break
+        _put_many(bins, items[pick[ok]], cells[ok], gaps)
+        keep = np.ones(items.size, dtype=bool)
+        keep[pick[ok]] = False
+        items = items[keep]
+    return items
+
+
+def _fill_light(bins: _Bins, items: np.ndarray, *, cap: float | None, home_first: bool,
+                forced: np.ndarray | None = None) -> np.ndarray:
+    """Spread many small items in a few vectorized passes (see the module docstring).
+
+    A water level gives every bin an allowance of tokens, split over the bin's rows in
+    proportion to their free space (the rows' *gaps*); no row ever takes more than its gap.
+    First each bin keeps its own items in its own gaps, then the rest go largest first in
+    waves. Forced items (bool per item in `forced`) go before the others, and past the
+    allowance where they must. Returns the items not placed.
+    """
+    if items.size == 0:
+        return items
+    B, M, C = bins.num_bins, bins.rows, bins.capacity
+    length = bins.length
+    free = (C - bins.fill).astype(np.float64)
+    free[free < length[items].min()] = 0.0
+    room = free.sum(axis=1)
+    density = max(float(bins.weight[items].sum()) / float(length[items].sum()), _EPS)
+    limit = None if cap is None else max(cap, float(bins.load.max()))
+    allowance = _level(bins.load, room, density, float(length[items].sum()), limit)
+    gaps = (free * (allowance / np.maximum(room, 1.0))[:, None]).ravel()
+    items = items[_sorted_by((C - length[items], C + 1))]            # largest first
+
+    left = []
+    must = forced[items] if forced is not None else np.zeros(items.size, dtype=bool)
+    for group, is_forced in ((items[must], True), (items[~must], False)):
+        if group.size == 0:
+            continue
+        if home_first:
+            group = _keep_home(bins, group, gaps)
+        group = _waves(bins, group, gaps)
+        if is_forced and group.size:
+            # Past the allowance: wherever a row has room. Then no gap may exceed real room.
+            real = (C - bins.fill).astype(np.float64).ravel()
+            group = _waves(bins, group, real)
+            np.minimum(gaps, (C - bins.fill).astype(np.float64).ravel(), out=gaps)
+        left.append(group)
+    bins.maxroom = C - bins.fill.min(axis=1)
+    return np.concatenate(left) if left else items[:0]
+
+
+def _repair(bins: _Bins, missing: np.ndarray, forced: np.ndarray) -> bool:
+    """Make room for forced items left out: each takes a row where it fits once non-forced
+    items leave (fewest tokens evicted, then least loaded bin). False if one fits nowhere."""
+    if missing.size == 0:
+        return True
+    C, M = bins.capacity, bins.rows
+    length = bins.length
+    placed_forced = np.flatnonzero(forced & (bins.bin >= 0))
+    forced_fill = np.bincount(bins.bin[placed_forced] * M + bins.row[placed_forced],
+                              weights=length[placed_forced], minlength=bins.num_bins * M)
+    for item in missing[np.lexsort((missing, -length[missing]))].tolist():
+        l = int(length[item])
+        fill = bins.fill.ravel()
+        ok = np.flatnonzero(forced_fill + l <= C)
+        if ok.size == 0:
+            return False
+        evict = np.maximum(fill[ok] + l - C, 0)
+        best = ok[np.lexsort((ok, bins.load[ok // M], evict))[0]]
+        b, r = divmod(int(best), M)
+        if fill[best] + l > C:
+            in_row = np.flatnonzero((bins.bin == b) & (bins.row == r) & ~forced)
+            in_row = in_row[np.lexsort((in_row, -length[in_row]))]
+            freed = np.cumsum(length[in_row])
+            n = int(np.searchsorted(freed, fill[best] + l - C, side="left")) + 1
+            for other in in_row[:n].tolist():
+                bins.remove(other)
+        bins.put(item, b, r)
+        forced_fill[best] += l
+    return True
+
+
+def _trim(bins: _Bins, droppable: np.ndarray, levels: int = 64) -> np.ndarray:
+    """Lower the most loaded bins to a common level by leaving light items for the next step,
+    when that raises tokens per unit of step time. Returns the items left out.
+
+    With the step full, bins whose documents came out costlier per token end up above the rest
+    with no room to even out. Their light items can wait one step: the next step is full
+    anyway, so what counts is how long this one takes. The level is chosen among `levels`
+    candidates, to maximize (tokens taken) / (largest load).
+    """
+    placed = np.flatnonzero((bins.bin >= 0) & droppable)
+    if placed.size == 0:
+        return placed
+    B = bins.num_bins
+    w, length = bins.weight, bins.length
+    load = bins.load
+    floor = load - np.bincount(bins.bin[placed], weights=w[placed], minlength=B)
+    top = float(load.max())
+    lowest = float(floor.max())
+    if lowest >= top:
+        return placed[:0]
+    tokens = float(bins.tokens.sum())
+    density = float(w[placed].sum()) / float(length[placed].sum())
+    level = np.linspace(lowest, top, levels + 1)
+    lost = np.maximum(load[None, :] - level[:, None], 0.0).sum(axis=1) / density
+    efficiency = (tokens - lost) / np.maximum(level, _EPS)
+    best = int(np.argmax(efficiency))
+    if efficiency[best] <= tokens / top * (1 + 1e-6):
+        return placed[:0]
+    cut = level[best]
+    over = placed[load[bins.bin[placed]] > cut]
+    # Per bin, lightest items first, until the bin is at the level.
+    over = over[np.lexsort((over, w[over], bins.bin[over]))]
+    b = bins.bin[over]
+    csum = np.cumsum(w[over])
+    starts = _group_starts(b)
+    before = csum - w[over] - (csum[starts] - w[over][starts])
+    out = over[before < load[b] - cut - 1e-9 * top]
+    ob, orow = bins.bin[out], bins.row[out]
+    M = bins.rows
+    bins.fill -= np.bincount(ob * M + orow, weights=length[out],
+                             minlength=B * M).astype(np.int64).reshape(B, M)
+    bins.load -= np.bincount(ob, weights=w[out], minlength=B)
+    bins.tokens -= np.bincount(ob, weights=length[out], minlength=B).astype(np.int64)
+    bins.maxroom = bins.capacity - bins.fill.min(axis=1)
+    bins.bin[out] = -1
+    bins.row[out] = -1
+    return out
+
+
+class _Members:
+    """Items of each bin, for the few bins that refinement looks at."""
+
+    def __init__(self, bins: _Bins):
+        self.bins = bins
+        self.order = np.argsort(bins.bin, kind="stable")
+        self.starts = np.searchsorted(bins.bin[self.order], np.arange(-1, bins.num_bins + 1))
+        self.arrived: dict[int, list[int]] = {}
+
+    def of(self, b: int) -> np.ndarray:
+        first = self.order[self.starts[b + 1]:self.starts[b + 2]]
+        extra = self.arrived.get(b)
+        if extra:
+            first = np.concatenate([first, np.asarray(extra, dtype=np.int64)])
+            first = np.unique(first)
+        return first[self.bins.bin[first] == b]
+
+    def moved(self, item: int, b: int) -> None:
+        self.arrived.setdefault(b, []).append(item)
+
+
+def _refine(bins: _Bins, max_iters: int, neighbours: int = 16, swap_neighbours: int = 4,
+            drop: np.ndarray | None = None, tolerance: float = 1e-4) -> None:
     """Moves and swaps off the most loaded bin while they lower the maximum.
 
     With `drop` (bool per item: may be left out), when nothing else helps, an item of the most
@@ -198,16 +498,19 @@ def _refine(bins: _Bins, max_iters: int, neighbours: int = 16,
     """
     w, length, C = bins.weight, bins.length, bins.capacity
     B = bins.num_bins
-    if B < 2:
+    if B < 2 or max_iters <= 0:
         return
+    members = _Members(bins)
     for _ in range(max_iters):
         top = int(np.argmax(bins.load))
         cur = bins.load[top]
-        others = np.flatnonzero(np.arange(B) != top)
-        k = min(neighbours, others.size)
-        low = others[np.argpartition(bins.load[others], k - 1)[:k]] if k < others.size else others
-        low = low[np.lexsort((low, bins.load[low]))]
-        xs = np.flatnonzero(bins.bin == top)
+        if cur <= bins.load.mean() * (1 + tolerance):
+            break
+        k = min(neighbours + 1, B)
+        low = np.argpartition(bins.load, k - 1)[:k] if k < B else np.arange(B)
+        low = low[low != top]
+        low = low[np.lexsort((low, bins.load[low]))][:neighbours]
+        xs = members.of(top)
         if xs.size == 0:
             break
         best_new, best = cur - max(1e-7 * cur, _EPS), None
@@ -221,9 +524,8 @@ def _refine(bins: _Bins, max_iters: int, neighbours: int = 16,
             if new.flat[flat] < best_new:
                 best_new = new.flat[flat]
                 best = ("move", xs[flat // low.size], low[flat % low.size])
-        # Swaps: x on top with y on one of the low bins.
-        in_low = np.isin(bins.bin, low)
-        ys = np.flatnonzero(in_low)
+        # Swaps: x on top with y on one of the lowest bins.
+        ys = np.concatenate([members.of(int(q)) for q in low[:swap_neighbours]])
         if ys.size:
             wy, ly = w[ys], length[ys]
             d = wx[:, None] - wy[None, :]
@@ -240,10 +542,12 @@ def _refine(bins: _Bins, max_iters: int, neighbours: int = 16,
         if best is None and drop is not None:
             # No move or swap helps: leave out a light item of the top bin when that raises
             # tokens per unit of step time (the step is as slow as its slowest rank).
-            xd = xs[drop[xs]]
+            # Only items small against the bin: a heavy one would be the bottleneck of
+            # whichever step takes it, so leaving it out only postpones the cost.
+            xd = xs[drop[xs] & (w[xs] <= DROP_SHARE * cur)]
             if xd.size:
-                second = float(np.max(bins.load[others]))
-                total = float(length[bins.bin >= 0].sum())
+                second = float(np.partition(bins.load, B - 2)[B - 2])
+                total = float(bins.tokens.sum())
                 new_max = np.maximum(cur - w[xd], second)
                 efficiency = (total - length[xd]) / np.maximum(new_max, _EPS)
                 pick = int(np.argmax(efficiency))
@@ -254,118 +558,121 @@ def _refine(bins: _Bins, max_iters: int, neighbours: int = 16,
         if best[0] == "drop":
             bins.remove(best[1])
         elif best[0] == "move":
-            x, q = best[1], best[2]
+            x, q = int(best[1]), int(best[2])
             bins.remove(x)
             room = C - bins.fill[q]
-            fits_row = room >= length[x]
-            r = int(np.argmin(np.where(fits_row, room, C + 1)))
+            r = int(np.argmin(np.where(room >= length[x], room, C + 1)))
             bins.put(x, q, r)
+            members.moved(x, q)
         else:
-            x, y = best[1], best[2]
+            x, y = int(best[1]), int(best[2])
             bx, rx, by, ry = bins.bin[x], bins.row[x], bins.bin[y], bins.row[y]
             bins.remove(x)
             bins.remove(y)
             bins.put(x, by, ry)
             bins.put(y, bx, rx)
-
-
-def _home_swap(length, extra, item_rank, home, slot_key) -> np.ndarray:
-    """Permute interchangeable items (same length and extra cost) among their slots so that as
-    many as possible sit on their home rank. Returns, for every item, the index of the item
-    whose slot it takes over (a permutation within each group)."""
-    n = length.shape[0]
-    if n == 0:
-        return np.zeros(0, dtype=np.int64)
-    # Group id per item: identical (length, extra) pairs.
-    gorder = np.lexsort((extra, length))
-    same = np.concatenate([[False], (np.diff(length[gorder]) == 0) & (np.diff(extra[gorder]) == 0)])
-    group = np.empty(n, dtype=np.int64)
-    group[gorder] = np.cumsum(~same)
-    R = int(max(item_rank.max(), home.max())) + 1
-    item_key = group * R + home            # (group, wanted rank)
-    slot_key_r = group * R + item_rank     # (group, rank of the slot)
-    items_sorted = np.lexsort((np.arange(n), item_key))
-    slots_sorted = np.lexsort((slot_key, slot_key_r))
-    ik, sk = item_key[items_sorted], slot_key_r[slots_sorted]
-    i_first = np.searchsorted(ik, ik, side="left")
-    s_first = np.searchsorted(sk, sk, side="left")
-    i_pos = np.arange(n) - i_first                     # position within (group, home)
-    s_pos = np.arange(n) - s_first
-    s_lo = np.searchsorted(sk, ik, side="left")
-    s_hi = np.searchsorted(sk, ik, side="right")
-    i_matched = i_pos < (s_hi - s_lo)
-    i_lo = np.searchsorted(ik, sk, side="left")
-    i_hi = np.searchsorted(ik, sk, side="right")
-    s_matched = s_pos < (i_hi - i_lo)
-    target = np.empty(n, dtype=np.int64)               # target[item] = slot (as an item index)
-    target[items_sorted[i_matched]] = slots_sorted[s_lo[i_matched] + i_pos[i_matched]]
-    # The rest pair up in order within each group (equal counts per group by construction).
-    rest_items = items_sorted[~i_matched]
-    rest_slots = slots_sorted[~s_matched]
-    rest_items = rest_items[np.argsort(group[rest_items], kind="stable")]
-    rest_slots = rest_slots[np.argsort(group[rest_slots], kind="stable")]
-    target[rest_items] = rest_slots
-    return target
+            members.moved(x, int(by))
+            members.moved(y, int(bx))
 
 
 def assign_balanced(c: Candidates, selected: np.ndarray, geometry: Geometry, cost: CostModel, *,
-                    forced: np.ndarray | None = None, keep_fraction: float = KEEP_FRACTION,
-                    refine_iters: int | None = None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+                    forced: np.ndarray | None = None, refine_iters: int | None = None,
+                    light_share: float = LIGHT_SHARE) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Assign `selected` candidates to (rank, row), minimizing the largest per-rank cost.
 
-    `forced` (bool per selected item) marks items that must be taken; they are placed first.
-    Returns (take, rank, row) like `assign_naive`; items left out stay in their buffers.
+    `forced` (bool per selected item) marks items that must be taken: the plan holds all of
+    them whenever first-fit-decreasing can place them on their own (always while they take at
+    most half the step's capacity). Returns (take, rank, row) like `assign_naive`; items left
+    out stay in their buffers.
     """
     R, M, C = geometry.ranks, geometry.micro_batches, geometry.capacity
     selected = np.asarray(selected, dtype=np.int64)
     if forced is None:
         forced = np.zeros(selected.size, dtype=bool)
-    order = np.argsort(selected, kind="stable")          # candidate index order: the tie-break
-    selected, forced = selected[order], np.asarray(forced, dtype=bool)[order]
-    empty = (np.zeros(0, np.int64), np.zeros(0, np.int32), np.zeros(0, np.int32))
+    # Candidate index order, the tie-break everywhere below (an O(n) sort by marking).
+    mark = np.zeros(len(c), dtype=np.int8)
+    mark[selected] = 1
+    mark[selected[np.asarray(forced, dtype=bool)]] = 2
+    selected = np.flatnonzero(mark)
+    forced = mark[selected] == 2
     if selected.size == 0:
-        return empty
+        return np.zeros(0, np.int64), np.zeros(0, np.int32), np.zeros(0, np.int32)
     length = c.length[selected].astype(np.int64)
-    home = c.rank[selected].astype(np.int64)
-    fits_at_all = length <= C
-    if cost.document_masking:
+    usable = length <= C
+    masking = cost.document_masking
+    if masking:
         weight = item_costs(c, selected, cost)
-        bins = _Bins(R, M, C, weight, length, home)
+        # Every token costs at least b: bins short of the average token count will still get
+        # that many tokens of light items, at about b each.
+        target_tokens = min(float(M * C), float(length[usable].sum()) / R)
+        bins = _Bins(R, M, C, weight, length, c.rank[selected].astype(np.int64),
+                     float(cost.b), target_tokens)
+        light = usable & ~forced & (weight < light_share * float(weight[usable].sum()) / R)
+        if light.any():
+            bins.light_density = float(weight[light].sum()) / float(length[light].sum())
     else:
         # Rows are the bins; evening out row tokens minimizes every rank's sum of row costs.
         weight = length.astype(np.float64) + c.extra_cost[selected] / max(cost.b + cost.a * C, _EPS)
         bins = _Bins(R * M, 1, C, weight, length, np.full(selected.size, -1, np.int64))
-        keep_fraction = 0.0
+    excess = weight - bins.light_density * length
     local = np.arange(selected.size, dtype=np.int64)
-
-    # 1. Forced items: longest first, so first-fit-decreasing guarantees they fit.
-    f = local[forced & fits_at_all]
-    _lpt(bins, f[np.lexsort((f, -weight[f], -length[f]))], capped=False)
-
-    free = local[~forced & fits_at_all]
-    # 2. Keep at home, up to a share of the fair load.
-    if keep_fraction > 0 and free.size:
-        fair = float(weight[fits_at_all].sum()) / bins.num_bins
-        budget = np.maximum(keep_fraction * fair - bins.load, 0.0)
-        free = _keep_home(bins, free, budget)
-    # 3. LPT for the rest, heaviest first.
-    free = free[np.lexsort((free, -weight[free]))]
-    _lpt(bins, free, capped=True)
-    # 4. Refinement on the most loaded bins.
+    # Leaving an item for the next step only pays when steps are full anyway (then the next
+    # step is full too, and the step time is what counts). When the selection fits with room
+    # to spare, everything that fits is taken.
+    tight = float(length[usable].sum()) >= TIGHT * M * C * R
+    # The level no plan can beat: the fair load, or the heaviest item on its own. (Capping
+    # below the heaviest item would leave it waiting for ever.)
+    bound = max(float(weight[usable].sum()) / bins.num_bins, float(weight[usable].max(initial=0)))
+    cap = bound if tight else None
     if refine_iters is None:
-        refine_iters = 4 * bins.num_bins if bins.num_bins <= 64 else 64
-    _refine(bins, refine_iters, drop=~forced if cost.document_masking else None)
+        refine_iters = min(4 * bins.num_bins, 32) if bins.num_bins <= 64 else 0
+    extra = bool(c.extra_cost[selected].any())
+
+    def largest_first(items):
+        if not extra:   # weight and excess both grow with length: sort integers
+            return items[_sorted_by((C - length[items], C + 1))]
+        return items[np.lexsort((items, -weight[items], -excess[items]))]
+
+    def run(forced_first: bool) -> bool:
+        rest = local[usable]
+        if forced_first:
+            # Longest first, so first-fit-decreasing guarantees they fit while they take at
+            # most half the step's capacity.
+            f = local[forced & usable]
+            _lpt(bins, f[np.lexsort((f, -weight[f], -length[f]))], cap=None)
+            rest = local[~forced & usable]
+        light = weight[rest] < light_share * float(weight[usable].sum()) / bins.num_bins
+        # Going home may cost balance only where light items will even it out afterwards.
+        _lpt(bins, largest_first(rest[~light]), cap=cap, home_first=masking, forced=forced,
+             home_slack=HOME_SLACK if tight else 0.0)
+        left = _fill_light(bins, rest[light], cap=cap, home_first=masking, forced=forced)
+        left = _fill_light(bins, left, cap=0.0 if tight else None, home_first=masking,
+                           forced=forced)
+        if not tight and left.size:
+            # Room to spare: whatever still fits somewhere goes there.
+            _waves(bins, left[_sorted_by((C - length[left], C + 1))],
+                   (C - bins.fill).astype(np.float64).ravel())
+            bins.maxroom = C - bins.fill.min(axis=1)
+        if not _repair(bins, local[forced & usable & (bins.bin < 0)], forced):
+            return False
+        _refine(bins, refine_iters, drop=~forced if masking and tight else None)
+        if masking and tight:
+            out = _trim(bins, ~forced & (weight <= DROP_SHARE * float(bins.load.max())))
+            # What was left out may still fit below the new maximum elsewhere.
+            _fill_light(bins, out, cap=0.0, home_first=True)
+        return True
+
+    # Forced items (usually the oldest, light ones) ride along with the rest; a forced item
+    # left out displaces others. Should that fail, plan again with the forced ones first.
+    if not run(forced_first=False):
+        bins.reset()
+        run(forced_first=True)
 
     placed = local[bins.bin >= 0]
-    if cost.document_masking:
+    if masking:
         rank, row = bins.bin[placed], bins.row[placed]
     else:
         rank, row = bins.bin[placed] // M, bins.bin[placed] % M
-    # 5. Interchangeable items back home where possible.
-    if cost.document_masking and placed.size:
-        target = _home_swap(length[placed], c.extra_cost[selected[placed]], rank, home[placed],
-                            rank * M + row)
-        rank, row = rank[target], row[target]
     take = selected[placed]
-    out = np.lexsort((take, row, rank))
+    out = _sorted_by((rank, R), (row, M))
     return take[out], rank[out].astype(np.int32), row[out].astype(np.int32)

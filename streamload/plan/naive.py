@@ -19,22 +19,25 @@ def assign_naive(c: Candidates, selected: np.ndarray, geometry: Geometry) -> tup
     lengths = c.length[selected]
     share = float(lengths.sum()) / R
     fill = np.zeros((R, M), dtype=np.int64)
+    used = np.zeros(R, dtype=np.int64)          # tokens per rank (fill summed over rows)
+    room = np.full(R, C, dtype=np.int64)        # largest free space of any row of each rank
     take, ranks, rows = [], [], []
     current = 0
     for idx, length in zip(selected.tolist(), lengths.tolist()):
-        if current < R - 1 and fill[current].sum() >= share:
+        if current < R - 1 and used[current] >= share:
             current += 1
-        placed = False
-        for r in range(current, R):           # the current rank first, then later ranks
-            free = np.flatnonzero(fill[r] + length <= C)
-            if free.size:
-                m = int(free[0])
-                fill[r, m] += length
-                take.append(idx); ranks.append(r); rows.append(m)
-                placed = True
-                break
-        if not placed:
+        # The current rank first, then later ranks: the first with a row that has room.
+        # (Vectorized over ranks: with the step's tokens near capacity a rank rarely reaches
+        # its share, so a loop over ranks made this O(items * ranks) in Python.)
+        later = np.flatnonzero(room[current:] >= length)
+        if later.size == 0:
             continue
+        r = current + int(later[0])
+        m = int(np.flatnonzero(fill[r] + length <= C)[0])
+        fill[r, m] += length
+        used[r] += length
+        room[r] = C - int(fill[r].min())
+        take.append(idx); ranks.append(r); rows.append(m)
     return (np.asarray(take, dtype=np.int64), np.asarray(ranks, dtype=np.int32),
             np.asarray(rows, dtype=np.int32))
 
