@@ -58,6 +58,7 @@ def test_a_slow_source_gets_more_concurrency(tmp_path):
         path.write_text("".join(json.dumps({"text": "slow " + l["text"]}) + "\n" for l in lines))
 
     with sl.Loader([sl.Source(str(tmp_path / "slow")), sl.Source(str(tmp_path / "fast"))],
+                   memory_budget=256 << 20,
                    micro_batch_tokens=2048, micro_batches=2, epochs=1, tokenizer=tokenizer,
                    shard_prefetch=1, range_readahead=1, chunk_bytes=8192,
                    transform_workers=4) as loader:
@@ -65,5 +66,6 @@ def test_a_slow_source_gets_more_concurrency(tmp_path):
             pass
         stats = loader.stats()["sources"]
     assert stats["slow"]["autoscale_changes"], stats["slow"]
-    assert stats["slow"]["shard_concurrency"] > 1
+    # It grew while it made steps wait (and may shrink again once its buffer sat full).
+    assert max(shards for _, shards, _ in stats["slow"]["autoscale_changes"]) > 1, stats["slow"]
     assert stats["slow"]["step_wait_s"] > stats["fast"]["step_wait_s"]

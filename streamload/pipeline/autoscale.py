@@ -1,7 +1,7 @@
 """Memory budget and adaptive per-source concurrency.
 
 Memory: the loader's `memory_budget` (bytes per rank) is split across sources, half evenly and
-half by weight. A source's share pays first for its buffer (its head windows must fit) and the
+half by weight. A source's share pays first for its buffer (two head windows and a row) and the
 rest bounds its bytes in flight (fetched ranges not yet decoded, decoded items not yet buffered),
 enforced by a `MemoryGate`.
 
@@ -43,8 +43,8 @@ def plan_memory(config: LoaderConfig, weights: np.ndarray, names: list[str]) -> 
         source_bytes = config.memory_budget * (0.5 / S + 0.5 * share)
         if config.buffer_tokens is not None:
             capacity = max(config.buffer_tokens, window)
-        else:   # half the source's share buys buffer (at least a window and a row of room)
-            capacity = max(window + C, int(source_bytes / 2 / TOKEN_BYTES))
+        else:   # two windows and a row: the planner's choice plus one step of fetching ahead
+            capacity = 2 * window + C
         inflight = int(source_bytes - capacity * TOKEN_BYTES)
         if inflight < config.chunk_bytes:
             need = (window + C) * TOKEN_BYTES + config.chunk_bytes
