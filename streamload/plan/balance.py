@@ -22,9 +22,9 @@ Phases, in order (vectorized over bins; Python loops run per round, never per it
    one left out displaces non-forced items from a row (`_repair`). Should even that fail, the
    plan is made again with the forced items placed first, longest first, which cannot fail while
    they take at most half the step's capacity (first-fit-decreasing).
-4. **Refinement** (R <= 64): moves and swaps between the most loaded bin and the least loaded
+4. **Refinement** (up to `REFINE_BINS` bins): moves and swaps between the most loaded bin and the least loaded
    ones while they lower the maximum.
-5. **Trim.** With the step full, bins whose documents came out costlier per token sit above the
+5. **Trim** (up to `REFINE_BINS` bins). With the step full, bins whose documents came out costlier per token sit above the
    rest with no room to even out. Their light items wait one step when that raises tokens per
    unit of step time (the next step is full anyway).
 
@@ -42,6 +42,8 @@ from .types import Assignment, Candidates, Geometry
 _EPS = 1e-9
 TIGHT = 0.98             # selections with this share of the step's capacity fill the step
 HOME_SLACK = 0.25        # an item may go home this many of its weights above the LPT choice
+REFINE_BINS = 64         # refinement and trim run up to this many bins (beyond: too slow,
+                         # and with that many bins the rounds and water levels are close)
 DROP_SHARE = 0.1         # refinement may leave out items up to this share of the top bin
 LIGHT_SHARE = 1 / 256    # an item is light below this fraction of a bin's fair load
 
@@ -625,7 +627,7 @@ def assign_balanced(c: Candidates, selected: np.ndarray, geometry: Geometry, cos
     bound = max(float(weight[usable].sum()) / bins.num_bins, float(weight[usable].max(initial=0)))
     cap = bound if tight else None
     if refine_iters is None:
-        refine_iters = min(4 * bins.num_bins, 32) if bins.num_bins <= 64 else 0
+        refine_iters = min(4 * bins.num_bins, 32) if bins.num_bins <= REFINE_BINS else 0
     extra = bool(c.extra_cost[selected].any())
 
     def largest_first(items):
@@ -656,10 +658,11 @@ def assign_balanced(c: Candidates, selected: np.ndarray, geometry: Geometry, cos
         if not _repair(bins, local[forced & usable & (bins.bin < 0)], forced):
             return False
         _refine(bins, refine_iters, drop=~forced if masking and tight else None)
-        if masking and tight:
+        if masking and tight and bins.num_bins <= REFINE_BINS:
             out = _trim(bins, ~forced & (weight <= DROP_SHARE * float(bins.load.max())))
-            # What was left out may still fit below the new maximum elsewhere.
-            _fill_light(bins, out, cap=0.0, home_first=True)
+            if out.size:
+                # What was left out may still fit below the new maximum elsewhere.
+                _fill_light(bins, out, cap=0.0, home_first=True)
         return True
 
     # Forced items (usually the oldest, light ones) ride along with the rest; a forced item

@@ -1,0 +1,218 @@
+"""Targeted tests of the cost-balanced planner (`balanced`) and the lookahead (`lookahead`)."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from streamload.errors import ConfigError
+from streamload.plan.balance import (_sorted_by, assign_balanced, exchanged_fraction,
+                                     exchanged_tokens)
+from streamload.plan.cost import CostModel
+from streamload.plan.lookahead import select_lookahead, step_quotas
+from streamload.plan.naive import finish
+from streamload.plan.planner import Planner
+from streamload.plan.types import Assignment, Candidates, Geometry
+
+
+def imbalance(a: Assignment) -> float:
+    return float(a.rank_cost.max() / a.rank_cost.mean())
+
+
+def long_docs_first(R=4, M=4, C=1024, shorts=12):
+    """Every rank holds one full-context document at the head of its window, then short ones:
+    arrival order puts all the long documents first."""
+    rng = np.random.default_rng(0)
+    windows = [[np.concatenate([[C], rng.integers(16, 96, shorts)])] for _ in range(R)]
+    return Geometry(R, M, C), Candidates.from_windows(windows)
+
+
+def test_balanced_is_much_better_than_naive_when_long_documents_arrive_together():
+    geometry, c = long_docs_first()
+    cost = CostModel(a=1.0 / 256)
+    targets = np.array([float(c.length.sum())])
+    naive = Planner(geometry, cost, method="naive").plan(c, targets, 0)
+    balanced = Planner(geometry, cost, method="balanced").plan(c, targets, 0)
+    assert len(balanced) == len(naive) == len(c)
+    # Token-balanced filling gives the first rank two long documents; cost balancing gives
+    # every rank one of them.
+    assert imbalance(naive) > 1.3
+    assert imbalance(balanced) < 1.02
+    assert balanced.rank_cost.max() < 0.8 * naive.rank_cost.max()
+    long_ranks = balanced.rank[c.length[balanced.take] == geometry.capacity]
+    assert sorted(long_ranks.tolist()) == list(range(geometry.ranks))
+
+
+def test_identical_windows_need_no_exchange():
+    # Every rank holds the same documents, so the balanced plan keeps everything at home.
+    rng = np.random.default_rng(1)
+    window = rng.integers(8, 700, 40)
+    R, M, C = 8, 4, 1024
+    c = Candidates.from_windows([[window.copy()] for _ in range(R)])
+    geometry = Geometry(R, M, C)
+    a = Planner(geometry, CostModel(), method="balanced").plan(
+        c, np.array([float(geometry.step_tokens)]), 0)
+    assert imbalance(a) < 1.01
+    # (Shuffling by cost alone would move about 1 - 1/R of the tokens.)
+    assert exchanged_fraction(c, a) < 0.25
+
+
+def test_exchanged_fraction_counts_tokens_that_leave_home():
+    c = Candidates.from_windows([[np.array([10, 30])], [np.array([60])]])
+    # Items: 0 (10 tokens, rank 0), 1 (30, rank 0), 2 (60, rank 1).
+    a = Assignment(take=np.array([0, 1, 2]), rank=np.array([0, 1, 1], np.int32),
+                   row=np.zeros(3, np.int32), rank_cost=np.zeros(2))
+    assert exchanged_tokens(c, a) == 30
+    assert exchanged_fraction(c, a) == pytest.approx(30 / 100)
+    empty = Assignment(np.zeros(0, np.int64), np.zeros(0, np.int32), np.zeros(0, np.int32),
+                       np.zeros(2))
+    assert exchanged_fraction(c, empty) == 0.0
+
+
+def test_forced_items_are_placed_even_when_the_step_is_overfull():
+    rng = np.random.default_rng(2)
+    R, M, C = 4, 2, 512
+    geometry = Geometry(R, M, C)
+    windows = [[rng.integers(200, 513, 6)] for _ in range(R)]
+    c = Candidates.from_windows(windows)
+    selected = np.arange(len(c))                    # twice the capacity, more or less
+    forced = np.zeros(len(c), dtype=bool)
+    forced[[1, 5, 9, 13]] = True
+    take, rank, row = assign_balanced(c, selected, geometry, CostModel(), forced=forced)
+    assert np.isin(np.flatnonzero(forced), take).all()
+    tokens = np.bincount(rank * M + row, weights=c.length[take], minlength=R * M)
+    assert tokens.max() <= C
+
+
+def test_plain_causal_attention_evens_out_rows():
+    rng = np.random.default_rng(3)
+    R, M, C = 4, 4, 2048
+    geometry = Geometry(R, M, C)
+    c = Candidates.from_windows([[np.sort(rng.integers(20, 1500, 8))[::-1]] for _ in range(R)])
+    cost = CostModel(a=1.0 / 1024, document_masking=False)
+    targets = np.array([float(c.length.sum())])
+    naive = Planner(geometry, cost, method="naive").plan(c, targets, 0)
+    balanced = Planner(geometry, cost, method="balanced").plan(c, targets, 0)
+    assert len(balanced) == len(c)
+    assert balanced.rank_cost.max() <= naive.rank_cost.max()
+    rows = np.bincount(balanced.rank * M + balanced.row, weights=c.length[balanced.take])
+    assert rows.max() - rows.min() < 1500              # within one document
+
+
+def _run(method: str, windows_per_step, geometry, cost, targets, steps, window=4):
+    """Coordinator loop over fixed corpora: corpus[r][s] is a list of lengths, all offered."""
+    corpus = [[list(x) for x in rank] for rank in windows_per_step]
+    ages = [[[0] * len(x) for x in rank] for rank in corpus]
+    planner = Planner(geometry, cost, method=method, lookahead=window, max_age=None)
+    plans = []
+    for step in range(steps):
+        c = Candidates.from_windows([[np.array(x, np.int64) for x in rank] for rank in corpus],
+                                    [[np.array(x) for x in rank] for rank in ages])
+        a = planner.plan(c, targets, step)
+        plans.append((c, a))
+        gone = set(a.take.tolist())
+        i = 0
+        for s in range(c.num_sources):
+            for r in range(c.num_ranks):
+                keep = [k for k in range(len(corpus[r][s])) if i + k not in gone]
+                i += len(corpus[r][s])
+                corpus[r][s] = [corpus[r][s][k] for k in keep]
+                ages[r][s] = [ages[r][s][k] + 1 for k in keep]
+    return plans
+
+
+def test_lookahead_puts_expensive_documents_in_the_same_step():
+    # Two ranks; each step takes 4 rows of 1024 tokens. Rank 0 holds an expensive document at
+    # the head of its window, rank 1 holds one three steps' worth further down. Single-step
+    # balancing has to take rank 0's now and rank 1's later: each of those steps has one
+    # rank carrying a document that costs more than the fair share. The lookahead takes the
+    # two in the same step, one per rank.
+    R, M, C = 2, 2, 1024
+    geometry = Geometry(R, M, C)
+    cost = CostModel(a=1.0 / 64)
+    shorts = [64] * 48
+    corpus = [[[C] + shorts], [shorts[:40] + [C] + shorts[40:]]]
+    targets = np.array([float(geometry.step_tokens)])
+    worst = {}
+    for method in ("balanced", "lookahead"):
+        plans = _run(method, corpus, geometry, cost, targets, steps=8)
+        worst[method] = max(imbalance(a) for c, a in plans if len(a))
+        taken_at = [(step, c.rank[a.take[c.length[a.take] == C]].tolist(),
+                     a.rank[c.length[a.take] == C].tolist())
+                    for step, (c, a) in enumerate(plans) if (c.length[a.take] == C).any()]
+        if method == "lookahead":
+            # Both in one step, on different ranks, and neither waited more than W steps.
+            assert len(taken_at) == 1 and sorted(taken_at[0][2]) == [0, 1]
+            assert max(int(c.age[a.take].max(initial=0)) for c, a in plans) <= 4
+    assert worst["balanced"] > 1.5
+    assert worst["lookahead"] < 1.1
+
+
+def test_lookahead_keeps_each_source_within_one_item_of_its_quota():
+    rng = np.random.default_rng(4)
+    R, M, C, S, W = 4, 4, 2048, 3, 4
+    geometry = Geometry(R, M, C)
+    weights = np.array([0.5, 0.3, 0.2])
+    targets = weights * geometry.step_tokens
+    depth = W * targets / R
+    windows = []
+    for _ in range(R):
+        row = []
+        for s in range(S):
+            lengths = np.clip(rng.lognormal(np.log(300 * (s + 1)), 1.0, 200).astype(np.int64), 1, C)
+            row.append(lengths[:int(np.searchsorted(np.cumsum(lengths), depth[s])) + 1])
+        windows.append(row)
+    ages = [[rng.integers(0, W, w.size) for w in row] for row in windows]
+    c = Candidates.from_windows(windows, ages)
+    selected, forced = select_lookahead(c, targets, geometry, CostModel(), window=W, force_age=W)
+    assert not forced.any()
+    per_source = np.bincount(c.source[selected], weights=c.length[selected], minlength=S)
+    quota = step_quotas(targets, np.bincount(c.source, weights=c.length, minlength=S))
+    longest = np.array([c.length[c.source == s].max() for s in range(S)])
+    assert (per_source >= quota - longest).all() and (per_source <= quota + longest).all()
+    assert np.unique(selected).size == selected.size
+
+
+def test_lookahead_takes_every_overdue_item_whatever_the_quota():
+    R, M, C = 2, 2, 256
+    geometry = Geometry(R, M, C)
+    windows = [[np.full(6, 40)], [np.full(6, 40)]]
+    ages = [[np.array([4, 4, 4, 0, 0, 0])], [np.array([4, 0, 0, 0, 0, 0])]]
+    c = Candidates.from_windows(windows, ages)
+    a = Planner(geometry, CostModel(), method="lookahead", lookahead=4).plan(
+        c, np.array([40.0]), 0)                     # a quota of one item
+    assert np.isin(np.flatnonzero(c.age >= 4), a.take).all()
+
+
+def test_step_quotas_move_a_shortfall_to_the_other_sources():
+    quota = step_quotas(np.array([100.0, 100.0, 200.0]), np.array([40.0, 1000.0, 1000.0]))
+    assert quota[0] == 40.0
+    assert quota.sum() == pytest.approx(400.0)
+    assert quota[2] / quota[1] == pytest.approx(2.0)
+
+
+def test_planner_validates_its_configuration():
+    with pytest.raises(ConfigError, match="planner.method"):
+        Planner(Geometry(2, 2, 64), CostModel(), method="greedy")
+    with pytest.raises(ConfigError, match="planner.lookahead"):
+        Planner(Geometry(2, 2, 64), CostModel(), method="lookahead", lookahead=0)
+    assert Planner(Geometry(2, 2, 64), CostModel(), method="lookahead").force_age == 4
+    assert Planner(Geometry(2, 2, 64), CostModel(), method="lookahead", max_age=2).force_age == 2
+    assert Planner(Geometry(2, 2, 64), CostModel(), method="balanced").force_age is None
+
+
+def test_sorted_by_matches_lexsort_and_is_stable():
+    rng = np.random.default_rng(5)
+    for bounds in ((7, 300), (70000, 5), (2 ** 20, 2 ** 20), (3,)):
+        keys = [rng.integers(0, b, 500) for b in bounds]
+        got = _sorted_by(*zip(keys, bounds))
+        want = np.lexsort(tuple(reversed(keys)))
+        assert np.array_equal(got, want)
+
+
+def test_finish_predicts_the_cost_of_the_plan():
+    geometry, c = long_docs_first()
+    cost = CostModel(a=1.0 / 256)
+    take, rank, row = assign_balanced(c, np.arange(len(c)), geometry, cost)
+    a = finish(c, take, rank, row, geometry, cost)
+    per_rank = np.bincount(rank, weights=cost.doc_cost(c.length[take]), minlength=geometry.ranks)
+    np.testing.assert_allclose(a.rank_cost, per_rank)
