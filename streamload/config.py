@@ -74,10 +74,10 @@ class LoaderConfig(msgspec.Struct, kw_only=True):
     epochs: Optional[int] = None            # None: infinite, reshuffled every epoch
     on_error: OnError = "raise"
     long_documents: LongDocuments = "split"
-    planner: str = "naive"                  # see streamload.plan.planner.METHODS
+    planner: str = "balanced"               # "naive" | "balanced" | "lookahead"
     lookahead: int = 4                      # W for planner="lookahead" (also its max deferral)
-    max_deferral: Optional[int] = None      # a sample offered this many steps is taken first
-    window_factor: float = 2.0              # head window per source per rank, in steps' worth of quota
+    max_deferral: Optional[int] = 8         # a sample offered this many steps is taken first
+    window_factor: float = 2.0              # head window per source per rank, in steps of quota
     buffer_tokens: Optional[int] = None     # per source per rank; default: 2 windows + one row
     prefetch_steps: int = 2                 # planned batches queued ahead of the trainer
     memory_budget: int = 64 << 20           # bytes per rank for buffers and data in flight

@@ -161,9 +161,13 @@ class SourceTracker:
         shard, record, chunk = (int(v) for v in ids[-1])
         q, unit = self.unit_index[shard]
         assert q == rank, "a window item outside its rank's units"
+        # The frontier only moves forward: a window can end before an item an earlier window
+        # offered (and the plan took), when only untaken items are left before the marker.
+        previous = self.ranks[rank]
+        frontier = max((unit, (record, chunk)), (previous.frontier_unit, previous.frontier))
         left = ~taken
         self.ranks[rank] = RankProgress(
-            unit, (record, chunk),
+            frontier[0], frontier[1],
             np.concatenate([ids[left], (ages[left] + 1)[:, None]], axis=1).astype(np.int64))
 
     def snapshot(self) -> tuple["SourceTracker", tuple[RankProgress, ...]]:

@@ -177,7 +177,7 @@ def test_sigkill_at_random_steps_repeats_only_the_steps_after_the_last_checkpoin
             # Everything a rank got is what the uninterrupted run gave it at that step: the
             # resumed run is identical, and so is every repeat.
             for line in lines:
-                assert line["ids"] == ref[(rank, line["step"])], (rank, attempt, line["step"])
+                assert line["ids"] == ref[(rank, line["step"])], (rank, attempt, line["step"], resumed_from, str(run))
                 if "state_sha256" in line:
                     digests.setdefault((attempt, line["step"]), set()).add(line["state_sha256"])
             # Steps after the checkpoint that the next attempt resumed from come again.

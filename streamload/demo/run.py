@@ -39,7 +39,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="a tiny corpus (a few hundred KB) that runs in a few seconds")
     p.add_argument("--scale", type=float, default=1.0,
                    help="multiply every source's size by this (default 1: about 2.5M tokens)")
-    p.add_argument("--planner", default="naive",
+    p.add_argument("--planner", default="balanced",
                    help="planning method passed to the Loader (default: naive)")
     p.add_argument("--micro-batch-tokens", type=int, default=4096, metavar="C",
                    help="token capacity of one packed row (default 4096)")

@@ -34,12 +34,14 @@ class SourceBudget:
 
 def plan_memory(config: LoaderConfig, weights: np.ndarray, names: list[str]) -> list[SourceBudget]:
     C, M = config.micro_batch_tokens, config.micro_batches
-    steps = config.lookahead if config.planner == "lookahead" else 1
+    # Lookahead plans over exactly W steps: deeper windows would age items past the W-step
+    # deferral bound before their turn. Other planners see `window_factor` steps of choice.
+    steps = config.lookahead if config.planner == "lookahead" else config.window_factor
     shares = weights / weights.sum()
     S = len(shares)
     out = []
     for name, share in zip(names, shares):
-        window = int(np.ceil(config.window_factor * steps * share * M * C)) + C
+        window = int(np.ceil(steps * share * M * C)) + C
         source_bytes = config.memory_budget * (0.5 / S + 0.5 * share)
         if config.buffer_tokens is not None:
             capacity = max(config.buffer_tokens, window)

@@ -63,4 +63,11 @@ class Planner:
             take, rank, row = assign_balanced(c, selected, self.geometry, self.cost, forced=forced)
         else:
             raise ValueError(f"unknown planning method {self.method!r}; choose from {METHODS}")
+        if len(take) == 0 and len(c) > 0:
+            # Progress guarantee: a plan that takes nothing while candidates exist would repeat
+            # forever (targets can round to nothing at an epoch's tail). The oldest item of the
+            # first non-empty window fits any empty row.
+            first = int(np.lexsort((c.position, c.rank, -c.age))[0])
+            take = np.array([first], dtype=np.int64)
+            rank, row = np.zeros(1, dtype=np.int32), np.zeros(1, dtype=np.int32)
         return finish(c, take, rank, row, self.geometry, self.cost)
