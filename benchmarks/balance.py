@@ -1,3 +1,4 @@
+
 """Planner benchmark: per-step imbalance and planning time of naive, balanced and lookahead.
 
 The planner alone, no processes: a simulated coordinator keeps a FIFO window per (rank, source),
@@ -57,6 +58,7 @@ from streamload.plan.balance import exchanged_tokens  # noqa: E402
 from streamload.plan.cost import CostModel  # noqa: E402
 from streamload.plan.planner import Planner  # noqa: E402
 from streamload.plan.types import Candidates, Geometry  # noqa: E402
+from _windows import FifoWindows  # noqa: E402
 
 
 @dataclass(frozen=True)
@@ -112,65 +114,18 @@ class LengthStream:
         return out
 
 
-class Coordinator:
-    """The coordinator loop without processes: per-(rank, source) FIFO windows, flattened."""
+class Coordinator(FifoWindows):
+    """The coordinator loop without processes (see _windows.py), for one length mix."""
 
     def __init__(self, dist: str, ranks: int, micro_batches: int, depth_steps: float, seed: int):
         capacity, outlier_fraction, outlier_range = DISTS[dist]
-        self.geometry = Geometry(ranks, micro_batches, capacity)
+        geometry = Geometry(ranks, micro_batches, capacity)
         self.weights = np.array([s.weight for s in BODY])
-        self.targets = self.weights * self.geometry.step_tokens
-        self.depth = depth_steps * self.targets / ranks       # tokens per (rank, source) window
-        self.streams = [LengthStream(s, capacity, outlier_fraction, outlier_range, seed, i)
-                        for i, s in enumerate(BODY)]
-        empty = np.zeros(0, dtype=np.int64)
-        self.length, self.source, self.rank, self.seq, self.age = empty, empty, empty, empty, empty
-        self.next_seq = 0
-        self.refill()
-
-    def refill(self) -> None:
-        R, S = self.geometry.ranks, len(BODY)
-        have = np.bincount(self.source * R + self.rank, weights=self.length,
-                           minlength=S * R).reshape(S, R)
-        parts = [[self.length], [self.source], [self.rank]]
-        for s in range(S):
-            deficit = np.maximum(self.depth[s] - have[s], 0.0)
-            if not (deficit > 0).any():
-                continue
-            ends = np.cumsum(deficit)
-            lengths = self.streams[s].take(float(ends[-1]))
-            starts = np.cumsum(lengths) - lengths
-            # Consecutive documents go to one rank until it has its deficit (one item over).
-            owner = np.minimum(np.searchsorted(ends, starts, side="right"), R - 1)
-            parts[0].append(lengths)
-            parts[1].append(np.full(lengths.size, s, dtype=np.int64))
-            parts[2].append(owner.astype(np.int64))
-        added = sum(p.size for p in parts[0][1:])
-        self.length = np.concatenate(parts[0])
-        self.source = np.concatenate(parts[1])
-        self.rank = np.concatenate(parts[2])
-        self.seq = np.concatenate([self.seq, np.arange(self.next_seq, self.next_seq + added)])
-        self.age = np.concatenate([self.age, np.zeros(added, dtype=np.int64)])
-        self.next_seq += added
-
-    def candidates(self) -> Candidates:
-        order = np.lexsort((self.seq, self.rank, self.source))
-        for name in ("length", "source", "rank", "seq", "age"):
-            setattr(self, name, getattr(self, name)[order])
-        group = self.source * self.geometry.ranks + self.rank
-        position = np.arange(group.size) - np.searchsorted(group, group, side="left")
-        return Candidates(self.length.copy(), self.source.astype(np.int32),
-                          self.rank.astype(np.int32), position.astype(np.int32),
-                          self.age.astype(np.int32), np.zeros(group.size), len(BODY),
-                          self.geometry.ranks)
-
-    def commit(self, take: np.ndarray) -> None:
-        keep = np.ones(self.length.size, dtype=bool)
-        keep[take] = False
-        for name in ("length", "source", "rank", "seq", "age"):
-            setattr(self, name, getattr(self, name)[keep])
-        self.age = self.age + 1
-        self.refill()
+        self.targets = self.weights * geometry.step_tokens
+        streams = [LengthStream(s, capacity, outlier_fraction, outlier_range, seed, i)
+                   for i, s in enumerate(BODY)]
+        # tokens per (rank, source) window
+        super().__init__(geometry, streams, depth_steps * self.targets / ranks)
 
 
 def run_config(dist: str, ranks: int, micro_batches: int, method: str, steps: int, warmup: int,

@@ -56,6 +56,7 @@ import numpy as np  # noqa: E402
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 from streamload.plan.mixing import QuotaMixer  # noqa: E402
+from _windows import FifoWindows  # noqa: E402
 from streamload.plan.mixture import LengthQuota, MixPoint, Mixture  # noqa: E402
 from streamload.plan.select import arrival_order, select  # noqa: E402
 from streamload.plan.types import Candidates, Geometry  # noqa: E402
@@ -111,61 +112,14 @@ class LengthStream:
         return lengths
 
 
-class Coordinator:
-    """Per-(rank, source) FIFO windows, flattened into Candidates each step."""
+class Coordinator(FifoWindows):
+    """Per-(rank, source) FIFO windows (see _windows.py) for the mixing scenarios."""
 
     def __init__(self, specs, shares: np.ndarray, seed: int, depth_steps: float = 2.0):
         self.specs = specs
         g = GEOMETRY
-        self.depth = depth_steps * shares * g.step_tokens / g.ranks + g.capacity
-        self.streams = [LengthStream(s, g.capacity, seed, i) for i, s in enumerate(specs)]
-        empty = np.zeros(0, dtype=np.int64)
-        self.length, self.source, self.rank, self.seq, self.age = empty, empty, empty, empty, empty
-        self.next_seq = 0
-        self.refill()
-
-    def refill(self) -> None:
-        R, S = GEOMETRY.ranks, len(self.specs)
-        have = np.bincount(self.source * R + self.rank, weights=self.length,
-                           minlength=S * R).reshape(S, R)
-        parts = [[self.length], [self.source], [self.rank]]
-        for s in range(S):
-            deficit = np.maximum(self.depth[s] - have[s], 0.0)
-            if not (deficit > 0).any():
-                continue
-            ends = np.cumsum(deficit)
-            lengths = self.streams[s].take(float(ends[-1]))
-            starts = np.cumsum(lengths) - lengths
-            owner = np.minimum(np.searchsorted(ends, starts, side="right"), R - 1)
-            parts[0].append(lengths)
-            parts[1].append(np.full(lengths.size, s, dtype=np.int64))
-            parts[2].append(owner.astype(np.int64))
-        added = sum(p.size for p in parts[0][1:])
-        self.length = np.concatenate(parts[0])
-        self.source = np.concatenate(parts[1])
-        self.rank = np.concatenate(parts[2])
-        self.seq = np.concatenate([self.seq, np.arange(self.next_seq, self.next_seq + added)])
-        self.age = np.concatenate([self.age, np.zeros(added, dtype=np.int64)])
-        self.next_seq += added
-
-    def candidates(self) -> Candidates:
-        order = np.lexsort((self.seq, self.rank, self.source))
-        for name in ("length", "source", "rank", "seq", "age"):
-            setattr(self, name, getattr(self, name)[order])
-        group = self.source * GEOMETRY.ranks + self.rank
-        position = np.arange(group.size) - np.searchsorted(group, group, side="left")
-        return Candidates(self.length.copy(), self.source.astype(np.int32),
-                          self.rank.astype(np.int32), position.astype(np.int32),
-                          self.age.astype(np.int32), np.zeros(group.size), len(self.specs),
-                          GEOMETRY.ranks)
-
-    def commit(self, take: np.ndarray) -> None:
-        keep = np.ones(self.length.size, dtype=bool)
-        keep[take] = False
-        for name in ("length", "source", "rank", "seq", "age"):
-            setattr(self, name, getattr(self, name)[keep])
-        self.age = self.age + 1
-        self.refill()
+        super().__init__(g, [LengthStream(s, g.capacity, seed, i) for i, s in enumerate(specs)],
+                         depth_steps * shares * g.step_tokens / g.ranks + g.capacity)
 
 
 def mean_lengths(specs, seed: int) -> np.ndarray:

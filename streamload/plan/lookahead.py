@@ -29,29 +29,15 @@ import numpy as np
 
 from .balance import item_costs
 from .cost import CostModel
+from .quotas import water_fill
 from .types import Candidates, Geometry
 
 HEAVY_SHARE = 0.25   # a document is heavy from this fraction of a rank's fair cost per step
 
 
-def step_quotas(targets: np.ndarray, available: np.ndarray) -> np.ndarray:
-    """Per-source token quotas for one step: the targets, with the shortfall of sources that
-    have less than their target moved to the others in proportion to their targets (the same
-    rule `select` applies)."""
-    targets = np.maximum(np.asarray(targets, dtype=np.float64), 0.0).copy()
-    available = np.asarray(available, dtype=np.float64)
-    for _ in range(targets.size):
-        short = (targets > available) & (targets > 0)
-        if not short.any():
-            break
-        surplus = float((targets[short] - available[short]).sum())
-        targets[short] = available[short]
-        open_ = available > targets
-        if not open_.any():
-            break
-        share = targets[open_] if targets[open_].sum() > 0 else np.ones(int(open_.sum()))
-        targets[open_] += surplus * share / share.sum()
-    return targets
+# Per-source quotas for a step: the targets, with the shortfall of sources that have less than
+# their target moved to the others in proportion to their targets (the rule `select` applies).
+step_quotas = water_fill
 
 
 def _take_quota(items: np.ndarray, lengths: np.ndarray, sources: np.ndarray, used: np.ndarray,

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from .quotas import water_fill
 from .types import Candidates
 
 
@@ -41,18 +42,7 @@ def select(c: Candidates, targets: np.ndarray, *, max_age: int | None = None,
     bounds = np.searchsorted(sources, np.arange(num_sources + 1))
     available = np.array([lengths[bounds[s]:bounds[s + 1]].sum() for s in range(num_sources)])
 
-    # Redistribute shortfalls: at most num_sources rounds, each retires at least one source.
-    for _ in range(num_sources):
-        short = (targets > available) & (targets > 0)
-        if not short.any():
-            break
-        surplus = float((targets[short] - available[short]).sum())
-        targets[short] = available[short]
-        open_ = (available > targets)
-        if not open_.any():
-            break
-        share = targets[open_] if targets[open_].sum() > 0 else np.ones(int(open_.sum()))
-        targets[open_] += surplus * share / share.sum()
+    targets = water_fill(targets, available)   # a short source's shortfall goes to the others
 
     picked, keys = [], []
     for s in range(num_sources):
