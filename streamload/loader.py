@@ -114,7 +114,8 @@ class Loader:
     def __init__(self, sources: Iterable[Source], micro_batch_tokens: int = 4096,
                  micro_batches: int = 2, tokenizer: Optional[Tokenizer] = None, seed: int = 0,
                  epochs: Optional[int] = None, *, storage_options: Optional[dict] = None,
-                 mixture: Optional[Mixture] = None, **options):
+                 mixture: Optional[Mixture] = None, sample_costs: Optional[dict] = None,
+                 **options):
         self.sources = [s if isinstance(s, Source) else Source(s) for s in sources]
         if not self.sources:
             raise ConfigError("sources: at least one Source is required")
@@ -131,8 +132,10 @@ class Loader:
         self.comm: Comm = connect(self.config.collective_timeout_s)
         if mixture is not None and not isinstance(mixture, Mixture):
             mixture = msgspec.convert(mixture, Mixture) if isinstance(mixture, dict) else mixture
+        # sample_costs: {source name: fn(lengths) -> extra cost per sample}, e.g. a vision
+        # encoder's cost per image, in the units of cost_a / cost_b.
         self._runtime = Runtime(self.sources, self.config, tokenizer, self.comm, storage_options,
-                                mixture)
+                                mixture, sample_costs)
         self._background: Optional[_Background] = None
         self._finished = False
         self._finalizer = None

@@ -51,8 +51,13 @@ class Handoff(Protocol):
 class Runtime:
     def __init__(self, sources: list[Source], config: LoaderConfig, tokenizer: Optional[Tokenizer],
                  comm: Comm, storage_options: Optional[dict] = None,
-                 mixture: Optional[Mixture] = None):
+                 mixture: Optional[Mixture] = None, sample_costs: Optional[dict] = None):
         self.sources, self.config, self.tokenizer, self.comm = sources, config, tokenizer, comm
+        self.sample_costs = dict(sample_costs or {})   # source name -> SampleCostHook
+        unknown = sorted(set(self.sample_costs) - {s.name for s in sources})
+        if unknown:
+            raise ConfigError(f"sample_costs: no source named {unknown}; sources are "
+                              f"{[s.name for s in sources]}")
         self.storage_options = storage_options or {}
         self.geometry = Geometry(comm.world, config.micro_batches, config.micro_batch_tokens)
         self.cost = CostModel(config.cost_a, config.cost_b, config.document_masking)
@@ -233,6 +238,7 @@ class Runtime:
 
     # -- main -----------------------------------------------------------------------------
     async def run(self, handoff: Handoff) -> None:
+        self.started = time.perf_counter()
         self.collectives = collective_thread()
         executor = DaemonExecutor(self.config.transform_workers, "streamload-transform")
         processes = self._tokenizer_processes()
@@ -295,12 +301,15 @@ class Runtime:
             self._slot_held = True
         await asyncio.gather(*(self._wait_ready(s) for s in range(len(self.buffers))))
         self._windows = [b.window() for b in self.buffers]
-        return encode_summary([
-            SourceWindow(np.fromiter((len(i) for i in items), np.int64, len(items)),
-                         np.fromiter((i.age for i in items), np.int64, len(items)),
-                         np.array([(i.shard, i.record, i.chunk) for i in items],
-                                  dtype=np.int64).reshape(-1, 3), done)
-            for items, done in self._windows])
+        windows = []
+        for s, (items, done) in enumerate(self._windows):
+            lengths = np.fromiter((len(i) for i in items), np.int64, len(items))
+            windows.append(SourceWindow(
+                lengths, np.fromiter((i.age for i in items), np.int64, len(items)),
+                np.array([(i.shard, i.record, i.chunk) for i in items],
+                         dtype=np.int64).reshape(-1, 3), done,
+                CostModel.extra_cost(self.sample_costs.get(self.sources[s].name), lengths)))
+        return encode_summary(windows)
 
     async def _step_loop(self, handoff: Handoff) -> None:
         self.handoff, self._slot_held = handoff, False
@@ -378,7 +387,8 @@ class Runtime:
             metrics.delivered_tokens += len(t)
         rank_rows = plan.rank * M + plan.row
         rank_tokens = np.bincount(plan.rank, weights=lengths, minlength=R)
-        rank_cost = self.cost.row_costs(lengths, rank_rows, R * M).reshape(R, M).sum(axis=1)
+        rank_cost = self.cost.row_costs(lengths, rank_rows, R * M,
+                                        extra_cost=c.extra_cost[plan.take]).reshape(R, M).sum(axis=1)
         self.step_metrics.record(rank_tokens, rank_cost)
         self.step_metrics.exchanged_tokens += int(lengths[holder != plan.rank].sum())
         ages = c.age[plan.take]
@@ -412,7 +422,10 @@ class Runtime:
             buffer = self.buffers[s] if self.buffers else None
             sources[source.name] = self.source_metrics[s].snapshot(counters, buffer)
             knobs = self.knobs[s]
+            elapsed = time.perf_counter() - getattr(self, "started", time.perf_counter())
             sources[source.name].update(
+                samples_per_s=self.source_metrics[s].delivered_samples / elapsed if elapsed > 0 else 0.0,
+                tokens_per_s=self.source_metrics[s].delivered_tokens / elapsed if elapsed > 0 else 0.0,
                 shard_concurrency=knobs.shards, range_readahead=knobs.readahead,
                 autoscale_changes=[list(h) for h in knobs.history[-8:]],
                 inflight_bytes=self.gates[s].used if self.gates else 0,

@@ -265,3 +265,23 @@ uri = "{tmp_path / 'b'}"
             if batch.step == 19:
                 break
     assert np.mean(shares[1:10]) > 0.8 and np.mean(shares[11:20]) < 0.2, shares
+
+
+def test_sample_cost_hook_reaches_the_plan(tmp_path):
+    write_jsonl_source(tmp_path, "text", shards=2, per_shard=100, seed=11)
+    write_jsonl_source(tmp_path, "images", shards=2, per_shard=100, seed=12)
+    per_image = 5000.0
+
+    def run(sample_costs):
+        with sl.Loader([sl.Source(str(tmp_path / "text")), sl.Source(str(tmp_path / "images"))],
+                       micro_batch_tokens=1024, epochs=1, sample_costs=sample_costs) as loader:
+            batch = next(iter(loader))
+            images = sum(i.startswith("images/") for mb in batch.micro_batches for i in mb.sample_ids)
+            return float(batch.rank_cost.sum()), images
+
+    plain, _ = run(None)
+    with_hook, images = run({"images": lambda lengths: np.full(lengths.shape, per_image)})
+    assert images > 0
+    assert with_hook == pytest.approx(plain + images * per_image, rel=0.2)
+    with pytest.raises(sl.ConfigError, match="no source named"):
+        sl.Loader([sl.Source(str(tmp_path / "text"))], sample_costs={"video": len})

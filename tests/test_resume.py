@@ -126,3 +126,17 @@ def test_two_rank_resume_is_identical_at_every_stop_near_the_epoch_tail(tmp_path
     results = run_ranks(resume_everywhere_job, 2, str(tmp_path), [5, 20, 30, 38, 42, 45])
     for steps, diverged in results:
         assert steps > 45 and not diverged, diverged
+
+
+def test_works_as_a_torch_distributed_checkpoint_stateful(tmp_path):
+    import torch.distributed.checkpoint as dcp
+    make_corpus(tmp_path / "data")
+    with loader_for(tmp_path / "data") as loader:
+        full = [flat(b) for b in loader]
+    with loader_for(tmp_path / "data") as loader:
+        head = [flat(b) for _, b in zip(range(9), loader)]
+        dcp.save({"loader": loader}, checkpoint_id=str(tmp_path / "ckpt"), no_dist=True)
+    with loader_for(tmp_path / "data") as loader:
+        dcp.load({"loader": loader}, checkpoint_id=str(tmp_path / "ckpt"), no_dist=True)
+        tail = [flat(b) for b in loader]
+    assert head + tail == full

@@ -71,6 +71,7 @@ class SourceWindow:
     ages: np.ndarray      # int64 [n]
     ids: np.ndarray       # int64 [n, 3]
     exhausted: bool       # the window holds the rest of this epoch for this source
+    extra_cost: np.ndarray = None   # float64 [n], from the source's sample-cost hook (or zeros)
 
 
 @dataclass(frozen=True)
@@ -85,8 +86,10 @@ def encode_summary(windows: list[SourceWindow]) -> np.ndarray:
     parts = [np.array([OK], dtype=np.int64)]
     for w in windows:
         parts.append(np.array([w.lengths.shape[0], int(w.exhausted)], dtype=np.int64))
+        extra = np.zeros(w.lengths.shape[0]) if w.extra_cost is None else w.extra_cost
         parts += [w.lengths.astype(np.int64), w.ages.astype(np.int64),
-                  w.ids.astype(np.int64).reshape(-1)]
+                  w.ids.astype(np.int64).reshape(-1),
+                  np.ascontiguousarray(extra, dtype=np.float64).view(np.int64)]
     return np.concatenate(parts)
 
 
@@ -94,6 +97,7 @@ def decode_summaries(gathered: list[np.ndarray], num_sources: int) -> Summaries:
     lengths = [[None] * num_sources for _ in gathered]
     ages = [[None] * num_sources for _ in gathered]
     ids = [[None] * num_sources for _ in gathered]
+    extra = [[None] * num_sources for _ in gathered]
     exhausted = np.zeros((len(gathered), num_sources), dtype=bool)
     for r, array in enumerate(gathered):
         at = 1
@@ -103,11 +107,13 @@ def decode_summaries(gathered: list[np.ndarray], num_sources: int) -> Summaries:
             lengths[r][s] = array[at:at + n]
             ages[r][s] = array[at + n:at + 2 * n]
             ids[r][s] = array[at + 2 * n:at + (2 + ID_FIELDS) * n].reshape(n, ID_FIELDS)
+            extra[r][s] = np.ascontiguousarray(
+                array[at + (2 + ID_FIELDS) * n:at + (3 + ID_FIELDS) * n]).view(np.float64)
             exhausted[r, s] = done
-            at += (2 + ID_FIELDS) * n
+            at += (3 + ID_FIELDS) * n
     # Candidates are ordered source-major, then rank: lay the ids out the same way.
     flat_ids = [ids[r][s] for s in range(num_sources) for r in range(len(gathered))]
-    return Summaries(Candidates.from_windows(lengths, ages),
+    return Summaries(Candidates.from_windows(lengths, ages, extra),
                      np.concatenate(flat_ids) if flat_ids else np.zeros((0, ID_FIELDS), np.int64),
                      exhausted)
 
