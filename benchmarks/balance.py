@@ -57,7 +57,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 from streamload.plan.balance import exchanged_tokens  # noqa: E402
 from streamload.plan.cost import CostModel  # noqa: E402
 from streamload.plan.planner import Planner  # noqa: E402
-from streamload.plan.types import Candidates, Geometry  # noqa: E402
+from streamload.plan.types import Geometry  # noqa: E402
 from _windows import FifoWindows  # noqa: E402
 
 

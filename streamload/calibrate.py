@@ -446,7 +446,7 @@ def format_table(result: dict) -> str:
     lines.append(f"device {result['device']} ({result['device_name']}, {result['dtype']}, "
                  f"{result['threads']} threads), {result['layers']} block(s) d_model={result['d_model']} "
                  f"heads={result['heads']} ffn_mult={result['ffn_mult']}")
-    lines.append(f"fit: time = a*sum(L^2) + b*sum(L) + c per row")
+    lines.append("fit: time = a*sum(L^2) + b*sum(L) + c per row")
     lines.append(f"  a = {result['a']:.4e} s/token^2   b = {result['b']:.4e} s/token   c = {result['c']:.4e} s")
     lines.append(f"  R^2 = {result['r2']:.5f}   max |relative residual| = {result['max_rel_residual']:.2%}")
     co, fco = result["crossover_length"], result["flops_crossover_length"]

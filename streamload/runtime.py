@@ -313,7 +313,7 @@ class Runtime:
 
     async def _step_loop(self, handoff: Handoff) -> None:
         self.handoff, self._slot_held = handoff, False
-        S, R = len(self.sources), self.comm.world
+        S = len(self.sources)
         step_tokens = self.geometry.step_tokens
         while True:
             gathered = await self._agree(self._summary)

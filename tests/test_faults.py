@@ -10,7 +10,7 @@ import pytest
 
 import streamload as sl
 from corpus import base_ids, upload_dir, write_jsonl_source, write_token_source
-from faultproxy import FAILING_KINDS, KINDS, FaultProxy
+from faultproxy import KINDS, FaultProxy
 
 pytestmark = pytest.mark.timeout(90)
 

@@ -215,7 +215,7 @@ def test_annealing_stages_by_tokens_switch_at_the_step_boundary():
     mixer = make(mixture)
     sim = Sim(MEDIANS, mixer.max_shares())
     consumed = []
-    realized, shares, _, records = [], [], None, []
+    realized, shares = [], []
     for step in range(80):
         consumed.append(int(mixer.tokens.sum()))
         r, sh, _, rec = run(mixer, sim, 1, start=step)

@@ -361,7 +361,7 @@ def _fill_light(bins: _Bins, items: np.ndarray, *, cap: float | None, home_first
     """
     if items.size == 0:
         return items
-    B, M, C = bins.num_bins, bins.rows, bins.capacity
+    C = bins.capacity
     length = bins.length
     free = (C - bins.fill).astype(np.float64)
     free[free < length[items].min()] = 0.0
