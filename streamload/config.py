@@ -80,7 +80,8 @@ class LoaderConfig(msgspec.Struct, kw_only=True):
     window_factor: float = 2.0              # head window per source per rank, in steps of quota
     buffer_tokens: Optional[int] = None     # per source per rank; default: 2 windows + one row
     prefetch_steps: int = 2                 # planned batches queued ahead of the trainer
-    memory_budget: int = 64 << 20           # bytes per rank for buffers and data in flight
+    memory_budget: Optional[int] = None     # bytes per rank for buffers and data in flight;
+                                            # None: 64 MiB, more if the sources need it
     shard_prefetch: int = 2                 # shards read at once per source (initial; adapts)
     range_readahead: int = 2                # byte ranges in flight per shard (initial; adapts)
     max_shard_prefetch: int = 8             # the autoscaler's ceilings
@@ -104,13 +105,15 @@ class LoaderConfig(msgspec.Struct, kw_only=True):
                 raise ConfigError(f"{key}: must be an integer >= 1, got {value!r}")
         for key in ("micro_batch_tokens", "micro_batches", "prefetch_steps", "shard_prefetch",
                     "range_readahead", "chunk_bytes", "max_concurrency", "transform_workers",
-                    "lookahead", "memory_budget", "max_shard_prefetch", "max_range_readahead",
+                    "lookahead", "max_shard_prefetch", "max_range_readahead",
                     "tokenizer_processes"):
             positive_int(key)
         if self.epochs is not None:
             positive_int("epochs")
         if self.max_deferral is not None:
             positive_int("max_deferral")
+        if self.memory_budget is not None:
+            positive_int("memory_budget")
         if self.buffer_tokens is not None:
             positive_int("buffer_tokens")
             if self.buffer_tokens < self.micro_batch_tokens:

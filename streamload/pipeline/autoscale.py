@@ -31,6 +31,10 @@ class SourceBudget:
     inflight_bytes: int    # bytes fetched or decoded but not yet buffered
 
 
+DEFAULT_MEMORY_BUDGET = 64 << 20
+RANGES_PER_SOURCE = 2   # what the default budget allows in flight per source, at least
+
+
 def plan_memory(config: LoaderConfig, weights: np.ndarray, names: list[str]) -> list[SourceBudget]:
     C, M = config.micro_batch_tokens, config.micro_batches
     # Lookahead plans over exactly W steps: deeper windows would age items past the W-step
@@ -38,22 +42,26 @@ def plan_memory(config: LoaderConfig, weights: np.ndarray, names: list[str]) -> 
     steps = config.lookahead if config.planner == "lookahead" else config.window_factor
     shares = weights / weights.sum()
     S = len(shares)
+    windows = [int(np.ceil(steps * share * M * C)) + C for share in shares]
+    # Two windows and a row: the planner's choice plus one step of fetching ahead.
+    capacities = [max(config.buffer_tokens, w) if config.buffer_tokens is not None else 2 * w + C
+                  for w in windows]
+    budget = config.memory_budget
+    if budget is None:   # 64 MiB, or the least that gives every source its buffer and 2 ranges
+        budget = max([DEFAULT_MEMORY_BUDGET] + [
+            int(np.ceil((cap * TOKEN_BYTES + RANGES_PER_SOURCE * config.chunk_bytes)
+                        / (0.5 / S + 0.5 * share))) for cap, share in zip(capacities, shares)])
     out = []
-    for name, share in zip(names, shares):
-        window = int(np.ceil(steps * share * M * C)) + C
-        source_bytes = config.memory_budget * (0.5 / S + 0.5 * share)
-        if config.buffer_tokens is not None:
-            capacity = max(config.buffer_tokens, window)
-        else:   # two windows and a row: the planner's choice plus one step of fetching ahead
-            capacity = 2 * window + C
+    for name, share, window, capacity in zip(names, shares, windows, capacities):
+        source_bytes = budget * (0.5 / S + 0.5 * share)
         inflight = int(source_bytes - capacity * TOKEN_BYTES)
         if inflight < config.chunk_bytes:
-            need = (window + C) * TOKEN_BYTES + config.chunk_bytes
+            need = capacity * TOKEN_BYTES + config.chunk_bytes
             raise ConfigError(
-                f"memory_budget: {config.memory_budget} bytes leaves source {name!r} "
-                f"{int(source_bytes)} bytes, less than it needs for a head window plus one "
-                f"fetched range ({need} bytes); raise memory_budget or lower chunk_bytes, "
-                f"micro_batch_tokens or window_factor")
+                f"memory_budget: {budget} bytes leaves source {name!r} {int(source_bytes)} "
+                f"bytes, less than it needs for its buffer plus one fetched range ({need} "
+                f"bytes); raise memory_budget or lower chunk_bytes, micro_batch_tokens or "
+                f"window_factor")
         out.append(SourceBudget(capacity, window, inflight))
     return out
 
