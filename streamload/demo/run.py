@@ -135,6 +135,7 @@ def _iterate(rank: int, world: int, job: dict) -> dict:
     printed_last = -1
     last = None
     started = time.perf_counter()
+    live = sys.stdout.isatty()   # a live progress line only on a terminal
     first_batch_s = None
     header_every = 25
     empty_steps = 0
@@ -166,11 +167,18 @@ def _iterate(rank: int, world: int, job: dict) -> dict:
             rank_tokens_total += batch.rank_tokens
             last = batch
             if rank == 0 and _should_print(batch.step, job):
+                if live:
+                    print("\r\x1b[2K", end="")   # clear the live progress line
                 if lines % header_every == 0:
                     _print_header(world)
                 _print_step(batch, rank_tokens_total.sum(), time.perf_counter() - started)
                 printed_last = batch.step
                 lines += 1
+            elif rank == 0 and live:   # a terminal: one live progress line between table rows
+                rate = rank_tokens_total.sum() / max(time.perf_counter() - started, 1e-9)
+                print(f"\r  step {batch.step:>6} | {_fmt_count(rate)} tokens/s | "
+                      f"imbalance {batch.imbalance:.3f} | deferral {batch.max_deferral}",
+                      end="", flush=True)
             if job["steps"] is not None and batch.step + 1 >= job["steps"]:
                 stopped_early = True
                 break
@@ -183,6 +191,8 @@ def _iterate(rank: int, world: int, job: dict) -> dict:
                 break
         stats = loader.stats()
     elapsed = time.perf_counter() - started
+    if rank == 0 and live:
+        print("\r\x1b[2K", end="")
     if rank == 0 and last is not None and printed_last != last.step:
         _print_step(last, rank_tokens_total.sum(), elapsed)
     return {
