@@ -13,7 +13,7 @@ import pytest
 from streamload.config import Source
 from streamload.errors import ConfigError
 from streamload.plan.cost import CostModel
-from streamload.plan.mixing import Mixer, MixtureState, QuotaMixer
+from streamload.plan.mixing import MixtureState, QuotaMixer
 from streamload.plan.mixture import LengthQuota, MixPoint, Mixture, Schedule
 from streamload.plan.planner import Planner
 from streamload.plan.quotas import Buckets, water_fill
@@ -437,15 +437,10 @@ def test_max_shares_over_the_schedule():
     assert mixture.max_shares(["a", "b"], [1, 1]).tolist() == [1.0, 0.75]
 
 
-def test_from_sources_and_legacy_mixer():
+def test_from_sources():
     sources = [Source("s3://b/web/", weight=2.0), Source("/data/code/", weight=1.0)]
     m = QuotaMixer.from_sources(None, sources)
     assert m.names == ["web", "code"] and m.weights.tolist() == [2.0, 1.0]
-    legacy = Mixer(np.array([2.0, 1.0]))
-    targets = legacy.targets(300, np.array([True, True]))
-    assert targets.tolist() == [200.0, 100.0]
-    legacy.update(targets, np.array([150.0, 100.0]), np.array([True, True]), 300)
-    assert legacy.carry.tolist() == [50.0, 0.0]
 
 
 # ------------------------------------------------------------------------------------- state

@@ -45,11 +45,10 @@ When a source runs out (`renormalize`), the others go on in proportion to their 
 its carry is handed to them in proportion to their shares, so their carries again add up to 0
 and their mutual proportions stay exact.
 
-`Mixer` is the previous, weights-only driver; the runtime uses it until it switches.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Optional, Sequence
 
 import msgspec
@@ -136,7 +135,7 @@ class QuotaMixer:
 
     @property
     def weights(self) -> np.ndarray:
-        """The base weights (what `Mixer.weights` was), e.g. for sizing buffers."""
+        """The base weights, e.g. for sizing buffers."""
         return self.base_weights
 
     def max_shares(self) -> np.ndarray:
@@ -291,29 +290,3 @@ class QuotaMixer:
         self.quota_carry = (np.array(state.quota_carry, dtype=np.float64)
                             if len(state.quota_carry) == len(self.quotas)
                             else np.zeros(len(self.quotas)))
-
-
-@dataclass
-class Mixer:
-    """The previous driver: constant weights by tokens, carried deficits. Kept until the
-    runtime switches to `QuotaMixer`."""
-    weights: np.ndarray                      # positive, any scale
-    carry: np.ndarray = field(default=None)  # tokens owed to each source (may be negative)
-
-    def __post_init__(self):
-        self.weights = np.asarray(self.weights, dtype=np.float64)
-        if self.carry is None:
-            self.carry = np.zeros_like(self.weights)
-
-    def targets(self, step_tokens: int, active: np.ndarray) -> np.ndarray:
-        """Tokens each source should contribute this step; `active` marks sources with data."""
-        weights = np.where(active, self.weights, 0.0)
-        if weights.sum() == 0:
-            return np.zeros_like(weights)
-        share = weights / weights.sum() * step_tokens
-        return np.maximum(share + np.where(active, self.carry, 0.0), 0.0)
-
-    def update(self, targets: np.ndarray, realized: np.ndarray, active: np.ndarray,
-               step_tokens: int) -> None:
-        carry = np.clip(targets - realized, -step_tokens, step_tokens)
-        self.carry = np.where(active, carry, 0.0)
