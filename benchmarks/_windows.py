@@ -10,6 +10,15 @@ from streamload.plan.types import Candidates, Geometry
 FIELDS = ("length", "source", "rank", "seq", "age")
 
 
+def split_at_capacity(docs: np.ndarray, capacity: int) -> np.ndarray:
+    """Document lengths -> item lengths, as the loader splits documents longer than a row."""
+    pieces = -(-docs // capacity)
+    lengths = np.full(int(pieces.sum()), capacity, dtype=np.int64)
+    last = np.cumsum(pieces) - 1
+    lengths[last] = docs - (pieces - 1) * capacity
+    return lengths
+
+
 class FifoWindows:
     def __init__(self, geometry: Geometry, streams, depth: np.ndarray):
         """`streams[s].take(tokens)` gives the next document lengths of source s (at least

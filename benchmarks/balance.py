@@ -58,7 +58,7 @@ from streamload.plan.balance import exchanged_tokens  # noqa: E402
 from streamload.plan.cost import CostModel  # noqa: E402
 from streamload.plan.planner import Planner  # noqa: E402
 from streamload.plan.types import Geometry  # noqa: E402
-from _windows import FifoWindows  # noqa: E402
+from _windows import FifoWindows, split_at_capacity  # noqa: E402
 
 
 @dataclass(frozen=True)
@@ -98,12 +98,7 @@ class LengthStream:
             lo, hi = self.outlier_range
             out = self.rng.random(n) < self.outlier_fraction
             docs[out] = self.rng.integers(lo, hi + 1, int(out.sum()))
-        C = self.capacity
-        pieces = -(-docs // C)
-        lengths = np.full(int(pieces.sum()), C, dtype=np.int64)
-        last = np.cumsum(pieces) - 1
-        lengths[last] = docs - (pieces - 1) * C
-        return lengths
+        return split_at_capacity(docs, self.capacity)
 
     def take(self, tokens: float) -> np.ndarray:
         """Lengths of the next documents, at least `tokens` tokens of them (one item over)."""

@@ -56,7 +56,7 @@ import numpy as np  # noqa: E402
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 from streamload.plan.mixing import QuotaMixer  # noqa: E402
-from _windows import FifoWindows  # noqa: E402
+from _windows import FifoWindows, split_at_capacity  # noqa: E402
 from streamload.plan.mixture import LengthQuota, MixPoint, Mixture  # noqa: E402
 from streamload.plan.select import arrival_order, select  # noqa: E402
 from streamload.plan.types import Candidates, Geometry  # noqa: E402
@@ -89,12 +89,7 @@ class LengthStream:
     def draw(self, n: int) -> np.ndarray:
         docs = np.maximum(np.rint(self.rng.lognormal(np.log(self.spec.median), self.spec.sigma, n)),
                           8).astype(np.int64)
-        C = self.capacity
-        pieces = -(-docs // C)
-        lengths = np.full(int(pieces.sum()), C, dtype=np.int64)
-        last = np.cumsum(pieces) - 1
-        lengths[last] = docs - (pieces - 1) * C
-        return lengths
+        return split_at_capacity(docs, self.capacity)
 
     def take(self, tokens: float) -> np.ndarray:
         """The next items, at least `tokens` of them (one item over), until the source ends."""
