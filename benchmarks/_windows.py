@@ -3,11 +3,27 @@ per-(rank, source) FIFO windows, refilled from length streams, flattened into Ca
 step; untaken items stay, one step older."""
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import numpy as np
 
 from streamload.plan.types import Candidates, Geometry
 
 FIELDS = ("length", "source", "rank", "seq", "age")
+
+
+@dataclass(frozen=True)
+class SourceSpec:
+    name: str
+    weight: float
+    median: float                     # lognormal document lengths
+    sigma: float
+    total_tokens: float = np.inf      # finite: the source runs out
+
+
+# The multi-source body both benchmarks use.
+BODY = (SourceSpec("web", 0.45, 600, 1.0), SourceSpec("code", 0.25, 1200, 1.3),
+        SourceSpec("books", 0.15, 6000, 1.0), SourceSpec("chat", 0.15, 300, 0.8))
 
 
 def split_at_capacity(docs: np.ndarray, capacity: int) -> np.ndarray:

@@ -48,7 +48,6 @@ import argparse  # noqa: E402
 import json  # noqa: E402
 import sys  # noqa: E402
 import time  # noqa: E402
-from dataclasses import dataclass  # noqa: E402
 
 import numpy as np  # noqa: E402
 
@@ -58,19 +57,8 @@ from streamload.plan.balance import exchanged_tokens  # noqa: E402
 from streamload.plan.cost import CostModel  # noqa: E402
 from streamload.plan.planner import Planner  # noqa: E402
 from streamload.plan.types import Geometry  # noqa: E402
-from _windows import FifoWindows, split_at_capacity  # noqa: E402
+from _windows import BODY, FifoWindows, SourceSpec, split_at_capacity  # noqa: E402
 
-
-@dataclass(frozen=True)
-class SourceSpec:
-    name: str
-    weight: float
-    median: float
-    sigma: float
-
-
-BODY = (SourceSpec("web", 0.45, 600, 1.0), SourceSpec("code", 0.25, 1200, 1.3),
-        SourceSpec("books", 0.15, 6000, 1.0), SourceSpec("chat", 0.15, 300, 0.8))
 DISTS = {
     # name: (capacity C, outlier fraction, outlier length range)
     "lognormal": (8192, 0.0, None),
@@ -79,6 +67,7 @@ DISTS = {
 GEOMETRIES = ((8, 4), (8, 8), (64, 4), (64, 8), (512, 8), (4096, 8))
 METHODS = ("naive", "balanced", "lookahead")
 WINDOW = 4
+
 
 
 class LengthStream:

@@ -49,14 +49,13 @@ import argparse  # noqa: E402
 import json  # noqa: E402
 import sys  # noqa: E402
 import time  # noqa: E402
-from dataclasses import dataclass  # noqa: E402
 
 import numpy as np  # noqa: E402
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 from streamload.plan.mixing import QuotaMixer  # noqa: E402
-from _windows import FifoWindows, split_at_capacity  # noqa: E402
+from _windows import BODY, FifoWindows, SourceSpec, split_at_capacity  # noqa: E402
 from streamload.plan.mixture import LengthQuota, MixPoint, Mixture  # noqa: E402
 from streamload.plan.select import arrival_order, select  # noqa: E402
 from streamload.plan.types import Candidates, Geometry  # noqa: E402
@@ -64,18 +63,6 @@ from streamload.plan.types import Candidates, Geometry  # noqa: E402
 GEOMETRY = Geometry(ranks=8, micro_batches=4, capacity=8192)
 WINDOWS = (1, 10, 100)
 
-
-@dataclass(frozen=True)
-class SourceSpec:
-    name: str
-    weight: float
-    median: float
-    sigma: float
-    total_tokens: float = np.inf      # finite: the source runs out
-
-
-BODY = (SourceSpec("web", 0.45, 600, 1.0), SourceSpec("code", 0.25, 1200, 1.3),
-        SourceSpec("books", 0.15, 6000, 1.0), SourceSpec("chat", 0.15, 300, 0.8))
 
 
 class LengthStream:

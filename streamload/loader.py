@@ -10,6 +10,7 @@ import asyncio
 import queue
 import signal
 import threading
+import time
 import weakref
 from typing import Iterable, Iterator, Optional
 
@@ -170,7 +171,6 @@ class Loader:
             raise StopIteration
         if self._background is None:
             iter(self)
-        import time
         started = time.perf_counter()
         item = self._background.get()
         self._runtime.step_metrics.stall_s += time.perf_counter() - started

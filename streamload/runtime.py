@@ -92,6 +92,8 @@ class Runtime:
         self.trackers: list[SourceTracker] = []
         self.listing_crcs: list[int] = []
         self.closing = asyncio.Event()   # set by request_close(), on the loop
+        self.started: Optional[float] = None            # when run() began (for rates)
+        self._scale_mark: Optional[tuple] = None        # (time, buffers' blocked_s) at last step
 
     # -- set-up ---------------------------------------------------------------------------
     def _stores(self) -> list[ObjectStore]:
@@ -402,7 +404,7 @@ class Runtime:
     def _autoscale(self) -> None:
         now = time.perf_counter()
         blocked = np.array([b.blocked_s for b in self.buffers])
-        if self.autoscaler is not None and hasattr(self, "_scale_mark"):
+        if self.autoscaler is not None and self._scale_mark is not None:
             then, blocked_then = self._scale_mark
             fraction = (blocked - blocked_then) / max(now - then, 1e-9)
             self.autoscaler.observe(self.step, self.source_waits.copy(), fraction)
@@ -422,7 +424,7 @@ class Runtime:
             buffer = self.buffers[s] if self.buffers else None
             sources[source.name] = self.source_metrics[s].snapshot(counters, buffer)
             knobs = self.knobs[s]
-            elapsed = time.perf_counter() - getattr(self, "started", time.perf_counter())
+            elapsed = time.perf_counter() - self.started if self.started is not None else 0.0
             sources[source.name].update(
                 samples_per_s=self.source_metrics[s].delivered_samples / elapsed if elapsed > 0 else 0.0,
                 tokens_per_s=self.source_metrics[s].delivered_tokens / elapsed if elapsed > 0 else 0.0,

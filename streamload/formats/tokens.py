@@ -13,6 +13,8 @@ from __future__ import annotations
 import ast
 import asyncio
 
+from typing import Optional
+
 import numpy as np
 
 from ..errors import DataError
@@ -114,8 +116,11 @@ def _offsets_what(uri: str) -> str:
     return f"offsets file {uri.rsplit('/', 1)[-1]!r}"
 
 
-def _check_offsets(offsets: np.ndarray, n_tokens: int, what: str) -> None:
-    if offsets[0] != 0 or offsets[-1] != n_tokens:
+def _check_offsets(offsets: np.ndarray, n_tokens: Optional[int], what: str) -> None:
+    """Offsets start at 0, never decrease and (when the token count is known) end at it."""
+    if n_tokens is None and offsets[0] != 0:
+        raise _BadShard(f"{what} must start at 0, found {int(offsets[0])}")
+    if n_tokens is not None and (offsets[0] != 0 or offsets[-1] != n_tokens):
         raise _BadShard(f"{what} must start at 0 and end at the token count {n_tokens}, "
                         f"found {int(offsets[0])} .. {int(offsets[-1])}")
     steps = np.diff(offsets)
