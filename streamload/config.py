@@ -38,8 +38,8 @@ class Source(msgspec.Struct):
     format: Optional[str] = None          # "jsonl" | "tokens"; None = by file name
     storage_options: Optional[dict] = None
     # When this source runs out in an epoch: the others go on by their weights ("renormalize"),
-    # or the whole run stops ("stop"). "restart" is accepted by the config schema but not yet
-    # supported by the loader.
+    # the whole run stops ("stop"), or it never runs out: it starts its next shuffled pass and
+    # keeps its weight, while the other sources end the epoch ("restart").
     on_exhausted: Literal["renormalize", "stop", "restart"] = "renormalize"
     repeat: int = 1                       # passes over this source per epoch (upsampling)
 

@@ -33,8 +33,9 @@ The simulated loop (the loader's `Runtime._step_loop`, on lengths)
       `Planner.plan` selects and places items, `QuotaMixer.update` carries the deficits. Taken
       items leave their windows; the rest stay in order and age by one step.
     * When sources run out, `QuotaMixer.outcome` decides: the others go on, the epoch ends (the
-      carried deficits reset, shards are dealt again, up to `epochs`), a `restart` source starts
-      over, or a `stop` source ends the run.
+      carried deficits reset, shards are dealt again, up to `epochs`), or a `stop` source ends
+      the run. A `restart` source never runs out: each rank goes on with its share of the next
+      pass (the deal rotated, `state.deal`), across epochs, as the loader does.
     Fetching is assumed to keep up (every window is full when the step is planned), so the dry
     run shows the plan, not I/O stalls.
 """
@@ -45,7 +46,7 @@ import asyncio
 import json
 import sys
 from dataclasses import dataclass
-from typing import Optional, Sequence, Union
+from typing import Callable, Optional, Sequence, Union
 
 import numpy as np
 
@@ -59,7 +60,7 @@ from .plan.cost import CostModel
 from .plan.mixing import QuotaMixer
 from .plan.planner import Planner
 from .plan.types import Candidates, Geometry
-from .state import shard_permutation
+from .state import deal, shard_permutation
 from .storage import open_store
 
 DEFAULT_RANKS = 8
@@ -314,11 +315,12 @@ class _Window:
     """One (rank, source) buffer: items deferred at its head (with their ages), then the rank's
     feed of items not yet offered."""
 
-    def __init__(self, feed: np.ndarray, cycle: bool):
+    def __init__(self, feed: np.ndarray, next_pass: Optional[Callable[[], np.ndarray]] = None):
+        """`next_pass`: where the items after `feed` come from, for a stream without end (a
+        sampled source's items again, an endless source's next pass); None: it ends."""
         self.head = np.zeros(0, np.int64)
         self.head_age = np.zeros(0, np.int64)
-        self.cycle = cycle and feed.size > 0
-        self.base = feed
+        self.next_pass = next_pass
         self._set_feed(feed)
         self.offered = 0            # head items in this step's window
         self.fresh = 0              # feed items in this step's window
@@ -344,14 +346,13 @@ class _Window:
                 stop = int(np.searchsorted(self.prefix[:-1], need + self.prefix[self.ptr],
                                            side="left"))
                 fresh = max(stop - self.ptr, 0) if need > 0 else 0
-                if not (self.cycle and need > 0 and self.ptr + fresh >= self.feed.size):
+                if not (self.next_pass and need > 0 and self.ptr + fresh >= self.feed.size):
                     break
-                # A sampled source: this rank's items come round again.
-                self._set_feed(np.concatenate([self.feed[self.ptr:], self.base]))
+                self._set_feed(np.concatenate([self.feed[self.ptr:], self.next_pass()]))
         self.offered, self.fresh = n_head, fresh
         lengths = np.concatenate([self.head[:n_head], self.feed[self.ptr:self.ptr + fresh]])
         ages = np.concatenate([self.head_age[:n_head], np.zeros(fresh, np.int64)])
-        done = (not self.cycle and n_head == self.head.size
+        done = (self.next_pass is None and n_head == self.head.size
                 and self.ptr + fresh >= self.feed.size)
         return lengths, ages, done
 
@@ -366,7 +367,7 @@ class _Window:
 
     @property
     def has_items(self) -> bool:
-        return self.head.size > 0 or self.ptr < self.feed.size or self.cycle
+        return self.head.size > 0 or self.ptr < self.feed.size or self.next_pass is not None
 
 
 class _SourceFeed:
@@ -388,21 +389,36 @@ class _SourceFeed:
         if self.by_shards:
             self.starts = np.cumsum(self.shard_items) - self.shard_items
 
-    def rank_items(self, pass_index: int) -> list[np.ndarray]:
-        R = self.ranks
+    def rank_items(self, pass_index: int, endless: bool = False) -> list[np.ndarray]:
+        """Each rank's items in pass (epoch) `pass_index`; an endless source's passes rotate the
+        deal, as the loader's do (`state.deal`)."""
+        R, offset = self.ranks, pass_index if endless else 0
         if self.by_shards:   # the loader's deal: the seeded shard permutation, strided by rank
             order = shard_permutation(self.shard_items.size, self.seed, pass_index, self.index)
             out = []
             for q in range(R):
                 parts = [self.lengths[self.starts[k]:self.starts[k] + self.shard_items[k]]
-                         for k in order[q::R]]
+                         for k in deal(order, R, q, offset)]
                 out.append(np.concatenate(parts) if parts else np.zeros(0, np.int64))
             return out
         items = self.lengths
         if pass_index > 0 and not self.sampled:
             items = items[np.random.default_rng([self.seed, pass_index, self.index])
                           .permutation(items.size)]
-        return [items[q::R] for q in range(R)]
+        return [deal(items, R, q, offset) for q in range(R)]
+
+    def window(self, rank: int, endless: bool) -> "_Window":
+        """Rank `rank`'s first window: a sampled source cycles through its items, an endless
+        one goes on pass after pass (each rank at its own pace, as in the loader)."""
+        first = self.rank_items(0, endless)[rank]
+        if not self.lengths.size:
+            return _Window(first)
+        if self.sampled:   # this rank's items come round again
+            return _Window(first, (lambda: first) if first.size else None)
+        if endless:
+            passes = iter(range(1, 2**62))
+            return _Window(first, lambda: self.rank_items(next(passes), True)[rank])
+        return _Window(first)
 
 
 def _window_tokens(spec: LoaderSpec, config, mixer: QuotaMixer) -> list[int]:
@@ -437,16 +453,16 @@ def simulate(spec: LoaderSpec, lengths: Sequence[Union[SourceScan, np.ndarray]],
     geometry = Geometry(R, M, C)
     cost = CostModel(config.cost_a, config.cost_b, config.document_masking)
     planner = Planner(geometry, cost, method=config.planner, seed=config.seed,
-                      **({"lookahead": config.lookahead} if config.planner == "lookahead" else {}))
+                      max_age=config.max_deferral, lookahead=config.lookahead)
     mixer = QuotaMixer.from_sources(spec.mixture, spec.sources, capacity=C)
     window_tokens = _window_tokens(spec, config, mixer)
     feeds = [_SourceFeed(data, s, config.seed, R) for s, data in enumerate(lengths)]
     passes = [0] * S
     windows = [[None] * S for _ in range(R)]   # windows[rank][source]
-    for s, feed in enumerate(feeds):
-        for r, items in enumerate(feed.rank_items(0)):
-            windows[r][s] = _Window(items, feed.sampled)
     restartable = [p == "restart" for p in mixer.on_exhausted]
+    for s, feed in enumerate(feeds):
+        for r in range(R):
+            windows[r][s] = feed.window(r, restartable[s])
 
     reports: list[StepReport] = []
     epoch, step = 0, 0
@@ -456,18 +472,9 @@ def simulate(spec: LoaderSpec, lengths: Sequence[Union[SourceScan, np.ndarray]],
         views = [[windows[r][s].window(window_tokens[s]) for s in range(S)] for r in range(R)]
         has_data = np.array([any(views[r][s][0].size for r in range(R)) for s in range(S)])
         exhausted = np.array([[views[r][s][2] for s in range(S)] for r in range(R)])
-        gone = exhausted.all(axis=0) & ~has_data
         outcome = mixer.outcome(has_data, exhausted)
         if outcome == "stop":
             break
-        restart = [s for s in range(S) if gone[s] and restartable[s] and feeds[s].lengths.size]
-        if outcome == "continue" and restart:
-            # A `restart` source that ran out starts over on its own.
-            for s in restart:
-                passes[s] += 1
-                for r, items in enumerate(feeds[s].rank_items(passes[s])):
-                    windows[r][s].restart(items)
-            continue
         if outcome == "end_epoch":
             epoch += 1
             if config.epochs is not None and epoch >= config.epochs:
@@ -477,7 +484,7 @@ def simulate(spec: LoaderSpec, lengths: Sequence[Union[SourceScan, np.ndarray]],
                 break
             mixer.new_epoch()
             for s in range(S):
-                if not restartable[s] or gone[s]:   # `restart` sources go on where they are
+                if not restartable[s]:   # `restart` sources go on where they are
                     passes[s] += 1
                     for r, items in enumerate(feeds[s].rank_items(passes[s])):
                         windows[r][s].restart(items)

@@ -63,10 +63,6 @@ class Runtime:
         self.cost = CostModel(config.cost_a, config.cost_b, config.document_masking)
         self.planner = Planner(self.geometry, self.cost, method=config.planner, seed=config.seed,
                                max_age=config.max_deferral, lookahead=config.lookahead)
-        restarting = [s.name for s in sources if s.on_exhausted == "restart"]
-        if restarting:
-            raise ConfigError(f"sources {restarting}: on_exhausted='restart' is not supported by "
-                              f"the loader yet; use repeat=k (k passes per epoch) instead")
         self.mixer = QuotaMixer.from_sources(mixture, sources, capacity=config.micro_batch_tokens)
         # Checked here, so a budget too small for the geometry fails when the Loader is built.
         # Windows are sized for each source's largest share over the schedule.
@@ -186,7 +182,8 @@ class Runtime:
                     f"cannot resume exactly")
         self.resumed_layouts = [
             layout_from_progress(p, seed=self.config.seed, epoch=state.epoch, source_index=s,
-                                 world=self.comm.world) for s, p in enumerate(state.sources)]
+                                 world=self.comm.world, endless=self._endless(s))
+            for s, p in enumerate(state.sources)]
         for source, shard, record, chunk, age in state.ages:
             self.resume_ages[source][(shard, record, chunk)] = age
 
@@ -194,14 +191,24 @@ class Runtime:
         """Shards per epoch: each listed shard once per pass (`Source.repeat`)."""
         return len(self.shards[source]) * self.sources[source].repeat
 
+    def _endless(self, source: int) -> bool:
+        """A source with on_exhausted="restart": one stream of passes, across epochs."""
+        return self.sources[source].on_exhausted == "restart"
+
     def layout_for(self, source: int, epoch: int) -> EpochLayout:
-        if self.resume is not None and epoch == self.resume.epoch:
+        """A finite source's layout for `epoch`; an endless source's whole stream."""
+        endless = self._endless(source)
+        if self.resume is not None and (endless or epoch == self.resume.epoch):
             return self.resumed_layouts[source]
-        return fresh_layout(self._virtual_shards(source), seed=self.config.seed, epoch=epoch,
-                            source_index=source, world=self.comm.world)
+        return fresh_layout(self._virtual_shards(source), seed=self.config.seed,
+                            epoch=0 if endless else epoch, source_index=source,
+                            world=self.comm.world, endless=endless)
 
     def _start_epoch_tracking(self) -> None:
-        self.trackers = [SourceTracker(self.layout_for(s, self.epoch))
+        """New trackers for the finite sources; endless sources keep theirs."""
+        previous = self.trackers
+        self.trackers = [previous[s] if previous and self._endless(s)
+                         else SourceTracker(self.layout_for(s, self.epoch))
                          for s in range(len(self.sources))]
 
     def _track(self, summaries, plan) -> None:
@@ -338,8 +345,9 @@ class Runtime:
             if OUTCOMES[plan.outcome] == "stop":   # a source with on_exhausted="stop" ran out
                 return
             if OUTCOMES[plan.outcome] == "end_epoch":
-                for b in self.buffers:
-                    await b.next_epoch()
+                for s, b in enumerate(self.buffers):
+                    if not self._endless(s):   # an endless stream has no end-of-epoch marker
+                        await b.next_epoch()
                 self.epoch += 1
                 self.step_metrics.epoch = self.epoch
                 self.mixer.new_epoch()

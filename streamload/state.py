@@ -14,11 +14,17 @@ shards in progress. That is kilobytes, whatever the dataset's size.
 Resuming at the same world size gives every rank the same remaining stream, so the batches are
 identical to an uninterrupted run. At another world size the remaining units and untouched
 shards are pooled and dealt again, so every sample of the epoch is still delivered exactly once.
+
+A source with on_exhausted="restart" is *endless*: after its base, each rank goes on with pass
+after pass, each pass a fresh seeded permutation. Its shards get pass-wide ids
+`pass * num_shards + shard`, so the same record in two passes is two distinct items, and the
+state records each rank's pass beside its position. Such a stream ignores epoch boundaries: the
+finite sources end the epoch, the endless ones go on where they are.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Iterator, Optional
 
 import msgspec
 import numpy as np
@@ -51,6 +57,8 @@ class SourceProgress(msgspec.Struct, frozen=True):
     base_shards: Optional[bytes]         # bitmap of shards in the base; None = all shards
     base_position: tuple[int, ...]       # per base rank: how many base shards it has started
     units: tuple[tuple[ReadUnit, ...], ...]   # per base rank: filtered units before the rest
+    first_pass: int = 0                  # endless sources: the pass the base was dealt from
+    passes: tuple[int, ...] = ()         # endless sources: per base rank, its base's pass
 
 
 class LoaderState(msgspec.Struct, frozen=True):
@@ -87,42 +95,104 @@ def shard_permutation(num_shards: int, seed: int, epoch: int, source_index: int)
     return np.random.default_rng([seed, epoch, source_index]).permutation(num_shards)
 
 
+def deal(order: np.ndarray, world: int, rank: int, offset: int = 0) -> np.ndarray:
+    """Rank `rank`'s share of `order`: every `world`-th shard from position (rank + offset) %
+    world. Endless passes rotate the offset, so with fewer shards than ranks every rank gets
+    shards in some passes."""
+    return order[(rank + offset) % world::world]
+
+
 @dataclass
 class EpochLayout:
-    """How one source's epoch is dealt to ranks: per rank, filtered units then base shards."""
+    """How one source's epoch is dealt to ranks: per rank, filtered units then base shards
+    (and, for an endless source, one pass after another after that)."""
     base_world: int
     base_shards: Optional[np.ndarray]          # bool [num_shards]; None = all
-    base: list[np.ndarray]                     # per base rank: shard indices in order
+    base: list[np.ndarray]                     # per base rank: shard ids in order
     base_position: list[int]                   # per base rank: base shards already started
     units: list[list[ReadUnit]]                # per base rank: filtered units first
+    num_shards: int
+    seed: int
+    source_index: int
+    endless: bool = False
+    passes: Optional[list[int]] = None         # endless: per base rank, the pass of its base
+    first_pass: int = 0                        # endless: the pass `base_shards` refers to
 
     def rank_units(self, rank: int) -> list[ReadUnit]:
+        """The filtered units and the rest of the base: the whole epoch of a finite source."""
         return list(self.units[rank]) + [ReadUnit(int(s)) for s in
                                          self.base[rank][self.base_position[rank]:]]
 
+    def pass_shards(self, rank: int, pass_index: int) -> np.ndarray:
+        """An endless source's pass `pass_index` for one rank, as pass-wide shard ids."""
+        order = shard_permutation(self.num_shards, self.seed, pass_index, self.source_index)
+        return deal(order, self.base_world, rank, pass_index) + pass_index * self.num_shards
+
+    def later_passes(self, rank: int) -> Iterator[tuple[int, list[ReadUnit]]]:
+        """(pass, units) for each pass after the base, without end; nothing if finite."""
+        pass_index = self.passes[rank] if self.endless else 0
+        while self.endless:
+            pass_index += 1
+            yield pass_index, [ReadUnit(int(s)) for s in self.pass_shards(rank, pass_index)]
+
+    def stream(self, rank: int) -> Iterator[ReadUnit]:
+        """Every unit this rank reads: the epoch, then (endless) all later passes."""
+        yield from self.rank_units(rank)
+        for _, units in self.later_passes(rank):
+            yield from units
+
 
 def fresh_layout(num_shards: int, *, seed: int, epoch: int, source_index: int,
-                 world: int, base_shards: Optional[np.ndarray] = None) -> EpochLayout:
+                 world: int, base_shards: Optional[np.ndarray] = None,
+                 endless: bool = False) -> EpochLayout:
+    """A fresh epoch; for an endless source, `epoch` is the pass its base deals."""
+    layout = EpochLayout(world, base_shards, [], [0] * world, [[] for _ in range(world)],
+                         num_shards, seed, source_index, endless,
+                         [epoch] * world if endless else None, epoch if endless else 0)
+    if endless and base_shards is None:
+        layout.base = [layout.pass_shards(q, epoch) for q in range(world)]
+        return layout
     order = shard_permutation(num_shards, seed, epoch, source_index)
     if base_shards is not None:
         order = order[base_shards[order]]
-    return EpochLayout(world, base_shards, [order[q::world] for q in range(world)],
-                       [0] * world, [[] for _ in range(world)])
+    offset = epoch * num_shards if endless else 0
+    layout.base = [deal(order, world, q, epoch if endless else 0) + offset for q in range(world)]
+    return layout
 
 
 def layout_from_progress(progress: SourceProgress, *, seed: int, epoch: int, source_index: int,
-                         world: int) -> EpochLayout:
-    """The rest of an epoch, dealt to `world` ranks."""
+                         world: int, endless: bool = False) -> EpochLayout:
+    """The rest of an epoch (an endless source: the rest of its stream), dealt to `world` ranks."""
     bits = None
     if progress.base_shards is not None:
         bits = np.unpackbits(np.frombuffer(progress.base_shards, np.uint8),
                              count=progress.num_shards).astype(bool)
-    saved = fresh_layout(progress.num_shards, seed=seed, epoch=epoch, source_index=source_index,
-                         world=progress.base_world, base_shards=bits)
+    saved = fresh_layout(progress.num_shards, seed=seed,
+                         epoch=progress.first_pass if endless else epoch,
+                         source_index=source_index, world=progress.base_world, base_shards=bits,
+                         endless=endless)
     saved.base_position = list(progress.base_position)
     saved.units = [list(u) for u in progress.units]
+    if endless:
+        saved.passes = list(progress.passes) or [progress.first_pass] * progress.base_world
+        for q, pass_index in enumerate(saved.passes):
+            if pass_index != progress.first_pass:
+                saved.base[q] = saved.pass_shards(q, pass_index)
     if world == progress.base_world:
         return saved
+    if endless:
+        # Elastic: what each rank has left of every pass up to the furthest one becomes units,
+        # dealt again; the next pass starts fresh for the new world.
+        top = max(saved.passes)
+        pooled = []
+        for q in range(saved.base_world):
+            pooled += saved.rank_units(q)
+            pooled += [ReadUnit(int(s)) for p in range(saved.passes[q] + 1, top + 1)
+                       for s in saved.pass_shards(q, p)]
+        layout = fresh_layout(progress.num_shards, seed=seed, epoch=top + 1,
+                              source_index=source_index, world=world, endless=True)
+        layout.units = [pooled[r::world] for r in range(world)]
+        return layout
     # Elastic: pool what is left and deal it again. Untouched shards keep the epoch's order.
     untouched = np.zeros(progress.num_shards, dtype=bool)
     for q in range(saved.base_world):
@@ -143,23 +213,40 @@ class RankProgress:
 
 
 class SourceTracker:
-    """Follows one source's epoch on every rank, from the windows and the plans."""
+    """Follows one source's epoch on every rank, from the windows and the plans. For an endless
+    source it extends each rank's unit list pass by pass as the windows reach them."""
 
     def __init__(self, layout: EpochLayout):
         self.layout = layout
         self.unit_lists = [layout.rank_units(q) for q in range(layout.base_world)]
+        # Per rank: (first unit index, pass, base position there) of each stretch of base units.
+        self.stretches = [[(len(layout.units[q]), layout.passes[q] if layout.endless else 0,
+                            layout.base_position[q])] for q in range(layout.base_world)]
+        self.later = [layout.later_passes(q) for q in range(layout.base_world)]
         self.unit_index = {}
-        for q, units in enumerate(self.unit_lists):
-            for i, unit in enumerate(units):
-                self.unit_index[unit.shard] = (q, i)
+        for q in range(layout.base_world):
+            self._index(q, 0)
         self.ranks = [RankProgress() for _ in range(layout.base_world)]
+
+    def _index(self, rank: int, start: int) -> None:
+        for i, unit in enumerate(self.unit_lists[rank][start:], start):
+            self.unit_index[unit.shard] = (rank, i)
+
+    def _locate(self, rank: int, shard: int) -> tuple[int, int]:
+        while shard not in self.unit_index:   # an endless rank reached its next pass
+            pass_index, units = next(self.later[rank])
+            start = len(self.unit_lists[rank])
+            self.stretches[rank].append((start, pass_index, 0))
+            self.unit_lists[rank].extend(units)
+            self._index(rank, start)
+        return self.unit_index[shard]
 
     def observe(self, rank: int, ids: np.ndarray, ages: np.ndarray, taken: np.ndarray) -> None:
         """Rank `rank` offered window `ids` (n x 3, in order); `taken` marks what the plan took."""
         if ids.shape[0] == 0:
             return
         shard, record, chunk = (int(v) for v in ids[-1])
-        q, unit = self.unit_index[shard]
+        q, unit = self._locate(rank, shard)
         assert q == rank, "a window item outside its rank's units"
         # The frontier only moves forward: a window can end before an item an earlier window
         # offered (and the plan took), when only untaken items are left before the marker.
@@ -178,13 +265,14 @@ class SourceTracker:
                  num_shards: int) -> tuple[SourceProgress, list]:
         """The remaining epoch as SourceProgress, and the pending items' ages."""
         layout = self.layout
-        positions, all_units, ages = [], [], []
+        positions, passes, all_units, ages = [], [], [], []
         for q, p in enumerate(ranks):
             units = self.unit_lists[q]
             filtered = len(layout.units[q])
-            position = layout.base_position[q]
+            _, pass_index, position = self.stretches[q][0]
             if p.frontier_unit < 0:
                 positions.append(position)
+                passes.append(pass_index)
                 all_units.append(tuple(layout.units[q]))
                 continue
             pending_by_shard: dict[int, list[tuple[int, int]]] = {}
@@ -202,10 +290,16 @@ class SourceTracker:
                 later = [tuple(e) for e in unit.extras if tuple(e) > p.frontier]
                 remaining.append(ReadUnit(unit.shard, skip, tuple(sorted(set(extras + later)))))
             remaining += units[p.frontier_unit + 1:filtered]
-            if p.frontier_unit >= filtered:   # the frontier is inside the base part
-                position += p.frontier_unit - filtered + 1
+            if p.frontier_unit >= filtered:   # the frontier is inside the base (or a later pass)
+                start, pass_index, position = next(
+                    stretch for stretch in reversed(self.stretches[q])
+                    if stretch[0] <= p.frontier_unit)
+                position += p.frontier_unit - start + 1
             positions.append(position)
+            passes.append(pass_index)
             all_units.append(tuple(remaining))
         bits = None if layout.base_shards is None else np.packbits(layout.base_shards).tobytes()
+        endless = ({"first_pass": layout.first_pass, "passes": tuple(passes)}
+                   if layout.endless else {})
         return SourceProgress(name, num_shards, listing_crc, layout.base_world, bits,
-                              tuple(positions), tuple(all_units)), ages
+                              tuple(positions), tuple(all_units), **endless), ages

@@ -184,7 +184,7 @@ def test_window_matches_source_buffer():
         buffer = SourceBuffer(10 ** 9, W)
         await buffer.put(Item(0, i, -1, np.zeros(n, np.int32)) for i, n in enumerate(lengths))
         await buffer.end_epoch(0)
-        window = _Window(lengths, cycle=False)
+        window = _Window(lengths)
         for _ in range(200):
             items, done = buffer.window()
             sim, ages, sim_done = window.window(W)
@@ -210,6 +210,22 @@ def test_simulate_takes_plain_arrays():
     reports = simulate(spec, lengths, steps=30, ranks=8)
     summary = summarize(spec, reports)
     assert summary["sources"]["a"]["share"] == pytest.approx(0.75, abs=MIX_TOLERANCE)
+
+
+@pytest.mark.parametrize("ranks", [1, 3])
+def test_simulated_restart_source_keeps_its_weight_until_the_finite_one_ends(ranks):
+    from streamload.configfile import parse_config
+    spec = parse_config(LOADER + "epochs = 1\n[mixture]\nweights = { a = 1.0, b = 1.0 }\n"
+                        + '[[source]]\nuri = "/x/a/"\n'
+                        + '[[source]]\nuri = "/x/b/"\non_exhausted = "restart"\n')
+    rng = np.random.default_rng(0)
+    lengths = [rng.integers(1, 1025, 3000), rng.integers(1, 1025, 2)]   # b: two items
+    reports = simulate(spec, lengths, steps=10_000, ranks=ranks)
+    assert len(reports) < 10_000, "the finite source must end the epoch"
+    tokens = np.sum([r.tokens for r in reports], axis=0)
+    assert tokens[0] == lengths[0].sum()            # every item of a, once
+    assert tokens[1] > 100 * lengths[1].sum()       # b, pass after pass
+    assert summarize(spec, reports)["sources"]["b"]["share"] == pytest.approx(0.5, abs=MIX_TOLERANCE)
 
 
 def words(text: str) -> list[str]:

@@ -223,8 +223,6 @@ def test_repeat_and_stop_policies(tmp_path):
         _, ids = collect(loader)
     assert set(i for i in base_ids(ids) if i.startswith("small/")) == small
     assert len([i for i in ids if i.startswith("big/")]) < len(big)
-    with pytest.raises(sl.ConfigError, match="restart"):
-        sl.Loader([sl.Source(str(tmp_path / "small"), on_exhausted="restart")])
 
 
 def test_mixture_schedule_from_a_config_file(tmp_path):

@@ -11,10 +11,10 @@ from __future__ import annotations
 import asyncio
 import time
 from dataclasses import dataclass
-from typing import Callable, Optional
+from typing import Callable, Iterable, Optional
 
 from ..config import LoaderConfig, Source
-from ..errors import StorageError
+from ..errors import DataError, StorageError
 from ..formats import format_for
 from ..formats.base import ShardFormat
 from ..metrics import SourceMetrics
@@ -70,14 +70,17 @@ class SourceFetcher:
         self.store = CountedStore(store)   # this source's requests, even on a shared store
 
     async def run(self, start_epoch: int = 0) -> None:
+        if self.source.on_exhausted == "restart":   # one endless stream, pass after pass
+            await self._read_units(self.layout_for(start_epoch).stream(self.rank))
+            return
         epoch = start_epoch
         while self.config.epochs is None or epoch < self.config.epochs:
-            await self._read_epoch(self.layout_for(epoch).rank_units(self.rank))
+            await self._read_units(self.layout_for(epoch).rank_units(self.rank))
             await self.buffer.end_epoch(epoch)
             self.ages = None   # restored ages apply to the resumed epoch only
             epoch += 1
 
-    async def _read_epoch(self, units: list[ReadUnit]) -> None:
+    async def _read_units(self, units: Iterable[ReadUnit]) -> None:
         # Shards are read ahead concurrently into their own queues, then drained in order. The
         # memory gate bounds what they hold; the drained shard may always proceed.
         async def start(unit: ReadUnit) -> tuple[Shard, asyncio.Queue]:
@@ -86,14 +89,26 @@ class SourceFetcher:
             shard = self.shards[unit.shard % len(self.shards)]
             self.supervisor.spawn(self._read_shard(shard, unit.shard, unit.keep_filter(), queue),
                                   name=f"read {self.source.name}/{shard.name}")
-            return unit.shard, queue
+            return unit, queue
 
-        async for virtual, queue in ordered_prefetch(units, start, lambda: self.knobs.shards):
-            await self.gate.set_head(virtual)
+        empty_in_a_row: set[int] = set()   # listed shards read whole, in a row, without items
+        async for unit, queue in ordered_prefetch(units, start, lambda: self.knobs.shards):
+            await self.gate.set_head(unit.shard)
+            produced = 0
             while (entry := await queue.get()) is not None:
                 items, held = entry
+                produced += len(items)
                 await self.buffer.put(items)
-                await self.gate.release(held, virtual)
+                await self.gate.release(held, unit.shard)
+            if produced or unit.skip_through is not None:
+                empty_in_a_row.clear()
+            else:
+                empty_in_a_row.add(unit.shard % len(self.shards))
+                if len(empty_in_a_row) == len(self.shards) and self.source.on_exhausted == "restart":
+                    raise DataError(f"every one of its {len(self.shards)} shard(s) under "
+                                    f"{self.source.uri} was read without a single sample, so "
+                                    f"on_exhausted='restart' would read them forever",
+                                    source=self.source.name)
 
     async def _read_shard(self, shard: Shard, virtual: int, keep, queue: asyncio.Queue) -> None:
         loop = asyncio.get_running_loop()
