@@ -497,7 +497,7 @@ def simulate(spec: LoaderSpec, lengths: Sequence[Union[SourceScan, np.ndarray]],
         if len(c) == 0:
             break
         quota = mixer.plan(c, step_tokens, step)
-        assignment = planner.plan(quota.candidates, quota.token_targets, step)
+        assignment = planner.plan_quota(quota, step)
         take = np.asarray(assignment.take, dtype=np.int64)
         units = mixer.update(quota, take)
         reports.append(_report(step, epoch, c, quota, assignment, take, units, geometry, S))

@@ -336,7 +336,7 @@ class Runtime:
                 assignment = None
                 if outcome == "continue":
                     quota = self.mixer.plan(candidates, step_tokens, self.step)
-                    assignment = self.planner.plan(quota.candidates, quota.token_targets, self.step)
+                    assignment = self.planner.plan_quota(quota, self.step)
                 self.step_metrics.plan_ms.append((time.perf_counter() - started) * 1e3)
                 message = encode_plan(assignment, OUTCOMES.index(outcome))
             else:

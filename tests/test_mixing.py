@@ -181,6 +181,33 @@ def test_sample_token_targets_pick_the_same_items_as_counts():
     assert sorted(by_counts.tolist()) == sorted(by_tokens.tolist())
 
 
+def test_by_samples_stays_exact_when_overdue_items_jump_the_queue():
+    """Overdue (long) items move to the front of their source's queue; token targets derived
+    from arrival order then buy fewer samples. Selecting by counts keeps the count, and
+    `Planner.plan_quota` selects by counts for a mixture by samples."""
+    mixer = make(Mixture(by="samples", weights={"web": 0.5, "code": 0.5, "books": 0.0}))
+    rng = np.random.default_rng(3)
+    lengths = [[rng.integers(20, 60, 300), rng.integers(20, 60, 300), np.zeros(0, np.int64)]
+               for _ in range(GEOMETRY.ranks)]
+    ages = [[np.zeros(300, np.int32), np.zeros(300, np.int32), np.zeros(0, np.int32)]
+            for _ in range(GEOMETRY.ranks)]
+    for r in range(GEOMETRY.ranks):   # web: long overdue items at the back of each window
+        lengths[r][0][-3:] = 1500
+        ages[r][0][-3:] = 8
+    c = Candidates.from_windows(lengths, ages)
+    q = mixer.plan(c, T, 0)
+
+    def counts(selected):
+        return [int((c.source[selected] == s).sum()) for s in (0, 1)]
+    web, code = counts(select(q.candidates, q.targets, max_age=8, counts=q.counts))
+    assert abs(web - code) <= 1, (web, code)
+    web, code = counts(select(q.candidates, q.token_targets, max_age=8))
+    assert code - web > 10, (web, code)      # what planning by tokens would do
+    planner = Planner(GEOMETRY, CostModel(1e-9, 1e-6), method="naive", max_age=8)
+    web, code = counts(planner.plan_quota(q, 0).take)
+    assert abs(web - code) <= 2, (web, code)   # + what did not fit the rows
+
+
 # ---------------------------------------------------------------------------------- schedules
 def test_schedule_linear_and_step_interpolation():
     at, table = np.array([10.0, 20.0]), np.array([[1.0, 0.0], [0.0, 1.0]])

@@ -7,7 +7,7 @@ identically everywhere. Each step:
 
     mixer = QuotaMixer.from_sources(mixture, sources)          # once
     quota = mixer.plan(candidates, step_tokens, step)           # every step
-    assignment = planner.plan(quota.candidates, quota.token_targets, step)
+    assignment = planner.plan_quota(quota, step)
     mixer.update(quota, assignment.take)                        # every step
     mixer.new_epoch()                                           # at an epoch boundary
     mixer.outcome(has_data, exhausted)                          # "continue" | "end_epoch" | "stop"
