@@ -18,9 +18,12 @@ def assign_naive(c: Candidates, selected: np.ndarray, geometry: Geometry) -> tup
     R, M, C = geometry.ranks, geometry.micro_batches, geometry.capacity
     lengths = c.length[selected]
     share = float(lengths.sum()) / R
-    fill = np.zeros((R, M), dtype=np.int64)
-    used = np.zeros(R, dtype=np.int64)          # tokens per rank (fill summed over rows)
-    room = np.full(R, C, dtype=np.int64)        # largest free space of any row of each rank
+    # Python lists for the per-item bookkeeping (NumPy calls on tiny arrays cost more than the
+    # work); `room` is mirrored in an array for the rare scan over later ranks.
+    fill = [[0] * M for _ in range(R)]
+    used = [0] * R                              # tokens per rank (fill summed over rows)
+    room = [C] * R                              # largest free space of any row of each rank
+    room_array = np.full(R, C, dtype=np.int64)
     take, ranks, rows = [], [], []
     current = 0
     for idx, length in zip(selected.tolist(), lengths.tolist()):
@@ -29,14 +32,18 @@ def assign_naive(c: Candidates, selected: np.ndarray, geometry: Geometry) -> tup
         # The current rank first, then later ranks: the first with a row that has room.
         # (Vectorized over ranks: with the step's tokens near capacity a rank rarely reaches
         # its share, so a loop over ranks made this O(items * ranks) in Python.)
-        later = np.flatnonzero(room[current:] >= length)
-        if later.size == 0:
-            continue
-        r = current + int(later[0])
-        m = int(np.flatnonzero(fill[r] + length <= C)[0])
-        fill[r, m] += length
+        if room[current] >= length:
+            r = current
+        else:
+            later = np.flatnonzero(room_array[current:] >= length)
+            if later.size == 0:
+                continue
+            r = current + int(later[0])
+        row = fill[r]
+        m = next(k for k in range(M) if row[k] + length <= C)
+        row[m] += length
         used[r] += length
-        room[r] = C - int(fill[r].min())
+        room[r] = room_array[r] = C - min(row)
         take.append(idx); ranks.append(r); rows.append(m)
     return (np.asarray(take, dtype=np.int64), np.asarray(ranks, dtype=np.int32),
             np.asarray(rows, dtype=np.int32))
