@@ -40,7 +40,9 @@ class _Background:
 
     def __init__(self, runtime: Runtime, prefetch_steps: int):
         self.runtime = runtime
-        self.queue: "queue.Queue" = queue.Queue()  # get() is interruptible by Ctrl-C; SimpleQueue.get() is not
+        # SimpleQueue: a put costs the step loop far less than Queue's condition variables. Its
+        # get() without a timeout cannot be interrupted by Ctrl-C, so `get` waits in slices.
+        self.queue: "queue.SimpleQueue" = queue.SimpleQueue()
         self.loop = asyncio.new_event_loop()
         self.slots = None
         self.prefetch_steps = prefetch_steps
@@ -80,7 +82,12 @@ class _Background:
         self.queue.put(batch)
 
     def get(self):
-        item = self.queue.get()
+        while True:
+            try:
+                item = self.queue.get(timeout=0.25)
+                break
+            except queue.Empty:
+                continue
         if not isinstance(item, _End) and not self.loop.is_closed():
             try:
                 self.loop.call_soon_threadsafe(self.slots.release)

@@ -9,7 +9,7 @@ from __future__ import annotations
 import asyncio
 import time
 import zlib
-from typing import Awaitable, Callable, Optional, Protocol
+from typing import Awaitable, Callable, Optional, Protocol, TypeVar
 
 import numpy as np
 import torch
@@ -39,6 +39,9 @@ from .plan.types import Geometry
 from .state import (STATE_VERSION, EpochLayout, LoaderState, SourceTracker, fresh_layout,
                     layout_from_progress)
 from .storage import ObjectStore, open_store
+
+T = TypeVar("T")
+
 
 class Handoff(Protocol):
     """Where batches go: `reserve()` waits for room (the trainer took an earlier batch),
@@ -90,6 +93,7 @@ class Runtime:
         self.closing = asyncio.Event()   # set by request_close(), on the loop
         self.started: Optional[float] = None            # when run() began (for rates)
         self._scale_mark: Optional[tuple] = None        # (time, buffers' blocked_s) at last step
+        self._id_prefixes: dict[tuple[int, int], str] = {}   # (source, shard) -> "name/shard/"
 
     # -- set-up ---------------------------------------------------------------------------
     def _stores(self) -> list[ObjectStore]:
@@ -139,13 +143,20 @@ class Runtime:
                     array = encode_failure(error)
                 else:
                     array = task.result()
-                gathered = await self.collectives.run(lambda: self.comm.all_gather(array))
+                gathered = await self._collective(lambda: self.comm.all_gather(array))
                 if check_statuses(gathered, self.comm.rank, error, closing):
                     return gathered
         finally:
             if not task.done():
                 task.cancel()
                 await asyncio.gather(task, return_exceptions=True)
+
+    async def _collective(self, call: Callable[[], T]) -> T:
+        """Run a blocking collective on the collective thread; with one rank there is nothing
+        to wait for, so it runs inline (a thread hop per call costs more than the call)."""
+        if self.comm.world == 1:
+            return call()
+        return await self.collectives.run(call)
 
     async def _list_all(self) -> np.ndarray:
         self.shards = list(await asyncio.gather(
@@ -312,11 +323,12 @@ class Runtime:
         self._windows = [b.window() for b in self.buffers]
         windows = []
         for s, (items, done) in enumerate(self._windows):
-            lengths = np.fromiter((len(i) for i in items), np.int64, len(items))
+            # One pass over the items: length, age, shard, record, chunk.
+            fields = np.array([(i.tokens.shape[0], i.age, i.shard, i.record, i.chunk)
+                               for i in items], dtype=np.int64).reshape(-1, 5)
+            lengths = fields[:, 0]
             windows.append(SourceWindow(
-                lengths, np.fromiter((i.age for i in items), np.int64, len(items)),
-                np.array([(i.shard, i.record, i.chunk) for i in items],
-                         dtype=np.int64).reshape(-1, 3), done,
+                lengths, fields[:, 1], fields[:, 2:], done,
                 CostModel.extra_cost(self.sample_costs.get(self.sources[s].name), lengths)))
         return encode_summary(windows)
 
@@ -341,7 +353,7 @@ class Runtime:
                 message = encode_plan(assignment, OUTCOMES.index(outcome))
             else:
                 message = None
-            plan = decode_plan(await self.collectives.run(lambda: self.comm.broadcast(message)))
+            plan = decode_plan(await self._collective(lambda: self.comm.broadcast(message)))
             if OUTCOMES[plan.outcome] == "stop":   # a source with on_exhausted="stop" ran out
                 return
             if OUTCOMES[plan.outcome] == "end_epoch":
@@ -378,23 +390,26 @@ class Runtime:
             order = np.argsort(positions, kind="stable")
             items = await buffer.take(positions[order], len(self._windows[s][0]))
             mine.update(zip(entries[order].tolist(), (i.tokens for i in items)))
-        entries, tokens = await self.collectives.run(
+        entries, tokens = await self._collective(
             lambda: exchange_tokens(self.comm, holder, plan.rank, lengths, mine))
         sources = c.source[plan.take[entries]]
         item_ids = summaries.ids[plan.take[entries]]
         rows = pack_rows(tokens, plan.row[entries], M, self.config.micro_batch_tokens)
         micro_batches = []
+        source_list, id_list = sources.tolist(), item_ids.tolist()
         for row in rows:
-            ids = [self._sample_id(int(sources[k]), *map(int, item_ids[k])) for k in row.item_indices]
+            ids = [self._sample_id(source_list[k], *id_list[k]) for k in row.item_indices.tolist()]
             seqlens = np.diff(row.cu_seqlens)
             micro_batches.append(MicroBatch(
                 tokens=torch.from_numpy(row.tokens), cu_seqlens=torch.from_numpy(row.cu_seqlens),
                 position_ids=torch.from_numpy(row.position_ids), sample_ids=ids,
                 max_seqlen=int(seqlens.max()) if seqlens.size else 0))
-        for k, t in enumerate(tokens):
-            metrics = self.source_metrics[int(sources[k])]
-            metrics.delivered_samples += 1
-            metrics.delivered_tokens += len(t)
+        S = len(self.sources)
+        samples = np.bincount(sources, minlength=S)
+        delivered = np.bincount(sources, weights=c.length[plan.take[entries]], minlength=S)
+        for metrics, n, t in zip(self.source_metrics, samples.tolist(), delivered.tolist()):
+            metrics.delivered_samples += n
+            metrics.delivered_tokens += int(t)
         rank_rows = plan.rank * M + plan.row
         rank_tokens = np.bincount(plan.rank, weights=lengths, minlength=R)
         rank_cost = self.cost.row_costs(lengths, rank_rows, R * M,
@@ -421,9 +436,14 @@ class Runtime:
             metrics.step_wait_s += float(wait)
 
     def _sample_id(self, source: int, shard: int, record: int, chunk: int) -> str:
+        """"source/shard/record", with ":chunk" for a piece of a split document."""
         shards = self.shards[source]
-        base = f"{self.sources[source].name}/{shards[shard % len(shards)].name}/{record}"
-        return base if chunk < 0 else f"{base}:{chunk}"
+        shard %= len(shards)   # a repeated or restarted pass reads the same shard again
+        prefix = self._id_prefixes.get((source, shard))
+        if prefix is None:
+            prefix = self._id_prefixes[(source, shard)] = \
+                f"{self.sources[source].name}/{shards[shard].name}/"
+        return f"{prefix}{record}" if chunk < 0 else f"{prefix}{record}:{chunk}"
 
     def stats(self) -> dict:
         sources = {}

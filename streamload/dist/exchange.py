@@ -19,11 +19,12 @@ def exchange_tokens(comm: Comm, holder: np.ndarray, dest: np.ndarray, lengths: n
     entries_here = np.flatnonzero(dest == me)
     if world == 1:
         return entries_here, [mine[int(e)] for e in entries_here]
+    # Items hold uint8 (byte tokens) or int32 ids; every rank sends int32, so they agree.
     sends = []
     for r in range(world):
         outgoing = np.flatnonzero((holder == me) & (dest == r))
-        sends.append(np.concatenate([mine[int(e)] for e in outgoing]) if outgoing.size
-                     else np.zeros(0, np.int32))
+        sends.append(np.concatenate([mine[int(e)] for e in outgoing], dtype=np.int32)
+                     if outgoing.size else np.zeros(0, np.int32))
     received = comm.all_to_all(sends, np.int32)
     tokens: dict[int, np.ndarray] = {}
     for r in range(world):

@@ -25,7 +25,7 @@ class Item:
         self.age = 0   # steps this item was offered in a window and not taken
 
     def __len__(self) -> int:
-        return int(self.tokens.shape[0])
+        return self.tokens.shape[0]
 
 
 class EndOfEpoch:

@@ -17,8 +17,10 @@ Tokenizer = Callable[[str], Sequence[int]]
 
 
 def utf8_bytes(text: str) -> np.ndarray:
-    """The default tokenizer: one token per UTF-8 byte (ids 0..255)."""
-    return np.frombuffer(text.encode("utf-8"), dtype=np.uint8).astype(np.int32)
+    """The default tokenizer: one token per UTF-8 byte (ids 0..255). The tokens stay uint8, a
+    read-only view of the encoded bytes: a quarter of the memory of int32, and no copy. Packing
+    widens them into its int64 rows."""
+    return np.frombuffer(text.encode("utf-8"), dtype=np.uint8)
 
 
 @dataclass
@@ -97,5 +99,5 @@ def records_to_items(records: list[RawRecord], shard: int, tokenizer: Optional[T
         for item in items:
             item.age = ages.get((shard, item.record, item.chunk), 0)
     counts.samples = len(items)
-    counts.tokens = int(sum(len(item) for item in items))
+    counts.tokens = sum([item.tokens.shape[0] for item in items])
     return items, counts

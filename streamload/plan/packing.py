@@ -16,22 +16,27 @@ class PackedRow:
 
 def pack_rows(token_arrays: list[np.ndarray], rows: np.ndarray, num_rows: int,
               capacity: int) -> list[PackedRow]:
-    """Concatenate items into `num_rows` rows, keeping their order within each row."""
+    """Concatenate items into `num_rows` rows, keeping their order within each row. Items may
+    hold any integer dtype that fits int64 (uint8 bytes, int32 ids, ...)."""
     rows = np.asarray(rows, dtype=np.int64)
     lengths = np.fromiter((a.shape[0] for a in token_arrays), dtype=np.int64,
                           count=len(token_arrays))
+    by_row = np.argsort(rows, kind="stable")   # grouped by row, input order within a row
+    bounds = np.searchsorted(rows[by_row], np.arange(num_rows + 1))
+    # Each document's positions are a prefix of this: one concatenation of views per row is
+    # cheaper than arange(total) - repeat(starts, lengths).
+    counting = np.arange(lengths.max(initial=0), dtype=np.int64)
+    empty = [np.zeros(0, dtype=np.int64)]
     out = []
     for row in range(num_rows):
-        members = np.flatnonzero(rows == row)
+        members = by_row[bounds[row]:bounds[row + 1]]
         row_lengths = lengths[members]
         total = int(row_lengths.sum())
         if total > capacity:
             raise AssertionError(f"row {row} holds {total} tokens > capacity {capacity}")
-        tokens = (np.concatenate([token_arrays[i] for i in members]).astype(np.int64)
-                  if members.size else np.zeros(0, dtype=np.int64))
+        tokens = np.concatenate([token_arrays[i] for i in members] or empty, dtype=np.int64)
+        positions = np.concatenate([counting[:n] for n in row_lengths.tolist()] or empty)
         cu = np.zeros(members.size + 1, dtype=np.int32)
         np.cumsum(row_lengths, out=cu[1:])
-        starts = np.repeat(cu[:-1].astype(np.int64), row_lengths)
-        positions = np.arange(total, dtype=np.int64) - starts
         out.append(PackedRow(tokens, cu, positions, members))
     return out
