@@ -40,6 +40,9 @@ class LocalComm:
 
 
 class GlooComm:
+    """Collectives on the loader's gloo group. Buffers are filled in NumPy and received into
+    `torch.empty`: a torch fill or copy of a large tensor runs on torch's OpenMP threads, whose
+    spin-waiting afterwards doubled the loader's CPU time per step (measured at 2 ranks)."""
     def __init__(self, group, rank: int, world: int, timeout_s: float):
         self.group, self.rank, self.world, self.timeout_s = group, rank, world, timeout_s
 
@@ -61,10 +64,10 @@ class GlooComm:
             sizes = [torch.zeros(1, dtype=torch.int64) for _ in range(self.world)]
             dist.all_gather(sizes, size, group=self.group)
             longest = max(int(s) for s in sizes)
-            padded = torch.zeros(longest, dtype=torch.int64)
-            padded[:array.shape[0]] = torch.from_numpy(array)
-            out = [torch.zeros(longest, dtype=torch.int64) for _ in range(self.world)]
-            dist.all_gather(out, padded, group=self.group)
+            padded = np.zeros(longest, dtype=np.int64)
+            padded[:array.shape[0]] = array
+            out = [torch.empty(longest, dtype=torch.int64) for _ in range(self.world)]
+            dist.all_gather(out, torch.from_numpy(padded), group=self.group)
             return [o[:int(s)].numpy() for o, s in zip(out, sizes)]
         return self._run("all_gather", gather)
 
@@ -76,7 +79,7 @@ class GlooComm:
             size = torch.tensor([0 if array is None else array.shape[0]], dtype=torch.int64)
             dist.broadcast(size, src=0, group=self.group)
             data = torch.from_numpy(np.ascontiguousarray(array, dtype=np.int64)) \
-                if self.rank == 0 else torch.zeros(int(size), dtype=torch.int64)
+                if self.rank == 0 else torch.empty(int(size), dtype=torch.int64)
             dist.broadcast(data, src=0, group=self.group)
             return data.numpy()
         return self._run("broadcast", bcast)
@@ -92,7 +95,7 @@ class GlooComm:
             recv_sizes = torch.zeros(self.world, dtype=torch.int64)
             dist.all_to_all_single(recv_sizes, send_sizes, group=self.group)
             flat = torch.from_numpy(np.concatenate([np.asarray(s, dtype=dtype) for s in sends]))
-            out = torch.zeros(int(recv_sizes.sum()), dtype=flat.dtype)
+            out = torch.empty(int(recv_sizes.sum()), dtype=flat.dtype)
             dist.all_to_all_single(out, flat, recv_sizes.tolist(), send_sizes.tolist(),
                                    group=self.group)
             return np.split(out.numpy(), np.cumsum(recv_sizes.numpy())[:-1])
