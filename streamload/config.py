@@ -81,7 +81,7 @@ class LoaderConfig(msgspec.Struct, kw_only=True):
     buffer_tokens: Optional[int] = None     # per source per rank; default: 2 windows + one row
     prefetch_steps: int = 2                 # planned batches queued ahead of the trainer
     memory_budget: Optional[int] = None     # bytes per rank for buffers and data in flight;
-                                            # None: 64 MiB, more if the sources need it
+                                            # None: 32 MiB, more if the sources need it
     shard_prefetch: int = 2                 # shards read at once per source (initial; adapts)
     range_readahead: int = 2                # byte ranges in flight per shard (initial; adapts)
     max_shard_prefetch: int = 8             # the autoscaler's ceilings

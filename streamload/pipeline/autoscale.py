@@ -20,7 +20,7 @@ import numpy as np
 from ..config import LoaderConfig
 from ..errors import ConfigError
 
-TOKEN_BYTES = 4           # buffered tokens are int32
+TOKEN_BYTES = 4           # buffered tokens: at most int32 (byte tokens are uint8): an upper bound
 ITEM_OVERHEAD_BYTES = 160  # an Item object, its array header
 
 
@@ -31,7 +31,7 @@ class SourceBudget:
     inflight_bytes: int    # bytes fetched or decoded but not yet buffered
 
 
-DEFAULT_MEMORY_BUDGET = 64 << 20
+DEFAULT_MEMORY_BUDGET = 32 << 20
 RANGES_PER_SOURCE = 2   # what the default budget allows in flight per source, at least
 
 
@@ -47,7 +47,7 @@ def plan_memory(config: LoaderConfig, weights: np.ndarray, names: list[str]) -> 
     capacities = [max(config.buffer_tokens, w) if config.buffer_tokens is not None else 2 * w + C
                   for w in windows]
     budget = config.memory_budget
-    if budget is None:   # 64 MiB, or the least that gives every source its buffer and 2 ranges
+    if budget is None:   # 32 MiB, or the least that gives every source its buffer and 2 ranges
         budget = max([DEFAULT_MEMORY_BUDGET] + [
             int(np.ceil((cap * TOKEN_BYTES + RANGES_PER_SOURCE * config.chunk_bytes)
                         / (0.5 / S + 0.5 * share))) for cap, share in zip(capacities, shares)])
