@@ -12,6 +12,7 @@ import pytest
 import streamload as sl
 from corpus import base_ids, write_jsonl_source
 from distributed import run_ranks
+from resumecheck import flat, resume_divergence
 from streamload.formats import write_jsonl
 from streamload.state import SourceTracker, fresh_layout
 
@@ -31,10 +32,6 @@ def loader_for(root, **kw):
     kw.setdefault("chunk_bytes", 4096)
     return sl.Loader([sl.Source(str(Path(root) / "small"), weight=0.5, on_exhausted="restart"),
                       sl.Source(str(Path(root) / "big"), weight=0.5)], **kw)
-
-
-def flat(batch):
-    return [(tuple(mb.sample_ids), int(mb.tokens.sum())) for mb in batch.micro_batches]
 
 
 def token_share(batches, prefix):
@@ -95,20 +92,7 @@ def test_resume_through_passes_and_epochs_is_identical(tmp_path, stop_after):
 
 
 def resume_job(rank, world, root, stops):
-    mk = lambda: loader_for(root, micro_batch_tokens=512, seed=3)   # noqa: E731
-    with mk() as loader:
-        full = [flat(b) for b in loader]
-    diverged = {}
-    for stop in stops:
-        with mk() as loader:
-            head = [flat(b) for _, b in zip(range(stop), loader)]
-            state = loader.state_dict()
-        with mk() as loader:
-            loader.load_state_dict(state)
-            tail = [flat(b) for b in loader]
-        if head + tail != full:
-            diverged[stop] = next(i for i, (a, b) in enumerate(zip(full, head + tail)) if a != b)
-    return len(full), diverged
+    return resume_divergence(lambda: loader_for(root, micro_batch_tokens=512, seed=3), stops)
 
 
 def test_two_rank_resume_with_a_restart_source_is_identical(tmp_path):

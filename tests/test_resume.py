@@ -7,6 +7,7 @@ import pytest
 import streamload as sl
 from corpus import base_ids, write_jsonl_source, write_token_source
 from distributed import run_ranks
+from resumecheck import flat, resume_divergence
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -25,10 +26,6 @@ def loader_for(root, **kw):
     kw.setdefault("chunk_bytes", 4096)
     return sl.Loader([sl.Source(str(root / "web"), weight=0.5), sl.Source(str(root / "code"), weight=0.3),
                       sl.Source(str(root / "math"), weight=0.2)], **kw)
-
-
-def flat(batch):
-    return [(tuple(mb.sample_ids), int(mb.tokens.sum())) for mb in batch.micro_batches]
 
 
 @pytest.mark.parametrize("stop_after", [0, 1, 7, 25])
@@ -99,22 +96,8 @@ def test_elastic_resume_delivers_each_sample_once(tmp_path, worlds):
 
 
 def resume_everywhere_job(rank, world, root, stops):
-    """Per stop k: the first k batches, then a fresh loader resumed from the state; compare."""
     from pathlib import Path
-    mk = lambda: loader_for(Path(root), micro_batch_tokens=512, seed=7)   # noqa: E731
-    with mk() as loader:
-        full = [flat(b) for b in loader]
-    diverged = {}
-    for stop in stops:
-        with mk() as loader:
-            head = [flat(b) for _, b in zip(range(stop), loader)]
-            state = loader.state_dict()
-        with mk() as loader:
-            loader.load_state_dict(state)
-            tail = [flat(b) for b in loader]
-        if head + tail != full:
-            diverged[stop] = next(i for i, (a, b) in enumerate(zip(full, head + tail)) if a != b)
-    return len(full), diverged
+    return resume_divergence(lambda: loader_for(Path(root), micro_batch_tokens=512, seed=7), stops)
 
 
 def test_two_rank_resume_is_identical_at_every_stop_near_the_epoch_tail(tmp_path):
