@@ -83,7 +83,7 @@ class SourceFetcher:
     async def _read_units(self, units: Iterable[ReadUnit]) -> None:
         # Shards are read ahead concurrently into their own queues, then drained in order. The
         # memory gate bounds what they hold; the drained shard may always proceed.
-        async def start(unit: ReadUnit) -> tuple[Shard, asyncio.Queue]:
+        async def start(unit: ReadUnit) -> tuple[ReadUnit, asyncio.Queue]:
             queue: asyncio.Queue = asyncio.Queue()
             # With repeat=k, a source has k passes of "virtual" shards: v reads shard v % n.
             shard = self.shards[unit.shard % len(self.shards)]
@@ -91,6 +91,7 @@ class SourceFetcher:
                                   name=f"read {self.source.name}/{shard.name}")
             return unit, queue
 
+        endless = self.source.on_exhausted == "restart"
         empty_in_a_row: set[int] = set()   # listed shards read whole, in a row, without items
         async for unit, queue in ordered_prefetch(units, start, lambda: self.knobs.shards):
             await self.gate.set_head(unit.shard)
@@ -100,11 +101,13 @@ class SourceFetcher:
                 produced += len(items)
                 await self.buffer.put(items)
                 await self.gate.release(held, unit.shard)
+            if not endless:
+                continue
             if produced or unit.skip_through is not None:
                 empty_in_a_row.clear()
             else:
                 empty_in_a_row.add(unit.shard % len(self.shards))
-                if len(empty_in_a_row) == len(self.shards) and self.source.on_exhausted == "restart":
+                if len(empty_in_a_row) == len(self.shards):
                     raise DataError(f"every one of its {len(self.shards)} shard(s) under "
                                     f"{self.source.uri} was read without a single sample, so "
                                     f"on_exhausted='restart' would read them forever",
