@@ -26,7 +26,8 @@ Loaders
 
 Measured: samples/s (documents; a document streamload splits into several rows counts once),
 text MB/s (UTF-8 bytes of text delivered), time to first batch (from constructing the loader,
-imports excluded), peak RSS of the process tree (sum of the processes' RSS, so pages shared
+imports excluded: each loader's module and the S3 client library it imports on first use,
+streamload.storage.s3 / boto3 / obstore, are imported before the clock starts), peak RSS of the process tree (sum of the processes' RSS, so pages shared
 between forked workers count once per process), and for streamload the loader's CPU time per
 step (process CPU time minus the consuming thread's own CPU time, over the steps). Throughput is
 end to end: delivered / (last sample - loader construction); *_steady variants start the clock at
@@ -158,6 +159,7 @@ def w_streamload(spec: dict) -> dict:
                                 rank=rank, world_size=world,
                                 timeout=datetime.timedelta(seconds=120))
     import streamload as sl
+    import streamload.storage.s3  # noqa: F401  (imported on first use: an import, not loading)
     sources = [sl.Source(f"s3://{BUCKET}/{spec['prefix']}/{name}/", weight=w, name=name)
                for name, w in spec["sources"]]
     opts = _sl_loader_options(spec.get("options", {}))
@@ -240,6 +242,7 @@ def w_streamload_next(spec: dict) -> dict:
 
 def w_mosaic(spec: dict) -> dict:
     streaming = _corpus.import_streaming()
+    import boto3  # noqa: F401  (Streaming's S3 client, imported on first download)
     from streaming.base.util import clean_stale_shared_memory
     from torch.utils.data import DataLoader
     clean_stale_shared_memory()
@@ -257,6 +260,7 @@ def w_mosaic(spec: dict) -> dict:
 
 def w_litdata(spec: dict) -> dict:
     import litdata
+    import obstore  # noqa: F401  (LitData's S3 client, imported on first download)
     from litdata.streaming import downloader
     from litdata.streaming.resolver import Dir
     # LitData fetches chunks with obstore (Rust object_store), which refuses plain-http

@@ -581,3 +581,30 @@ async def test_with_retries_times_out_each_attempt():
                            is_retryable=lambda exc: False)
     assert counters.retries == 1
 
+
+
+@pytest.mark.parametrize("turns", range(6))
+async def test_a_cancelled_request_is_never_swallowed_by_its_timeout(turns):
+    """Regression: with asyncio.wait_for (Python 3.11), cancelling the caller just as the
+    request completed returned the result instead; the fetch then waited for memory that a
+    closing loader never frees, and close() hung. Cancel at every turn of the loop around the
+    completion: the caller must always see CancelledError."""
+    loop = asyncio.get_running_loop()
+    response = loop.create_future()
+
+    async def request():
+        return await response
+
+    caller = asyncio.ensure_future(with_retries(
+        request, policy=RetryPolicy(), what="s3://bucket/key", counters=StoreCounters(),
+        is_retryable=lambda exc: False))
+    await asyncio.sleep(0)
+    response.set_result(b"bytes")
+    for _ in range(turns):
+        await asyncio.sleep(0)
+    if caller.done():   # it finished before the cancel: nothing could be swallowed
+        assert caller.result() == b"bytes"
+        return
+    caller.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await caller

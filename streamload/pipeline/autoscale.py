@@ -12,13 +12,13 @@ source does not starve the step and a light one does not hog memory.
 """
 from __future__ import annotations
 
-import asyncio
 from dataclasses import dataclass, field
 
 import numpy as np
 
 from ..config import LoaderConfig
 from ..errors import ConfigError
+from .changes import Changes
 
 TOKEN_BYTES = 4           # buffered tokens: at most int32 (byte tokens are uint8): an upper bound
 ITEM_OVERHEAD_BYTES = 160  # an Item object, its array header
@@ -85,7 +85,7 @@ class MemoryGate:
         self.peak = 0
         self.head = None
         self._by_owner: dict = {}
-        self._changed = asyncio.Condition()
+        self._changes = Changes()
 
     def reservation(self, raw_bytes: int) -> int:
         return int(raw_bytes * self.expansion)
@@ -95,9 +95,8 @@ class MemoryGate:
         if raw_bytes:
             self.expansion = max(self.expansion, decoded / raw_bytes)
             self.observed = True
-        async with self._changed:
-            self._add(decoded - reserved, owner)
-            self._changed.notify_all()
+        self._add(decoded - reserved, owner)
+        self._changes.notify()
 
     def _add(self, n: int, owner) -> None:
         self.used += n
@@ -114,20 +113,17 @@ class MemoryGate:
         return owner == self.head and self._by_owner.get(owner, 0) == 0
 
     async def acquire(self, n: int, owner) -> None:
-        async with self._changed:
-            while not self._may_take(n, owner):
-                await self._changed.wait()
-            self._add(n, owner)
+        while not self._may_take(n, owner):
+            await self._changes.wait()
+        self._add(n, owner)
 
     async def release(self, n: int, owner) -> None:
-        async with self._changed:
-            self._add(-n, owner)
-            self._changed.notify_all()
+        self._add(-n, owner)
+        self._changes.notify()
 
     async def set_head(self, owner) -> None:
-        async with self._changed:
-            self.head = owner
-            self._changed.notify_all()
+        self.head = owner
+        self._changes.notify()
 
 
 @dataclass

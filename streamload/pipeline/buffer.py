@@ -8,12 +8,13 @@ independent of fetch timing.
 """
 from __future__ import annotations
 
-import asyncio
 import time
 from collections import deque
 from typing import Iterable, Optional
 
 import numpy as np
+
+from .changes import Changes
 
 
 class Item:
@@ -45,7 +46,7 @@ class SourceBuffer:
         self._tokens = 0          # tokens held, all epochs
         self._head_tokens = 0     # tokens before the first end-of-epoch marker
         self._markers = 0
-        self._changed = asyncio.Condition()
+        self._changes = Changes()
         self._error: Optional[BaseException] = None
         self.blocked_s = 0.0      # time the producer waited because the buffer was full
 
@@ -53,33 +54,28 @@ class SourceBuffer:
     async def put(self, items: Iterable[Item]) -> None:
         """Append items in order; waits while the buffer is at capacity."""
         for item in items:
-            async with self._changed:
-                if self._tokens >= self.capacity_tokens:
-                    started = time.perf_counter()
-                    while self._tokens >= self.capacity_tokens and self._error is None:
-                        await self._changed.wait()
-                    self.blocked_s += time.perf_counter() - started
-                self._raise_if_failed()
-                self._entries.append(item)
-                self._tokens += len(item)
-                if self._markers == 0:
-                    self._head_tokens += len(item)
-                self._changed.notify_all()
+            if self._tokens >= self.capacity_tokens:
+                self._changes.notify()   # what is appended so far may complete a window
+                started = time.perf_counter()
+                while self._tokens >= self.capacity_tokens and self._error is None:
+                    await self._changes.wait()
+                self.blocked_s += time.perf_counter() - started
+            self._raise_if_failed()
+            self._entries.append(item)
+            self._tokens += len(item)
+            if self._markers == 0:
+                self._head_tokens += len(item)
+        self._changes.notify()
 
     async def end_epoch(self, epoch: int) -> None:
-        async with self._changed:
-            self._entries.append(EndOfEpoch(epoch))
-            self._markers += 1
-            self._changed.notify_all()
+        self._entries.append(EndOfEpoch(epoch))
+        self._markers += 1
+        self._changes.notify()
 
     def fail(self, error: BaseException) -> None:
         """Wake every waiter with `error` (a fetcher died)."""
         self._error = error
-
-        async def wake():
-            async with self._changed:
-                self._changed.notify_all()
-        asyncio.get_running_loop().create_task(wake())
+        self._changes.notify()
 
     # -- consumer side -------------------------------------------------------------------
     def _raise_if_failed(self):
@@ -90,11 +86,10 @@ class SourceBuffer:
         return self._markers > 0 or self._head_tokens >= self.window_tokens
 
     async def wait_ready(self) -> None:
-        async with self._changed:
-            while not self._ready():
-                self._raise_if_failed()
-                await self._changed.wait()
+        while not self._ready():
             self._raise_if_failed()
+            await self._changes.wait()
+        self._raise_if_failed()
 
     def window(self) -> tuple[list[Item], bool]:
         """The head window (call after wait_ready), and whether it holds the rest of the epoch."""
@@ -112,35 +107,33 @@ class SourceBuffer:
         """Remove window items at `positions` (ascending), age the rest of the window."""
         taken_mask = np.zeros(window_size, dtype=bool)
         taken_mask[positions] = True
-        async with self._changed:
-            head = [self._entries.popleft() for _ in range(window_size)]
-            kept = []
-            for item, taken in zip(head, taken_mask):
-                if not taken:
-                    item.age += 1
-                    kept.append(item)
-            self._entries.extendleft(reversed(kept))
-            by_position = {int(p): head[int(p)] for p in positions}
-            removed = sum(len(item) for item in by_position.values())
-            self._tokens -= removed
-            self._head_tokens -= removed
-            self._changed.notify_all()
+        head = [self._entries.popleft() for _ in range(window_size)]
+        kept = []
+        for item, taken in zip(head, taken_mask):
+            if not taken:
+                item.age += 1
+                kept.append(item)
+        self._entries.extendleft(reversed(kept))
+        by_position = {int(p): head[int(p)] for p in positions}
+        removed = sum(len(item) for item in by_position.values())
+        self._tokens -= removed
+        self._head_tokens -= removed
+        self._changes.notify()
         return [by_position[int(p)] for p in positions]
 
     async def next_epoch(self) -> None:
         """Drop the end-of-epoch marker at the head (the window before it must be empty)."""
-        async with self._changed:
-            marker = self._entries.popleft()
-            assert isinstance(marker, EndOfEpoch), "epoch ended with items still buffered"
-            self._markers -= 1
-            # Tokens up to the next marker now form the head.
-            head = 0
-            for entry in self._entries:
-                if isinstance(entry, EndOfEpoch):
-                    break
-                head += len(entry)
-            self._head_tokens = head
-            self._changed.notify_all()
+        marker = self._entries.popleft()
+        assert isinstance(marker, EndOfEpoch), "epoch ended with items still buffered"
+        self._markers -= 1
+        # Tokens up to the next marker now form the head.
+        head = 0
+        for entry in self._entries:
+            if isinstance(entry, EndOfEpoch):
+                break
+            head += len(entry)
+        self._head_tokens = head
+        self._changes.notify()
 
     @property
     def tokens(self) -> int:

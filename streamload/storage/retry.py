@@ -49,6 +49,17 @@ def describe(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
 
 
+async def _attempt(op: Callable[[], Awaitable[T]], timeout_s: float) -> T:
+    """`op()` under a timeout. Not `asyncio.wait_for`: on Python 3.11 it returns the result,
+    swallowing the cancellation, when the caller is cancelled just as `op` completes. A fetch
+    that swallowed its cancellation went on to wait for memory that a closing loader never
+    frees, and close() hung (seen in benchmarks/throughput.py, reproduced by the close test)."""
+    if hasattr(asyncio, "timeout"):   # 3.11+: cancellation-safe
+        async with asyncio.timeout(timeout_s):
+            return await op()
+    return await asyncio.wait_for(op(), timeout_s)   # pragma: no cover - Python 3.10
+
+
 async def with_retries(
     op: Callable[[], Awaitable[T]],
     *,
@@ -69,7 +80,7 @@ async def with_retries(
             counters.retries += 1
             await asyncio.sleep(policy.backoff_s(attempt - 1))
         try:
-            return await asyncio.wait_for(op(), policy.request_timeout_s)
+            return await _attempt(op, policy.request_timeout_s)
         except StorageError:
             raise
         except asyncio.TimeoutError as exc:  # our per-attempt timeout, or the client's own
