@@ -23,7 +23,8 @@ class Comm(Protocol):
 
     def all_gather(self, array: np.ndarray) -> list[np.ndarray]: ...
     def broadcast(self, array: Optional[np.ndarray]) -> np.ndarray: ...
-    def all_to_all(self, sends: list[np.ndarray], dtype) -> list[np.ndarray]: ...
+    def all_to_all(self, sends: list[np.ndarray], dtype,
+                   recv_sizes: list[int]) -> list[np.ndarray]: ...
 
 
 class LocalComm:
@@ -35,7 +36,7 @@ class LocalComm:
     def broadcast(self, array):
         return array
 
-    def all_to_all(self, sends, dtype):
+    def all_to_all(self, sends, dtype, recv_sizes):
         return [np.asarray(sends[0], dtype=dtype)]
 
 
@@ -84,21 +85,19 @@ class GlooComm:
             return data.numpy()
         return self._run("broadcast", bcast)
 
-    def all_to_all(self, sends: list[np.ndarray], dtype) -> list[np.ndarray]:
-        """sends[r] goes to rank r; returns what each rank sent here. Receivers must know the
-        sizes, so they are exchanged first."""
+    def all_to_all(self, sends: list[np.ndarray], dtype,
+                   recv_sizes: list[int]) -> list[np.ndarray]:
+        """sends[r] goes to rank r; returns what each rank sent here, `recv_sizes[r]` elements
+        from rank r (the caller knows them: every rank knows the plan and every length)."""
         import torch
         import torch.distributed as dist
 
         def exchange():
-            send_sizes = torch.tensor([s.shape[0] for s in sends], dtype=torch.int64)
-            recv_sizes = torch.zeros(self.world, dtype=torch.int64)
-            dist.all_to_all_single(recv_sizes, send_sizes, group=self.group)
             flat = torch.from_numpy(np.concatenate([np.asarray(s, dtype=dtype) for s in sends]))
-            out = torch.empty(int(recv_sizes.sum()), dtype=flat.dtype)
-            dist.all_to_all_single(out, flat, recv_sizes.tolist(), send_sizes.tolist(),
-                                   group=self.group)
-            return np.split(out.numpy(), np.cumsum(recv_sizes.numpy())[:-1])
+            out = torch.empty(int(sum(recv_sizes)), dtype=flat.dtype)
+            dist.all_to_all_single(out, flat, [int(n) for n in recv_sizes],
+                                   [int(s.shape[0]) for s in sends], group=self.group)
+            return np.split(out.numpy(), np.cumsum(recv_sizes)[:-1])
         return self._run("all_to_all", exchange)
 
 

@@ -25,11 +25,11 @@ def exchange_tokens(comm: Comm, holder: np.ndarray, dest: np.ndarray, lengths: n
         outgoing = np.flatnonzero((holder == me) & (dest == r))
         sends.append(np.concatenate([mine[int(e)] for e in outgoing], dtype=np.int32)
                      if outgoing.size else np.zeros(0, np.int32))
-    received = comm.all_to_all(sends, np.int32)
+    incoming = [np.flatnonzero((holder == r) & (dest == me)) for r in range(world)]
+    received = comm.all_to_all(sends, np.int32, [int(lengths[i].sum()) for i in incoming])
     tokens: dict[int, np.ndarray] = {}
     for r in range(world):
-        incoming = np.flatnonzero((holder == r) & (dest == me))
-        if incoming.size:
-            pieces = np.split(received[r], np.cumsum(lengths[incoming])[:-1])
-            tokens.update(zip(incoming.tolist(), pieces))
+        if incoming[r].size:
+            pieces = np.split(received[r], np.cumsum(lengths[incoming[r]])[:-1])
+            tokens.update(zip(incoming[r].tolist(), pieces))
     return entries_here, [tokens[int(e)] for e in entries_here]
