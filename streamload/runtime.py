@@ -20,8 +20,7 @@ from .errors import ConfigError
 from .dist.comm import Comm, collective_thread
 from .dist.coordinator import (OUTCOMES, SourceWindow, StopStepping, check_statuses, decode_plan,
                                decode_summaries, encode_closing, encode_failure, encode_plan,
-                               encode_waiting,
-                               encode_summary)
+                               encode_summary, encode_waiting, plan_size)
 from .dist.exchange import exchange_tokens
 from .metrics import SourceMetrics, StepMetrics
 from .pipeline.autoscale import Autoscaler, Knobs, MemoryGate, plan_memory
@@ -353,7 +352,8 @@ class Runtime:
                 message = encode_plan(assignment, OUTCOMES.index(outcome))
             else:
                 message = None
-            plan = decode_plan(await self._collective(lambda: self.comm.broadcast(message)))
+            size = plan_size(len(candidates))
+            plan = decode_plan(await self._collective(lambda: self.comm.broadcast(message, size)))
             if OUTCOMES[plan.outcome] == "stop":   # a source with on_exhausted="stop" ran out
                 return
             if OUTCOMES[plan.outcome] == "end_epoch":

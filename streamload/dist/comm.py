@@ -22,7 +22,7 @@ class Comm(Protocol):
     world: int
 
     def all_gather(self, array: np.ndarray) -> list[np.ndarray]: ...
-    def broadcast(self, array: Optional[np.ndarray]) -> np.ndarray: ...
+    def broadcast(self, array: Optional[np.ndarray], size: int) -> np.ndarray: ...
     def all_to_all(self, sends: list[np.ndarray], dtype,
                    recv_sizes: list[int]) -> list[np.ndarray]: ...
 
@@ -33,7 +33,7 @@ class LocalComm:
     def all_gather(self, array):
         return [array]
 
-    def broadcast(self, array):
+    def broadcast(self, array, size):
         return array
 
     def all_to_all(self, sends, dtype, recv_sizes):
@@ -72,15 +72,21 @@ class GlooComm:
             return [o[:int(s)].numpy() for o, s in zip(out, sizes)]
         return self._run("all_gather", gather)
 
-    def broadcast(self, array: Optional[np.ndarray]) -> np.ndarray:
+    def broadcast(self, array: Optional[np.ndarray], size: int) -> np.ndarray:
+        """Rank 0's `array` (None elsewhere), zero-padded to `size`, which every rank knows (so
+        there is no size to broadcast first)."""
         import torch
         import torch.distributed as dist
 
         def bcast():
-            size = torch.tensor([0 if array is None else array.shape[0]], dtype=torch.int64)
-            dist.broadcast(size, src=0, group=self.group)
-            data = torch.from_numpy(np.ascontiguousarray(array, dtype=np.int64)) \
-                if self.rank == 0 else torch.empty(int(size), dtype=torch.int64)
+            if self.rank == 0:
+                if array.shape[0] > size:
+                    raise ValueError(f"broadcast of {array.shape[0]} values, more than size {size}")
+                padded = np.zeros(size, dtype=np.int64)
+                padded[:array.shape[0]] = array
+                data = torch.from_numpy(padded)
+            else:
+                data = torch.empty(size, dtype=torch.int64)
             dist.broadcast(data, src=0, group=self.group)
             return data.numpy()
         return self._run("broadcast", bcast)

@@ -121,6 +121,12 @@ def decode_summaries(gathered: list[np.ndarray], num_sources: int) -> Summaries:
 OUTCOMES = ("continue", "end_epoch", "stop")   # what the job does after this plan
 
 
+def plan_size(num_candidates: int) -> int:
+    """The longest plan message for a step with this many candidates (each is taken at most
+    once). Every rank knows the candidates, so the broadcast needs no size of its own."""
+    return 3 + 3 * num_candidates
+
+
 def encode_plan(assignment: Optional[Assignment], outcome: int) -> np.ndarray:
     if assignment is None:
         return np.array([OK, outcome, 0], dtype=np.int64)
