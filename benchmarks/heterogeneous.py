@@ -38,6 +38,7 @@ sys.path.insert(0, str(HERE))
 
 import _corpus  # noqa: E402
 from _corpus import log  # noqa: E402
+from _options import add_loader_options, loader_options  # noqa: E402
 from _moto import MotoServer, apply_env  # noqa: E402
 
 MARKER = "\u00a7HEAVY\u00a7 "
@@ -83,19 +84,12 @@ def main(argv=None) -> int:
                     help="a step waited on data if next() blocked longer (default 5 ms, CPython's "
                          "GIL switch interval: a ready batch can take that long to hand over "
                          "while a loader thread holds the GIL)")
-    ap.add_argument("--sl-opt", action="append", default=[], metavar="KEY=VALUE",
-                    help="extra Loader option (JSON value), repeatable")
+    add_loader_options(ap)
     args = ap.parse_args(argv)
     steps = args.steps or (80 if args.small else 200)
     warmup = args.warmup_steps if args.warmup_steps is not None else (10 if args.small else 20)
     C, M = args.micro_batch_tokens, args.micro_batches
-    opts = {"planner": "naive"}
-    for item in args.sl_opt:
-        key, _, value = item.partition("=")
-        try:
-            opts[key] = json.loads(value)
-        except ValueError:
-            opts[key] = value
+    opts = loader_options(args.sl_opt, planner="naive")
 
     # Enough data that no source runs dry: steps * C * M tokens, a third per source, twice over.
     per_source_mb = max(2.0, round(steps * C * M / 3 / 1e6 * 2, 1))

@@ -62,6 +62,7 @@ sys.path.insert(0, str(HERE))
 
 import _corpus  # noqa: E402
 from _corpus import log  # noqa: E402
+from _options import add_loader_options, loader_options  # noqa: E402
 
 BUCKET = "bench"
 PEER_BATCH = 8
@@ -582,8 +583,7 @@ def main(argv=None) -> int:
                     help="also measure the peers' RSS vs sources (auto: not with --small)")
     ap.add_argument("--micro-batch-tokens", type=int, default=65536)
     ap.add_argument("--micro-batches", type=int, default=4)
-    ap.add_argument("--sl-opt", action="append", default=[], metavar="KEY=VALUE",
-                    help="extra streamload Loader option (JSON value), repeatable")
+    add_loader_options(ap)
     ap.add_argument("--range-mb", type=float, default=2.0,
                     help="range size of the ranged raw-GET ceiling (streamload's default "
                          "chunk_bytes is 2 MiB)")
@@ -596,13 +596,7 @@ def main(argv=None) -> int:
     total_mb, shard_mb = (20, 1) if small else (300, 8)
     many_kb = 200 if small else 400
     wanted = set(args.loaders.split(","))
-    sl_opts = {"planner": "naive"}
-    for item in args.sl_opt:
-        key, _, value = item.partition("=")
-        try:
-            sl_opts[key] = json.loads(value)
-        except ValueError:
-            sl_opts[key] = value
+    sl_opts = loader_options(args.sl_opt, planner="naive")
     workdir = Path(args.workdir)
     workdir.mkdir(parents=True, exist_ok=True)
     started = time.perf_counter()

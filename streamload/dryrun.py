@@ -60,7 +60,7 @@ from .plan.cost import CostModel
 from .plan.mixing import QuotaMixer
 from .plan.planner import Planner
 from .plan.types import Candidates, Geometry
-from .state import deal, shard_permutation
+from .state import deal, deal_epoch
 from .storage import open_store
 
 DEFAULT_RANKS = 8
@@ -391,14 +391,15 @@ class _SourceFeed:
 
     def rank_items(self, pass_index: int, endless: bool = False) -> list[np.ndarray]:
         """Each rank's items in pass (epoch) `pass_index`; an endless source's passes rotate the
-        deal, as the loader's do (`state.deal`)."""
+        deal, as the loader's do."""
         R, offset = self.ranks, pass_index if endless else 0
-        if self.by_shards:   # the loader's deal: the seeded shard permutation, strided by rank
-            order = shard_permutation(self.shard_items.size, self.seed, pass_index, self.index)
+        if self.by_shards:   # the loader's own deal (`state.deal_epoch`)
+            n = self.shard_items.size
             out = []
-            for q in range(R):
+            for shards in deal_epoch(n, seed=self.seed, epoch=pass_index, source_index=self.index,
+                                     world=R, endless=endless):
                 parts = [self.lengths[self.starts[k]:self.starts[k] + self.shard_items[k]]
-                         for k in deal(order, R, q, offset)]
+                         for k in shards % n]
                 out.append(np.concatenate(parts) if parts else np.zeros(0, np.int64))
             return out
         items = self.lengths

@@ -406,7 +406,7 @@ class Runtime:
                 max_seqlen=int(seqlens.max()) if seqlens.size else 0))
         S = len(self.sources)
         samples = np.bincount(sources, minlength=S)
-        delivered = np.bincount(sources, weights=c.length[plan.take[entries]], minlength=S)
+        delivered = np.bincount(sources, weights=lengths[entries], minlength=S)
         for metrics, n, t in zip(self.source_metrics, samples.tolist(), delivered.tolist()):
             metrics.delivered_samples += n
             metrics.delivered_tokens += int(t)

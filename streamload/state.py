@@ -125,8 +125,9 @@ class EpochLayout:
 
     def pass_shards(self, rank: int, pass_index: int) -> np.ndarray:
         """An endless source's pass `pass_index` for one rank, as pass-wide shard ids."""
-        order = shard_permutation(self.num_shards, self.seed, pass_index, self.source_index)
-        return deal(order, self.base_world, rank, pass_index) + pass_index * self.num_shards
+        return deal_epoch(self.num_shards, seed=self.seed, epoch=pass_index,
+                          source_index=self.source_index, world=self.base_world,
+                          endless=True)[rank]
 
     def later_passes(self, rank: int) -> Iterator[tuple[int, list[ReadUnit]]]:
         """(pass, units) for each pass after the base, without end; nothing if finite."""
@@ -142,22 +143,28 @@ class EpochLayout:
             yield from units
 
 
+def deal_epoch(num_shards: int, *, seed: int, epoch: int, source_index: int, world: int,
+               endless: bool, base_shards: Optional[np.ndarray] = None) -> list[np.ndarray]:
+    """Every rank's shards of an epoch in order: the seeded permutation (of `base_shards` only,
+    when given), strided by rank. For an endless source `epoch` is a pass: pass-wide shard ids,
+    and the deal rotated by the pass."""
+    order = shard_permutation(num_shards, seed, epoch, source_index)
+    if base_shards is not None:
+        order = order[base_shards[order]]
+    if not endless:
+        return [deal(order, world, q) for q in range(world)]
+    return [deal(order, world, q, epoch) + epoch * num_shards for q in range(world)]
+
+
 def fresh_layout(num_shards: int, *, seed: int, epoch: int, source_index: int,
                  world: int, base_shards: Optional[np.ndarray] = None,
                  endless: bool = False) -> EpochLayout:
     """A fresh epoch; for an endless source, `epoch` is the pass its base deals."""
-    layout = EpochLayout(world, base_shards, [], [0] * world, [[] for _ in range(world)],
-                         num_shards, seed, source_index, endless,
-                         [epoch] * world if endless else None, epoch if endless else 0)
-    if endless and base_shards is None:
-        layout.base = [layout.pass_shards(q, epoch) for q in range(world)]
-        return layout
-    order = shard_permutation(num_shards, seed, epoch, source_index)
-    if base_shards is not None:
-        order = order[base_shards[order]]
-    offset = epoch * num_shards if endless else 0
-    layout.base = [deal(order, world, q, epoch if endless else 0) + offset for q in range(world)]
-    return layout
+    base = deal_epoch(num_shards, seed=seed, epoch=epoch, source_index=source_index, world=world,
+                      endless=endless, base_shards=base_shards)
+    return EpochLayout(world, base_shards, base, [0] * world, [[] for _ in range(world)],
+                       num_shards, seed, source_index, endless,
+                       [epoch] * world if endless else None, epoch if endless else 0)
 
 
 def layout_from_progress(progress: SourceProgress, *, seed: int, epoch: int, source_index: int,

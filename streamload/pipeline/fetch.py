@@ -70,17 +70,16 @@ class SourceFetcher:
         self.store = CountedStore(store)   # this source's requests, even on a shared store
 
     async def run(self, start_epoch: int = 0) -> None:
-        if self.source.on_exhausted == "restart":   # one endless stream, pass after pass
-            await self._read_units(self.layout_for(start_epoch).stream(self.rank))
-            return
         epoch = start_epoch
         while self.config.epochs is None or epoch < self.config.epochs:
-            await self._read_units(self.layout_for(epoch).rank_units(self.rank))
+            layout = self.layout_for(epoch)
+            # An endless layout (on_exhausted="restart") streams pass after pass: never returns.
+            await self._read_units(layout.stream(self.rank), endless=layout.endless)
             await self.buffer.end_epoch(epoch)
             self.ages = None   # restored ages apply to the resumed epoch only
             epoch += 1
 
-    async def _read_units(self, units: Iterable[ReadUnit]) -> None:
+    async def _read_units(self, units: Iterable[ReadUnit], endless: bool) -> None:
         # Shards are read ahead concurrently into their own queues, then drained in order. The
         # memory gate bounds what they hold; the drained shard may always proceed.
         async def start(unit: ReadUnit) -> tuple[ReadUnit, asyncio.Queue]:
@@ -91,7 +90,6 @@ class SourceFetcher:
                                   name=f"read {self.source.name}/{shard.name}")
             return unit, queue
 
-        endless = self.source.on_exhausted == "restart"
         empty_in_a_row: set[int] = set()   # listed shards read whole, in a row, without items
         async for unit, queue in ordered_prefetch(units, start, lambda: self.knobs.shards):
             await self.gate.set_head(unit.shard)
