@@ -280,6 +280,43 @@ def test_token_shard_of_wrong_dtype_is_skipped_and_counted(root, good, case):
     assert web["skip_reasons"][0].startswith(f"web/wrong.tokens.npy: {reason}")
 
 
+# --- token ids that batches cannot carry ----------------------------------------------------------
+
+WIDE_IDS = {   # a valid shard whose record 1 holds an id an int32 cast would wrap
+    "uint32": np.array([1, 2, 3, 4, 5, 2**31 + 5, 7, 8, 9, 10], dtype=np.uint32),
+    "int64": np.array([1, 2, 3, 4, 5, 6, 7, 2**40, 9, 10], dtype=np.int64),
+}
+
+
+@pytest.mark.parametrize("case", sorted(WIDE_IDS))
+def test_token_ids_past_int32_raise_naming_the_record(root, good, case):
+    write_raw_token_shard(root / "web" / "wide", WIDE_IDS[case], np.array([0, 4, 10]))
+    bad = int(WIDE_IDS[case].max())
+    with pytest.raises(sl.DataError, match=rf"source 'web', shard 'wide.tokens.npy', record 1: "
+                                           rf"token id {bad} is outside 0..2\*\*31-1"):
+        run(root)
+
+
+@pytest.mark.parametrize("case", sorted(WIDE_IDS))
+def test_token_ids_past_int32_are_skipped_and_counted(root, good, case):
+    write_raw_token_shard(root / "web" / "wide", WIDE_IDS[case], np.array([0, 4, 10]))
+    ids, stats = run(root, on_error="skip")
+    assert_once(ids)
+    assert set(base_ids(ids)) == good | {"web/wide.tokens.npy/0"}
+    web = stats["sources"]["web"]
+    assert (web["skipped_shards"], web["skipped_records"]) == (0, 1)
+    reason = f"token id {int(WIDE_IDS[case].max())} is outside 0..2**31-1, the ids batches carry"
+    assert web["skip_reasons"] == [f"web/wide.tokens.npy/1: {reason}"]
+
+
+def test_a_tokenizer_returning_ids_past_int32_is_named(root, good):
+    def wide(text):   # a vocabulary past int32 (a cast would wrap the id to 0)
+        return [len(text), 2**32]
+    with pytest.raises(sl.DataError, match=r"source '(web|clean)', shard '[^']+', record \d+: "
+                                           r"token id 4294967296 is outside"):
+        run(root, tokenizer=wide)
+
+
 # --- several ranks ------------------------------------------------------------------------------
 
 def skip_job(rank, world, root):

@@ -132,7 +132,8 @@ class SourceFetcher:
         def to_items(records):
             return records_to_items(records, virtual, self.tokenizer,
                                     self.config.micro_batch_tokens, self.config.long_documents,
-                                    keep, self.ages)
+                                    keep, self.ages, where=(self.source.name, shard.name),
+                                    on_skip=on_skip)
 
         def decode_and_tokenize(decode, *args):
             return to_items(decode(*args))

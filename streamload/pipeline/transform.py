@@ -10,10 +10,17 @@ from typing import Callable, Optional, Sequence
 
 import numpy as np
 
+from ..errors import DataError
 from ..formats.base import RawRecord
 from .buffer import Item
 
 Tokenizer = Callable[[str], Sequence[int]]
+
+_INT32_MAX = int(np.iinfo(np.int32).max)
+
+
+class TokenIdError(ValueError):
+    """Token ids that batches cannot carry: not integers, negative, or past int32."""
 
 
 def utf8_bytes(text: str) -> np.ndarray:
@@ -51,8 +58,9 @@ def set_process_tokenizer(tokenizer: Tokenizer) -> None:
 
 
 def tokenize_texts(texts: list[str]) -> list[np.ndarray]:
-    """Runs in a tokenizer process (for tokenizers that hold the GIL)."""
-    return [to_tokens(text, _process_tokenizer) for text in texts]
+    """Runs in a tokenizer process (for tokenizers that hold the GIL). The ids are checked
+    back in the loader (`records_to_items`), where the record's name is known."""
+    return [np.asarray(_process_tokenizer(text)).reshape(-1) for text in texts]
 
 
 def pretokenize(records: list[RawRecord], tokens: list[np.ndarray]) -> list[RawRecord]:
@@ -67,18 +75,42 @@ def to_tokens(payload, tokenizer: Optional[Tokenizer]) -> np.ndarray:
     if isinstance(payload, str):
         if tokenizer is None:
             return utf8_bytes(payload)
-        return np.asarray(tokenizer(payload), dtype=np.int32).reshape(-1)
-    return np.asarray(payload).astype(np.int32, copy=False).reshape(-1)
+        payload = tokenizer(payload)
+    return token_ids(np.asarray(payload).reshape(-1))
+
+
+def token_ids(ids: np.ndarray) -> np.ndarray:
+    """`ids` as int32, the dtype batches carry between ranks; raises TokenIdError for ids it
+    cannot hold (a cast would wrap them silently)."""
+    if ids.dtype.kind not in "iu":
+        raise TokenIdError(f"token ids must be integers, got an array of {ids.dtype}")
+    if ids.size and not (ids.dtype.kind == "u" and ids.dtype.itemsize <= 2):
+        low, high = int(ids.min()), int(ids.max())
+        if low < 0 or high > _INT32_MAX:
+            raise TokenIdError(f"token id {low if low < 0 else high} is outside 0..2**31-1, "
+                               f"the ids batches carry")
+    return ids.astype(np.int32, copy=False)
 
 
 def records_to_items(records: list[RawRecord], shard: int, tokenizer: Optional[Tokenizer],
                      capacity: int, long_documents: str, keep=None,
-                     ages: Optional[dict] = None) -> tuple[list[Item], TransformCounts]:
-    """`keep(record, chunk)` filters items of a resumed shard; `ages` restores deferral ages."""
+                     ages: Optional[dict] = None, where: tuple = (None, None),
+                     on_skip: Optional[Callable[[int, str], None]] = None
+                     ) -> tuple[list[Item], TransformCounts]:
+    """`keep(record, chunk)` filters items of a resumed shard; `ages` restores deferral ages.
+    A record whose token ids batches cannot carry raises a DataError naming it (`where`: the
+    source and shard names), or goes to `on_skip(record, reason)` when given."""
     items: list[Item] = []
     counts = TransformCounts(records=len(records))
     for record in records:
-        tokens = to_tokens(record.payload, tokenizer)
+        try:
+            tokens = to_tokens(record.payload, tokenizer)
+        except TokenIdError as exc:   # from the tokenizer, or a uint32 / int64 token shard
+            if on_skip is None:
+                raise DataError(str(exc), source=where[0], shard=where[1],
+                                record=record.index) from None
+            on_skip(record.index, str(exc))
+            continue
         n = tokens.shape[0]
         if n == 0:
             counts.empty += 1          # nothing to train on; counted, never silently lost
