@@ -26,6 +26,7 @@ from .metrics import SourceMetrics, StepMetrics
 from .pipeline.autoscale import Autoscaler, Knobs, MemoryGate, plan_memory
 from .pipeline.buffer import SourceBuffer
 from .pipeline.fetch import Shard, SourceFetcher, list_shards
+from .pipeline.recycle import ArrayRecycler
 from .pipeline.supervisor import Supervisor
 from .pipeline.workers import DaemonExecutor
 from .pipeline.transform import Tokenizer
@@ -93,6 +94,10 @@ class Runtime:
         self.started: Optional[float] = None            # when run() began (for rates)
         self._scale_mark: Optional[tuple] = None        # (time, buffers' blocked_s) at last step
         self._id_prefixes: dict[tuple[int, int], str] = {}   # (source, shard) -> "name/shard/"
+        # Packed rows: the batches queued, the one the trainer holds, the one being packed.
+        step_size, keep = config.micro_batches * config.micro_batch_tokens, config.prefetch_steps + 2
+        self._row_memory = (ArrayRecycler(step_size, np.int64, keep),
+                            ArrayRecycler(step_size, np.int64, keep))
 
     # -- set-up ---------------------------------------------------------------------------
     def _stores(self) -> list[ObjectStore]:
@@ -394,7 +399,8 @@ class Runtime:
             lambda: exchange_tokens(self.comm, holder, plan.rank, lengths, mine))
         sources = c.source[plan.take[entries]]
         item_ids = summaries.ids[plan.take[entries]]
-        rows = pack_rows(tokens, plan.row[entries], M, self.config.micro_batch_tokens)
+        rows = pack_rows(tokens, plan.row[entries], M, self.config.micro_batch_tokens,
+                         out=tuple(memory.take() for memory in self._row_memory))
         micro_batches = []
         source_list, id_list = sources.tolist(), item_ids.tolist()
         for row in rows:

@@ -21,15 +21,19 @@ def reference_pack(token_arrays, rows, num_rows):
     return out
 
 
+@pytest.mark.parametrize("reuse", [False, True])
 @pytest.mark.parametrize("seed", range(5))
-def test_pack_rows_matches_the_reference_for_mixed_dtypes(seed):
+def test_pack_rows_matches_the_reference_for_mixed_dtypes(seed, reuse):
     rng = np.random.default_rng(seed)
     num_rows, n_items = 4, int(rng.integers(0, 30))
     dtypes = [np.uint8, np.int32, np.int64]
     arrays = [rng.integers(0, 200, size=int(rng.integers(0, 40))).astype(dtypes[k % 3])
               for k in range(n_items)]
     rows = rng.integers(0, num_rows - 1, size=n_items)   # the last row stays empty
-    packed = pack_rows(arrays, rows, num_rows, capacity=10_000)
+    # Reused memory holds whatever the last step left there: none of it may show.
+    out = (np.full(num_rows * 10_000, -7, np.int64), np.full(num_rows * 10_000, -7, np.int64)) \
+        if reuse else None
+    packed = pack_rows(arrays, rows, num_rows, capacity=10_000, out=out)
     assert len(packed) == num_rows
     for row, (tokens, positions, cu, members) in zip(packed, reference_pack(arrays, rows, num_rows)):
         assert row.tokens.dtype == np.int64 and row.tokens.tolist() == tokens
@@ -53,3 +57,63 @@ def test_byte_tokens_are_uint8_and_split_chunks_keep_the_bytes():
     assert b"".join(item.tokens.tobytes() for item in items) == data
     assert [item.chunk for item in items] == list(range(-(-len(data) // 100)))
     assert counts.tokens == len(data) and counts.samples == len(items) and counts.empty == 1
+
+
+def test_recycler_reuses_an_array_only_once_nothing_refers_to_it():
+    import torch
+
+    from streamload.pipeline.recycle import ArrayRecycler
+    memory = ArrayRecycler(1000, np.int64, keep=2)
+    first = memory.take()
+    address = first.ctypes.data
+    del first
+    assert memory.take().ctypes.data == address and memory.allocated == 1   # free: reused
+    held = memory.take()
+    row = torch.from_numpy(held[10:20])           # what a micro-batch keeps of it: a tensor
+    del held
+    other = memory.take()                          # the tensor pins the first array
+    assert other.ctypes.data != address and memory.allocated == 2
+    del other
+    third = memory.take()                          # the second array is free again
+    assert third.ctypes.data != address and memory.allocated == 2
+    extra = memory.take()                          # both pinned, keep=2: a new one, not kept
+    assert memory.allocated == 3 and len(memory._arrays) == 2
+    del row, third, extra
+    assert memory.take().ctypes.data == address    # the tensor is gone: reused
+
+
+def test_batches_the_trainer_keeps_are_never_written_again(tmp_path):
+    """The loader packs into reused memory: every batch held to the end (whole, or a tensor of
+    one micro-batch) must still hold its own documents' bytes."""
+    import streamload as sl
+    from streamload.formats import write_jsonl
+    rng = np.random.default_rng(3)
+    docs = ["".join(chr(97 + int(c)) for c in rng.integers(0, 26, int(n)))
+            for n in rng.integers(5, 60, 400)]
+    write_jsonl(tmp_path / "a.jsonl", docs)
+    kept = []
+    with sl.Loader([sl.Source(str(tmp_path / "a.jsonl"))], micro_batch_tokens=64,
+                   micro_batches=2, epochs=1, prefetch_steps=1) as loader:
+        for step, batch in enumerate(loader):
+            for mb in batch.micro_batches:
+                # Alternate: keep the micro-batch, or only a tensor slice of its tokens.
+                kept.append((mb.sample_ids, mb.cu_seqlens.numpy().copy(),
+                             mb.tokens if step % 2 else mb.tokens[:]))
+        recycler = loader._runtime._row_memory[0]
+    assert len(kept) > 2 * (recycler.keep + 1)    # more steps than arrays the recycler keeps
+    got = {}
+    for ids, cu, tokens in kept:
+        for k, sid in enumerate(ids):
+            got[sid] = bytes(tokens.numpy()[cu[k]:cu[k + 1]].astype(np.uint8)).decode()
+    assert got == {f"a/a.jsonl/{i}": d for i, d in enumerate(docs)}
+
+
+def test_batches_the_trainer_drops_are_written_again(tmp_path):
+    import streamload as sl
+    from streamload.formats import write_jsonl
+    write_jsonl(tmp_path / "a.jsonl", ["abcdefghij" * 3] * 600)
+    with sl.Loader([sl.Source(str(tmp_path / "a.jsonl"))], micro_batch_tokens=64,
+                   micro_batches=2, epochs=1, prefetch_steps=1) as loader:
+        steps = sum(1 for _ in loader)
+        recycler = loader._runtime._row_memory[0]
+    assert steps > 100 and recycler.allocated <= recycler.keep + 1, (steps, recycler.allocated)
