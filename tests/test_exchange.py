@@ -36,3 +36,30 @@ def test_exchange_delivers_every_planned_item_whatever_its_dtype():
     for rank, (entries, received) in enumerate(run_ranks(exchange_job, world)):
         assert entries == np.flatnonzero(dest == rank).tolist()
         assert received == [tokens[e].tolist() for e in entries]
+
+
+GATHER_SIZES = [3, 0, 5000, 700, 20000, 1, 1, 2500]   # per call; rank r sends size + r values
+
+
+def gather_job(rank, world):
+    from streamload.dist.comm import connect
+    comm = connect(30.0)
+    results, capacities = [], []
+    for call, size in enumerate(GATHER_SIZES):
+        # Ranks send different lengths, and some calls outgrow the capacity the last one set.
+        array = np.arange(size + rank, dtype=np.int64) * (call + 1) + rank
+        results.append([a.tolist() for a in comm.all_gather(array)])
+        capacities.append(comm.gather_capacity)
+    return results, capacities
+
+
+def test_all_gather_returns_every_rank_array_across_capacity_changes():
+    world = 3
+    outcomes = run_ranks(gather_job, world)
+    for results, capacities in outcomes:
+        for call, (size, gathered) in enumerate(zip(GATHER_SIZES, results)):
+            assert gathered == [(np.arange(size + r) * (call + 1) + r).tolist()
+                                for r in range(world)]
+        # The capacity follows the longest array, identically on every rank.
+        assert capacities == [max(1024, 2 * (size + world - 1)) for size in GATHER_SIZES]
+    assert all(c == outcomes[0][1] for _, c in outcomes)

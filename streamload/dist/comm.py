@@ -40,12 +40,16 @@ class LocalComm:
         return [np.asarray(sends[0], dtype=dtype)]
 
 
+MIN_GATHER_CAPACITY = 1024
+
+
 class GlooComm:
     """Collectives on the loader's gloo group. Buffers are filled in NumPy and received into
     `torch.empty`: a torch fill or copy of a large tensor runs on torch's OpenMP threads, whose
     spin-waiting afterwards doubled the loader's CPU time per step (measured at 2 ranks)."""
     def __init__(self, group, rank: int, world: int, timeout_s: float):
         self.group, self.rank, self.world, self.timeout_s = group, rank, world, timeout_s
+        self.gather_capacity = MIN_GATHER_CAPACITY   # values per rank in all_gather's 1st round
 
     def _run(self, what: str, fn: Callable[[], T]) -> T:
         try:
@@ -56,20 +60,35 @@ class GlooComm:
                 f"stalled for more than {self.timeout_s:g} s): {exc}") from exc
 
     def all_gather(self, array: np.ndarray) -> list[np.ndarray]:
+        """Every rank's int64 array, whatever their lengths: one collective in the steady state.
+
+        Each rank sends its length and its first `gather_capacity` values in one fixed-size
+        message; only a rank's values past that go in a second round (padded to the longest).
+        The capacity for the next call is twice the longest array seen now: every rank computes
+        it from the same gathered lengths, so they agree without a word."""
         import torch
         import torch.distributed as dist
         array = np.ascontiguousarray(array, dtype=np.int64)
+        n, cap = array.shape[0], self.gather_capacity
 
         def gather():
-            size = torch.tensor([array.shape[0]], dtype=torch.int64)
-            sizes = [torch.zeros(1, dtype=torch.int64) for _ in range(self.world)]
-            dist.all_gather(sizes, size, group=self.group)
-            longest = max(int(s) for s in sizes)
-            padded = np.zeros(longest, dtype=np.int64)
-            padded[:array.shape[0]] = array
-            out = [torch.empty(longest, dtype=torch.int64) for _ in range(self.world)]
-            dist.all_gather(out, torch.from_numpy(padded), group=self.group)
-            return [o[:int(s)].numpy() for o, s in zip(out, sizes)]
+            message = np.zeros(1 + cap, dtype=np.int64)
+            message[0] = n
+            message[1:1 + min(n, cap)] = array[:cap]
+            out = [torch.empty(1 + cap, dtype=torch.int64) for _ in range(self.world)]
+            dist.all_gather(out, torch.from_numpy(message), group=self.group)
+            sizes = [int(o[0]) for o in out]
+            longest = max(sizes)
+            self.gather_capacity = max(MIN_GATHER_CAPACITY, 2 * longest)
+            heads = [o[1:1 + min(size, cap)].numpy() for o, size in zip(out, sizes)]
+            if longest <= cap:
+                return heads
+            rest = np.zeros(longest - cap, dtype=np.int64)
+            rest[:max(n - cap, 0)] = array[cap:]
+            tails = [torch.empty(longest - cap, dtype=torch.int64) for _ in range(self.world)]
+            dist.all_gather(tails, torch.from_numpy(rest), group=self.group)
+            return [np.concatenate([head, tail[:max(size - cap, 0)].numpy()])
+                    for head, tail, size in zip(heads, tails, sizes)]
         return self._run("all_gather", gather)
 
     def broadcast(self, array: Optional[np.ndarray], size: int) -> np.ndarray:
