@@ -223,7 +223,8 @@ class Runtime:
         """New trackers for the finite sources; endless sources keep theirs."""
         previous = self.trackers
         self.trackers = [previous[s] if previous and self._endless(s)
-                         else SourceTracker(self.layout_for(s, self.epoch))
+                         else SourceTracker(self.layout_for(s, self.epoch),
+                                            states_in_flight=self.config.prefetch_steps + 2)
                          for s in range(len(self.sources))]
 
     def _track(self, summaries, plan) -> None:

@@ -23,6 +23,7 @@ finite sources end the epoch, the endless ones go on where they are.
 """
 from __future__ import annotations
 
+from collections import deque
 from dataclasses import dataclass, field
 from typing import Iterator, Optional
 
@@ -219,13 +220,25 @@ class RankProgress:
     # rows: shard, record, chunk, age (as it will be when offered again)
 
 
+COMPACT_LAG = 64    # steps of states an endless tracker keeps what they need for, at the least
+COMPACT_MIN = 256   # units dropped at once, at the least
+
+
 class SourceTracker:
     """Follows one source's epoch on every rank, from the windows and the plans. For an endless
-    source it extends each rank's unit list pass by pass as the windows reach them."""
+    source it extends each rank's unit list pass by pass as the windows reach them, and drops the
+    units that no state can need any more (see `_compact`), so a long run's tracker stays small.
+    Unit indices are absolute: `unit_lists[q][0]` is unit `offsets[q]` of rank q."""
 
-    def __init__(self, layout: EpochLayout):
+    def __init__(self, layout: EpochLayout, states_in_flight: int = 0):
+        """`states_in_flight`: how many steps old a state that is still asked for can be (the
+        batches queued ahead of the trainer, and the one it holds)."""
         self.layout = layout
         self.unit_lists = [layout.rank_units(q) for q in range(layout.base_world)]
+        self.offsets = [0] * layout.base_world
+        # Per rank, the lowest unit each of the last `lag` states still needs.
+        self.lag = max(COMPACT_LAG, 2 * states_in_flight)
+        self.needed = [deque(maxlen=self.lag) for _ in range(layout.base_world)]
         # Per rank: (first unit index, pass, base position there) of each stretch of base units.
         self.stretches = [[(len(layout.units[q]), layout.passes[q] if layout.endless else 0,
                             layout.base_position[q])] for q in range(layout.base_world)]
@@ -236,17 +249,38 @@ class SourceTracker:
         self.ranks = [RankProgress() for _ in range(layout.base_world)]
 
     def _index(self, rank: int, start: int) -> None:
-        for i, unit in enumerate(self.unit_lists[rank][start:], start):
+        offset = self.offsets[rank]
+        for i, unit in enumerate(self.unit_lists[rank][start - offset:], start):
             self.unit_index[unit.shard] = (rank, i)
 
     def _locate(self, rank: int, shard: int) -> tuple[int, int]:
         while shard not in self.unit_index:   # an endless rank reached its next pass
             pass_index, units = next(self.later[rank])
-            start = len(self.unit_lists[rank])
+            start = self.offsets[rank] + len(self.unit_lists[rank])
             self.stretches[rank].append((start, pass_index, 0))
             self.unit_lists[rank].extend(units)
             self._index(rank, start)
         return self.unit_index[shard]
+
+    def _compact(self, rank: int, progress: "RankProgress") -> None:
+        """Drop an endless rank's units below what any recent state needs. A state needs the
+        units from the lowest one holding a pending item (or its frontier) on; the states still
+        in flight (batches queued or held, each with its snapshot) are the last few, so units
+        below what the last `lag` states needed are dropped, in runs of COMPACT_MIN."""
+        pending = [self.unit_index[s][1] for s in set(progress.pending[:, 0].tolist())]
+        needed = self.needed[rank]
+        needed.append(min(pending + [progress.frontier_unit]))
+        floor = min(needed)
+        if len(needed) < self.lag or floor - self.offsets[rank] < COMPACT_MIN:
+            return
+        cut = floor - self.offsets[rank]
+        for unit in self.unit_lists[rank][:cut]:
+            del self.unit_index[unit.shard]
+        del self.unit_lists[rank][:cut]
+        self.offsets[rank] = floor
+        stretches = self.stretches[rank]
+        first = max((k for k, stretch in enumerate(stretches) if stretch[0] <= floor), default=0)
+        del stretches[:first]
 
     def observe(self, rank: int, ids: np.ndarray, ages: np.ndarray, taken: np.ndarray) -> None:
         """Rank `rank` offered window `ids` (n x 3, in order); `taken` marks what the plan took."""
@@ -263,6 +297,8 @@ class SourceTracker:
         self.ranks[rank] = RankProgress(
             frontier[0], frontier[1],
             np.concatenate([ids[left], (ages[left] + 1)[:, None]], axis=1).astype(np.int64))
+        if self.layout.endless:
+            self._compact(rank, self.ranks[rank])
 
     def snapshot(self) -> tuple["SourceTracker", tuple[RankProgress, ...]]:
         """Cheap, per step: the progress objects are replaced, never mutated."""
@@ -274,7 +310,7 @@ class SourceTracker:
         layout = self.layout
         positions, passes, all_units, ages = [], [], [], []
         for q, p in enumerate(ranks):
-            units = self.unit_lists[q]
+            units, offset = self.unit_lists[q], self.offsets[q]
             filtered = len(layout.units[q])
             _, pass_index, position = self.stretches[q][0]
             if p.frontier_unit < 0:
@@ -287,7 +323,8 @@ class SourceTracker:
                 pending_by_shard.setdefault(shard, []).append((record, chunk))
                 ages.append((shard, record, chunk, age))
             remaining = []
-            for i, unit in enumerate(units[:p.frontier_unit + 1]):
+            assert p.frontier_unit >= offset, "a state older than the tracker keeps"
+            for i, unit in enumerate(units[:p.frontier_unit + 1 - offset], offset):
                 extras = pending_by_shard.get(unit.shard, [])
                 if i < p.frontier_unit:
                     if extras:
@@ -296,7 +333,7 @@ class SourceTracker:
                 skip = p.frontier if unit.skip_through is None else max(tuple(unit.skip_through), p.frontier)
                 later = [tuple(e) for e in unit.extras if tuple(e) > p.frontier]
                 remaining.append(ReadUnit(unit.shard, skip, tuple(sorted(set(extras + later)))))
-            remaining += units[p.frontier_unit + 1:filtered]
+            remaining += units[p.frontier_unit + 1 - offset:max(filtered - offset, 0)]
             if p.frontier_unit >= filtered:   # the frontier is inside the base (or a later pass)
                 start, pass_index, position = next(
                     stretch for stretch in reversed(self.stretches[q])

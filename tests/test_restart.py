@@ -2,6 +2,7 @@
 finite sources define the epoch; exact and elastic resume through its passes."""
 from __future__ import annotations
 
+import time
 from collections import Counter
 from pathlib import Path
 
@@ -165,3 +166,37 @@ def test_a_restart_source_with_no_samples_fails_naming_it(tmp_path):
                     sl.Source(str(tmp_path / "big"))], micro_batch_tokens=512, epochs=1) as loader:
         with pytest.raises(sl.DataError, match=r"source 'void'.*without a single sample.*restart"):
             list(loader)
+
+
+def long_run_loader(root, **kw):
+    """A finite source that lasts a few hundred steps beside a tiny endless one (a pass or more
+    per step), so the tracker goes through many passes."""
+    return sl.Loader([sl.Source(str(Path(root) / "tiny"), weight=0.3, on_exhausted="restart"),
+                      sl.Source(str(Path(root) / "long"), weight=0.7)],
+                     micro_batch_tokens=1024, micro_batches=2, epochs=1, chunk_bytes=4096, **kw)
+
+
+def test_a_long_run_keeps_the_endless_tracker_small_and_resumes_exactly(tmp_path):
+    write_jsonl_source(tmp_path, "tiny", shards=2, per_shard=3, median=40, seed=5)
+    write_jsonl_source(tmp_path, "long", shards=4, per_shard=400, median=200, seed=6)
+    with long_run_loader(tmp_path) as loader:
+        steps = sum(1 for _ in loader)
+        tracker = loader._runtime.trackers[0]
+        units_read = tracker.offsets[0] + len(tracker.unit_lists[0])
+    # Hundreds of passes, but the tracker holds only the recent ones.
+    # (What it keeps: about the units of the last 64 steps, plus up to 256 waiting to go.)
+    assert steps > 300 and units_read > 3000, (steps, units_read)
+    assert tracker.offsets[0] > 0 and len(tracker.unit_lists[0]) < 1000, len(tracker.unit_lists[0])
+    assert len(tracker.unit_index) == len(tracker.unit_lists[0])
+    # States taken after the tracker dropped units resume exactly, also when the loop has run
+    # ahead as far as it may (its queue full: the trainer's state is the oldest in flight).
+    with long_run_loader(tmp_path, prefetch_steps=16) as loader:
+        full = [flat(b) for b in loader]
+    for stop in (steps // 2, steps - 20):
+        with long_run_loader(tmp_path, prefetch_steps=16) as loader:
+            head = [flat(b) for _, b in zip(range(stop), loader)]
+            time.sleep(0.5)
+            state = loader.state_dict()
+        with long_run_loader(tmp_path, prefetch_steps=16) as loader:
+            loader.load_state_dict(state)
+            assert head + [flat(b) for b in loader] == full, stop
