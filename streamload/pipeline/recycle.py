@@ -10,6 +10,7 @@ An array is free again when its reference count says only the recycler holds it.
 view keeps its base array alive and `torch.from_numpy` keeps its array alive, so a batch the
 trainer still holds (a micro-batch, a tensor, a slice of one) pins its array and the recycler
 allocates another. It keeps at most `keep` arrays; arrays held longer are simply not reused.
+This reads CPython's reference counts, which are exact on the GIL builds streamload runs on.
 """
 from __future__ import annotations
 
