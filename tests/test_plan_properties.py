@@ -16,6 +16,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from streamload.plan.balance import NAIVE_CHECK_ITEMS
 from streamload.plan.cost import CostModel
 from streamload.plan.planner import METHODS, Planner
 from streamload.plan.types import Candidates, Geometry
@@ -152,9 +153,11 @@ def test_balanced_beats_naive_on_skewed_input(problem):
     balanced = Planner(geometry, cost, method="balanced").plan(c, targets, 0)
     check_plan(c, geometry, cost, balanced)
     if len(naive) == len(balanced) == len(c):
-        # LPT with refinement is a heuristic, not an optimum: on rare inputs it ends a hair
-        # above the naive order (hypothesis found 1533 vs 1529). It must never be clearly worse.
-        assert balanced.rank_cost.max() <= naive.rank_cost.max() * 1.02
+        # LPT with refinement is a heuristic, not an optimum: on rare inputs it ended above the
+        # naive order (hypothesis found 1533 vs 1529, then 2014 vs 1949). Up to
+        # NAIVE_CHECK_ITEMS items the planner also tries the naive fill, so it is never worse.
+        assert len(c) <= NAIVE_CHECK_ITEMS
+        assert balanced.rank_cost.max() <= naive.rank_cost.max()
 
 
 def _run_epoch(method: str, R: int, M: int, S: int, depth: int, seed: int,
@@ -230,3 +233,21 @@ def test_empty_candidates(method):
     c = Candidates.from_windows([[np.zeros(0, np.int64)] for _ in range(3)])
     a = Planner(geometry, CostModel(), method=method).plan(c, np.array([384.0]), 0)
     assert len(a) == 0 and a.rank_cost.shape == (3,)
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_arrival_order_is_by_source_position_rank_whatever_the_layout(seed):
+    """The radix-sorted arrival order equals a lexsort by (source, position, rank), also when
+    the candidates are not laid out by (source, rank, position) as windows make them, and for
+    positions past 16 bits (a plain stable sort then)."""
+    from streamload.plan.select import arrival_order
+    rng = np.random.default_rng(seed)
+    S, R = int(rng.integers(1, 6)), int(rng.integers(1, 9))
+    windows = [[rng.integers(1, 200, int(rng.integers(0, 40))) for _ in range(S)]
+               for _ in range(R)]
+    c = Candidates.from_windows(windows)
+    perm = rng.permutation(len(c)) if seed % 2 else np.arange(len(c))
+    position = c.position[perm] + (70_000 if seed % 5 == 0 else 0)
+    c = Candidates(c.length[perm], c.source[perm], c.rank[perm], position, c.age[perm],
+                   c.extra_cost[perm], S, R)
+    np.testing.assert_array_equal(arrival_order(c), np.lexsort((c.rank, c.position, c.source)))
