@@ -58,9 +58,9 @@ def set_process_tokenizer(tokenizer: Tokenizer) -> None:
 
 
 def tokenize_texts(texts: list[str]) -> list[np.ndarray]:
-    """Runs in a tokenizer process (for tokenizers that hold the GIL). The ids are checked
-    back in the loader (`records_to_items`), where the record's name is known."""
-    return [np.asarray(_process_tokenizer(text)).reshape(-1) for text in texts]
+    """Runs in a tokenizer process (for tokenizers that hold the GIL). The ids come back as
+    int64, so the loader checks them (`to_tokens`) where the record's name is known."""
+    return [np.asarray(_process_tokenizer(text), dtype=np.int64).reshape(-1) for text in texts]
 
 
 def pretokenize(records: list[RawRecord], tokens: list[np.ndarray]) -> list[RawRecord]:
@@ -75,8 +75,13 @@ def to_tokens(payload, tokenizer: Optional[Tokenizer]) -> np.ndarray:
     if isinstance(payload, str):
         if tokenizer is None:
             return utf8_bytes(payload)
-        payload = tokenizer(payload)
-    return token_ids(np.asarray(payload).reshape(-1))
+        return token_ids(np.asarray(tokenizer(payload)).reshape(-1))
+    # A token shard's document (or ids tokenized in a process, int64). The token format has
+    # already refused negative ids, so an int32 document needs no check, and no scan per document.
+    payload = np.asarray(payload)
+    if payload.dtype == np.int32:
+        return payload.reshape(-1)
+    return token_ids(payload.reshape(-1))
 
 
 def token_ids(ids: np.ndarray) -> np.ndarray:
