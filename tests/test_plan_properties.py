@@ -16,9 +16,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from streamload.plan.balance import NAIVE_CHECK_ITEMS
 from streamload.plan.cost import CostModel
-from streamload.plan.planner import METHODS, Planner
+from streamload.plan.planner import METHODS, NAIVE_CHECK_ITEMS, Planner
 from streamload.plan.types import Candidates, Geometry
 
 # PLAN_EXAMPLES=1000 for a longer hunt; the default keeps the suite fast.
@@ -251,3 +250,20 @@ def test_arrival_order_is_by_source_position_rank_whatever_the_layout(seed):
     c = Candidates(c.length[perm], c.source[perm], c.rank[perm], position, c.age[perm],
                    c.extra_cost[perm], S, R)
     np.testing.assert_array_equal(arrival_order(c), np.lexsort((c.rank, c.position, c.source)))
+
+
+def test_balanced_is_not_worse_than_naive_on_the_case_hypothesis_found():
+    """22 items on 4 ranks x 2 rows of 256 where the heuristics alone planned 2014 against the
+    naive fill's 1949."""
+    length = np.array([237, 224, 21, 6, 15, 9, 150, 210, 5, 10, 19, 23, 144, 250, 16, 22, 7,
+                       218, 151, 9, 19, 15])
+    rank = np.array([0] * 6 + [1] * 6 + [2] * 5 + [3] * 5, dtype=np.int32)
+    position = np.array(list(range(6)) * 2 + list(range(5)) * 2, dtype=np.int32)
+    n = length.size
+    c = Candidates(length, np.zeros(n, np.int32), rank, position, np.zeros(n, np.int32),
+                   np.zeros(n), 1, 4)
+    geometry, cost, targets = Geometry(4, 2, 256), CostModel(a=1.0 / 64, b=1.0), np.array([1780.0])
+    naive = Planner(geometry, cost, method="naive").plan(c, targets, 0)
+    balanced = Planner(geometry, cost, method="balanced").plan(c, targets, 0)
+    assert len(naive) == len(balanced) == n
+    assert balanced.rank_cost.max() <= naive.rank_cost.max()

@@ -37,7 +37,6 @@ from __future__ import annotations
 import numpy as np
 
 from .cost import CostModel
-from .naive import assign_naive, finish
 from .types import Assignment, Candidates, Geometry
 
 _EPS = 1e-9
@@ -45,7 +44,6 @@ TIGHT = 0.98             # selections with this share of the step's capacity fil
 HOME_SLACK = 0.25        # an item may go home this many of its weights above the LPT choice
 REFINE_BINS = 64         # refinement and trim run up to this many bins (beyond: too slow,
                          # and with that many bins the rounds and water levels are close)
-NAIVE_CHECK_ITEMS = 64   # up to this many items, a plan is never worse than the naive fill
 DROP_SHARE = 0.1         # refinement may leave out items up to this share of the top bin
 LIGHT_SHARE = 1 / 256    # an item is light below this fraction of a bin's fair load
 
@@ -590,7 +588,7 @@ def assign_balanced(c: Candidates, selected: np.ndarray, geometry: Geometry, cos
     out stay in their buffers.
     """
     R, M, C = geometry.ranks, geometry.micro_batches, geometry.capacity
-    selected = arrival = np.asarray(selected, dtype=np.int64)
+    selected = np.asarray(selected, dtype=np.int64)
     if forced is None:
         forced = np.zeros(selected.size, dtype=bool)
     # Candidate index order, the tie-break everywhere below (an O(n) sort by marking).
@@ -680,15 +678,4 @@ def assign_balanced(c: Candidates, selected: np.ndarray, geometry: Geometry, cos
         rank, row = bins.bin[placed] // M, bins.bin[placed] % M
     take = selected[placed]
     out = _sorted_by((rank, R), (row, M))
-    take, rank, row = take[out], rank[out].astype(np.int32), row[out].astype(np.int32)
-    if selected.size <= NAIVE_CHECK_ITEMS and take.size == selected.size:
-        # The heuristics above can, rarely, end a little above the plain arrival-order fill
-        # (hypothesis found 2014 against 1949 with 22 items). For a few dozen items that fill
-        # costs little (0.2 ms): when it places everything too and its largest rank cost is lower,
-        # it is the plan. (It grows to 70 ms at 64 ranks and 16k items: more than the plan.)
-        naive = assign_naive(c, arrival, geometry)
-        if naive[0].size == selected.size and (finish(c, *naive, geometry, cost).rank_cost.max()
-                                               < finish(c, take, rank, row, geometry,
-                                                        cost).rank_cost.max()):
-            return naive
-    return take, rank, row
+    return take[out], rank[out].astype(np.int32), row[out].astype(np.int32)
