@@ -27,8 +27,9 @@ Loaders
 Measured: samples/s (documents; a document streamload splits into several rows counts once),
 text MB/s (UTF-8 bytes of text delivered), time to first batch (from constructing the loader,
 imports excluded: each loader's module and the S3 client library it imports on first use,
-streamload.storage.s3 / boto3 / obstore, are imported before the clock starts), peak RSS of the process tree (sum of the processes' RSS, so pages shared
-between forked workers count once per process), and for streamload the loader's CPU time per
+streamload.storage.s3 / boto3 / obstore, are imported before the clock starts), peak RSS of
+the process tree (sum of the processes' RSS, so pages shared between forked workers count once
+per process), and for streamload the loader's CPU time per
 step (process CPU time minus the consuming thread's own CPU time, over the steps). Throughput is
 end to end: delivered / (last sample - loader construction); *_steady variants start the clock at
 the first batch. Also peak RSS with 1, 10 and 100 sources (one epoch of small equal sources), and

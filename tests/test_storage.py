@@ -582,7 +582,6 @@ async def test_with_retries_times_out_each_attempt():
     assert counters.retries == 1
 
 
-
 @pytest.mark.parametrize("turns", range(6))
 async def test_a_cancelled_request_is_never_swallowed_by_its_timeout(turns):
     """Regression: with asyncio.wait_for (Python 3.11), cancelling the caller just as the
