@@ -8,8 +8,9 @@ from .plan.cost import CostModel
 from .plan.mixing import MixtureState
 from .plan.mixture import LengthQuota, Mixture, MixPoint
 from .storage.retry import RetryPolicy
+from .tokenizer import HFTokenizer
 
 __all__ = ["Loader", "Source", "Batch", "MicroBatch", "CostModel", "LoaderConfig", "RetryPolicy",
-           "Mixture", "MixPoint", "LengthQuota", "MixtureState", "LoaderSpec", "load_config",
+           "HFTokenizer", "Mixture", "MixPoint", "LengthQuota", "MixtureState", "LoaderSpec", "load_config",
            "StreamloadError", "ConfigError", "StorageError", "DataError", "DistributedError"]
 __version__ = "0.1.0"

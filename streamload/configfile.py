@@ -6,7 +6,7 @@
 Tables (all optional except at least one `[[source]]`):
 
     [loader]            LoaderConfig options: micro_batch_tokens, micro_batches, seed, epochs,
-                        planner, ... (docs/configuration.md), and tokenizer = "module:callable"
+                        planner, ... (docs/configuration.md), and tokenizer = "module:attribute"
     [cost]              a, b, document_masking  (the loader options cost_a, cost_b, ...)
     [retry]             RetryPolicy fields
     [storage]           storage options for non-local sources, e.g. endpoint_url
@@ -36,6 +36,7 @@ from .errors import ConfigError
 from .plan.mixture import LengthQuota, MixPoint, Mixture
 from .plan.planner import METHODS
 from .storage.retry import RetryPolicy
+from .tokenizer import as_tokenizer
 
 try:
     import tomllib
@@ -58,13 +59,14 @@ class LoaderSpec:
     options: dict = field(default_factory=dict)     # keyword options for Loader / make_config
     mixture: Mixture = field(default_factory=Mixture)
     storage_options: Optional[dict] = field(default=None, repr=False)   # may hold credentials
-    tokenizer: Optional[str] = None                 # "module:callable", imported by the Loader
+    tokenizer: Optional[str] = None                 # "module:attribute", imported by the Loader
 
     def config(self) -> LoaderConfig:
         return make_config(**self.options)
 
     def load_tokenizer(self):
-        """The callable `tokenizer = "module:callable"` names, imported; None if not given."""
+        """The tokenizer `tokenizer = "module:attribute"` names, imported (a callable, a Hugging
+        Face tokenizer, ...: see `streamload.tokenizer`); None if not given."""
         if self.tokenizer is None:
             return None
         module_name, _, attr = self.tokenizer.partition(":")
@@ -75,9 +77,11 @@ class LoaderSpec:
         except (ImportError, AttributeError) as exc:
             raise ConfigError(f"{self.path}: loader.tokenizer: cannot import "
                               f"{self.tokenizer!r}: {exc}") from None
-        if not callable(target):
-            raise ConfigError(f"{self.path}: loader.tokenizer: {self.tokenizer!r} is not callable")
-        return target
+        try:
+            return as_tokenizer(target)
+        except ConfigError as exc:
+            raise ConfigError(f"{self.path}: loader.tokenizer: {self.tokenizer!r}: "
+                              f"{exc}") from None
 
 
 class _Errors:
@@ -186,7 +190,7 @@ def _loader_options(errors: _Errors, doc: dict) -> tuple[dict, Optional[str]]:
     errors.keys(loader, "loader", loader_keys)
     tokenizer = loader.pop("tokenizer", None)
     if tokenizer is not None and (not isinstance(tokenizer, str) or ":" not in tokenizer):
-        errors.fail("loader.tokenizer", f"must be a string 'module:callable', got {tokenizer!r}")
+        errors.fail("loader.tokenizer", f"must be a string 'module:attribute', got {tokenizer!r}")
     options = {key: errors.typed(value, types[key], f"loader.{key}")
                for key, value in loader.items()}
     if options.get("planner", METHODS[0]) not in METHODS:

@@ -62,6 +62,7 @@ from .plan.planner import Planner
 from .plan.types import Candidates, Geometry
 from .state import deal, deal_epoch
 from .storage import open_store
+from .tokenizer import TokenizerError, as_tokenizer
 
 DEFAULT_RANKS = 8
 DEFAULT_STEPS = 100
@@ -164,13 +165,18 @@ async def _scan_lengths(store, source, shard: Shard, tokenizer, skips: Optional[
     out: list[int] = []
 
     def add(records) -> None:
+        texts = [r for r in records if isinstance(r.payload, str)]
+        ids = None
+        if tokenizer is not None and texts:
+            try:
+                ids = iter(tokenizer.encode_texts([r.payload for r in texts]))
+            except TokenizerError as exc:
+                raise DataError(str(exc), source=source.name, shard=shard.name,
+                                record=texts[exc.index].index) from None
         for r in records:
             payload = r.payload
             if isinstance(payload, str):
-                if tokenizer is None:
-                    out.append(len(payload.encode("utf-8")))
-                else:
-                    out.append(int(np.size(tokenizer(payload))))
+                out.append(len(payload.encode("utf-8")) if ids is None else int(np.size(next(ids))))
             else:
                 out.append(int(np.size(payload)))
 
@@ -254,7 +260,7 @@ def scan(spec: LoaderSpec, max_docs: Optional[int] = None) -> list[SourceScan]:
     if max_docs is not None and max_docs < 1:
         raise ConfigError(f"max_docs: must be an integer >= 1, got {max_docs!r}")
     config = spec.config()
-    tokenizer = spec.load_tokenizer()
+    tokenizer = as_tokenizer(spec.load_tokenizer())
 
     async def all_sources():
         return await asyncio.gather(*(

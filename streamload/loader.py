@@ -12,7 +12,7 @@ import signal
 import threading
 import time
 import weakref
-from typing import Iterable, Iterator, Optional
+from typing import Any, Iterable, Iterator, Optional
 
 import msgspec
 
@@ -22,9 +22,9 @@ from .plan.mixture import Mixture
 from .config import LoaderConfig, Source, make_config
 from .dist.comm import Comm, connect
 from .errors import ConfigError
-from .pipeline.transform import Tokenizer
 from .runtime import Runtime
 from .state import decode_state, encode_state
+from .tokenizer import as_tokenizer
 
 
 class _End:
@@ -120,7 +120,7 @@ class Loader:
     """
 
     def __init__(self, sources: Iterable[Source], micro_batch_tokens: int = 4096,
-                 micro_batches: int = 2, tokenizer: Optional[Tokenizer] = None, seed: int = 0,
+                 micro_batches: int = 2, tokenizer: Any = None, seed: int = 0,
                  epochs: Optional[int] = None, *, storage_options: Optional[dict] = None,
                  mixture: Optional[Mixture] = None, sample_costs: Optional[dict] = None,
                  **options):
@@ -132,8 +132,7 @@ class Loader:
         if duplicated:
             raise ConfigError(f"sources: names must be unique, {duplicated} repeat; "
                               f"pass name=... to tell them apart")
-        if tokenizer is not None and not callable(tokenizer):
-            raise ConfigError(f"tokenizer: must be a callable str -> sequence of ints, got {tokenizer!r}")
+        tokenizer = as_tokenizer(tokenizer)   # a callable, a Hugging Face tokenizer, ...
         self.config: LoaderConfig = make_config(
             micro_batch_tokens=micro_batch_tokens, micro_batches=micro_batches, seed=seed,
             epochs=epochs, **options)
@@ -150,11 +149,11 @@ class Loader:
         self._last_snapshot = None
 
     @classmethod
-    def from_config(cls, path, *, tokenizer: Optional[Tokenizer] = None, **overrides) -> "Loader":
+    def from_config(cls, path, *, tokenizer: Any = None, **overrides) -> "Loader":
         """Build a Loader from a TOML file (sources, weights, schedules, geometry, cost model).
         Keyword arguments override the file's loader options."""
         spec = load_config(path)
-        return cls(spec.sources, tokenizer=tokenizer or spec.load_tokenizer(),
+        return cls(spec.sources, tokenizer=tokenizer if tokenizer is not None else spec.load_tokenizer(),
                    mixture=spec.mixture, storage_options=spec.storage_options,
                    **{**spec.options, **overrides})
 

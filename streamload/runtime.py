@@ -7,6 +7,7 @@ them into M rows and hand a Batch to the bridge.
 from __future__ import annotations
 
 import asyncio
+import functools
 import time
 import zlib
 from typing import Awaitable, Callable, Optional, Protocol, TypeVar
@@ -28,8 +29,7 @@ from .pipeline.buffer import SourceBuffer
 from .pipeline.fetch import Shard, SourceFetcher, list_shards
 from .pipeline.recycle import ArrayRecycler
 from .pipeline.supervisor import Supervisor
-from .pipeline.workers import DaemonExecutor
-from .pipeline.transform import Tokenizer
+from .pipeline.workers import DaemonExecutor, run_detached
 from .plan.cost import CostModel
 from .plan.mixing import QuotaMixer
 from .plan.mixture import Mixture
@@ -39,8 +39,11 @@ from .plan.types import Geometry
 from .state import (STATE_VERSION, EpochLayout, LoaderState, SourceTracker, fresh_layout,
                     layout_from_progress)
 from .storage import ObjectStore, open_store
+from .tokenizer import HFTokenizer, TextTokenizer
 
 T = TypeVar("T")
+
+WORKERS_FINISH_S = 30.0   # closing waits this long, at most, for tokenizer calls in flight
 
 
 class Handoff(Protocol):
@@ -52,7 +55,7 @@ class Handoff(Protocol):
 
 
 class Runtime:
-    def __init__(self, sources: list[Source], config: LoaderConfig, tokenizer: Optional[Tokenizer],
+    def __init__(self, sources: list[Source], config: LoaderConfig, tokenizer: Optional[TextTokenizer],
                  comm: Comm, storage_options: Optional[dict] = None,
                  mixture: Optional[Mixture] = None, sample_costs: Optional[dict] = None):
         self.sources, self.config, self.tokenizer, self.comm = sources, config, tokenizer, comm
@@ -297,8 +300,12 @@ class Runtime:
         finally:
             await supervisor.cancel_all()
             executor.shutdown()
-            if processes is not None:
-                processes.shutdown(wait=False, cancel_futures=True)
+            if isinstance(self.tokenizer, HFTokenizer):   # see pipeline/workers.py
+                await executor.finish(WORKERS_FINISH_S)
+            if processes is not None:   # wait=True: a pool left running hangs the exit of a
+                await run_detached(     # multiprocessing child (it joins its own children)
+                    functools.partial(processes.shutdown, wait=True, cancel_futures=True),
+                    WORKERS_FINISH_S)
             for store in {id(s): s for s in self.stores}.values():
                 await store.aclose()
             self.collectives.shutdown()

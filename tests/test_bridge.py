@@ -73,9 +73,10 @@ def test_background_error_keeps_its_traceback(corpus):
 
     with sl.Loader([sl.Source(str(corpus))], micro_batch_tokens=256, epochs=1,
                    tokenizer=exploding_tokenizer) as loader:
-        with pytest.raises(ValueError, match="exploded on purpose") as info:
+        with pytest.raises(sl.DataError, match="exploded on purpose") as info:
             next(iter(loader))
-    frames = "".join(traceback.format_tb(info.value.__traceback__))
+    assert "web" in str(info.value) and "record 0" in str(info.value)   # names the document
+    frames = "".join(traceback.format_exception(info.value))
     assert "exploding_tokenizer" in frames   # the original frame, not just the re-raise
 
 

@@ -152,13 +152,14 @@ def test_any_field_source_gains_is_read(tmp_path, monkeypatch):
 
 def test_tokenizer_is_imported_on_request(tmp_path):
     spec = load_config(write(tmp_path, '[loader]\ntokenizer = "os.path:basename"\n' + MINIMAL))
-    assert spec.load_tokenizer() is os.path.basename
+    assert spec.load_tokenizer().fn is os.path.basename     # a per-document callable
     assert load_config(write(tmp_path, MINIMAL)).load_tokenizer() is None
     path = write(tmp_path, '[loader]\ntokenizer = "no_such_module_xyz:encode"\n' + MINIMAL)
     with pytest.raises(ConfigError, match=re.escape(f"{path}: loader.tokenizer: cannot import")):
         load_config(path).load_tokenizer()
     path = write(tmp_path, '[loader]\ntokenizer = "os:sep"\n' + MINIMAL)
-    with pytest.raises(ConfigError, match="is not callable"):
+    with pytest.raises(ConfigError, match=re.escape(f"{path}: loader.tokenizer: 'os:sep': ")
+                       + ".*must be a callable"):
         load_config(path).load_tokenizer()
 
 
@@ -202,7 +203,7 @@ def replace(text, old, new):
     ("[loader]\ncost_a = 0.1\n" + MINIMAL, "loader.cost_a", "goes in [cost] a"),
     ("[loader]\nmicro_batch_tokens = 8192\nbuffer_tokens = 4096\n" + MINIMAL,
      "loader.buffer_tokens", "must be >= micro_batch_tokens (8192)"),
-    ("[loader]\ntokenizer = 3\n" + MINIMAL, "loader.tokenizer", "must be a string 'module:callable'"),
+    ("[loader]\ntokenizer = 3\n" + MINIMAL, "loader.tokenizer", "must be a string 'module:attribute'"),
     ("loader = 3\n" + MINIMAL, "loader", "must be a table, got an integer"),
     # [cost], [retry]
     ("[cost]\na = -1.0\n" + MINIMAL, "cost.a", "must be a finite number >= 0"),

@@ -168,7 +168,7 @@ def test_items_from_documents_matches_the_loader(mode):
     rng = np.random.default_rng(0)
     docs = np.concatenate([[0, 1, 64, 65, 128, 129, 300], rng.integers(0, 400, 200)])
     records = [RawRecord(i, np.zeros(n, np.int32)) for i, n in enumerate(docs)]
-    items, _ = records_to_items(records, 0, None, 64, mode)
+    items, _ = records_to_items(records, 0, 64, mode)
     lengths, counts = items_from_documents(docs, 64, mode)
     np.testing.assert_array_equal(lengths, [len(i) for i in items])
     assert counts["empty"] == int((docs == 0).sum())

@@ -53,7 +53,7 @@ def test_byte_tokens_are_uint8_and_split_chunks_keep_the_bytes():
     data = text.encode("utf-8")
     assert utf8_bytes(text).dtype == np.uint8 and utf8_bytes(text).tobytes() == data
     items, counts = records_to_items([RawRecord(7, text), RawRecord(8, "")], shard=0,
-                                     tokenizer=None, capacity=100, long_documents="split")
+                                     capacity=100, long_documents="split")
     assert b"".join(item.tokens.tobytes() for item in items) == data
     assert [item.chunk for item in items] == list(range(-(-len(data) // 100)))
     assert counts.tokens == len(data) and counts.samples == len(items) and counts.empty == 1

@@ -13,19 +13,22 @@ import time
 from dataclasses import dataclass
 from typing import Callable, Iterable, Optional
 
+import numpy as np
+
 from ..config import LoaderConfig, Source
 from ..errors import DataError, StorageError
 from ..formats import format_for
-from ..formats.base import ShardFormat
+from ..formats.base import RawRecord, ShardFormat
 from ..metrics import SourceMetrics
 from ..storage import ObjectInfo, ObjectStore, relative_name
 from ..storage.base import CountedStore
 from ..state import EpochLayout, ReadUnit
+from ..tokenizer import TextTokenizer, TokenizerError
 from .autoscale import ITEM_OVERHEAD_BYTES, Knobs, MemoryGate
 from .buffer import SourceBuffer
 from .prefetch import ordered_prefetch
 from .supervisor import Supervisor
-from .transform import Tokenizer, pretokenize, records_to_items, tokenize_texts
+from .transform import records_to_items, tokenize_texts
 
 
 @dataclass(frozen=True)
@@ -56,7 +59,7 @@ async def list_shards(source: Source, store: ObjectStore) -> list[Shard]:
 class SourceFetcher:
     def __init__(self, *, source_index: int, source: Source, shards: list[Shard],
                  store: ObjectStore, buffer: SourceBuffer, metrics: SourceMetrics,
-                 config: LoaderConfig, rank: int, world: int, tokenizer: Optional[Tokenizer],
+                 config: LoaderConfig, rank: int, world: int, tokenizer: Optional[TextTokenizer],
                  executor, supervisor: Supervisor,
                  layout_for: Callable[[int], EpochLayout], knobs: Knobs, gate: MemoryGate,
                  resume_ages: Optional[dict] = None, tokenizer_processes=None):
@@ -130,26 +133,21 @@ class SourceFetcher:
             return reserved, size, await self.store.read_range(shard.info.uri, *byte_range)
 
         def to_items(records):
-            return records_to_items(records, virtual, self.tokenizer,
-                                    self.config.micro_batch_tokens, self.config.long_documents,
-                                    keep, self.ages, where=(self.source.name, shard.name),
-                                    on_skip=on_skip)
+            return records_to_items(records, virtual, self.config.micro_batch_tokens,
+                                    self.config.long_documents, keep, self.ages,
+                                    where=(self.source.name, shard.name), on_skip=on_skip)
 
         def decode_and_tokenize(decode, *args):
             return to_items(decode(*args))
 
         async def transform(reserved: int, raw_bytes: int, decode, *args):
             started = time.perf_counter()
-            if self.tokenizer_processes is None:
+            if self.tokenizer is None:   # UTF-8 bytes: decode and tokenize in one hop
                 items, counts = await loop.run_in_executor(self.executor, decode_and_tokenize,
                                                            decode, *args)
-            else:   # a GIL-bound tokenizer: decode in a thread, tokenize in a process
+            else:   # one tokenizer call for the range, on a thread or in a process
                 records = await loop.run_in_executor(self.executor, decode, *args)
-                texts = [r.payload for r in records if isinstance(r.payload, str)]
-                if texts:
-                    tokens = await loop.run_in_executor(self.tokenizer_processes,
-                                                        tokenize_texts, texts)
-                    records = pretokenize(records, tokens)
+                records = await self._tokenize(records, shard, on_skip)
                 items, counts = await loop.run_in_executor(self.executor, to_items, records)
             counts.add_to(self.metrics)
             self.metrics.transform_s += time.perf_counter() - started
@@ -166,6 +164,48 @@ class SourceFetcher:
         await transform(0, 0, stream.finish)
         self.metrics.shards_read += 1
         await queue.put(None)
+
+    async def _tokenize(self, records: list[RawRecord], shard: Shard, on_skip) -> list[RawRecord]:
+        """Text payloads -> token ids, one `encode_texts` call for all of a range's texts (on
+        a transform thread, or in the tokenizer processes). A document the tokenizer fails on
+        raises a DataError naming it, or with on_error="skip" is skipped and counted."""
+        if self.tokenizer_processes is not None:
+            pool, encode = self.tokenizer_processes, tokenize_texts
+        else:
+            pool, encode = self.executor, self.tokenizer.encode_texts
+        out = list(records)
+        todo = [k for k, r in enumerate(out) if isinstance(r.payload, str)]
+        failed = set()
+        while todo:
+            try:
+                tokens = await asyncio.get_running_loop().run_in_executor(
+                    pool, encode, [out[k].payload for k in todo])
+            except TokenizerError as exc:
+                k = todo[exc.index]
+                if on_skip is None:   # chained: the tokenizer's own traceback stays visible
+                    raise DataError(str(exc), source=self.source.name, shard=shard.name,
+                                    record=out[k].index) from exc.__cause__
+                on_skip(out[k].index, str(exc))
+                tokens, failed = exc.done, failed | {k}
+                todo_next = todo[exc.index + 1:]
+            except Exception as exc:   # a batch tokenizer: no record to name
+                raise DataError(f"the tokenizer failed on records {out[todo[0]].index}.."
+                                f"{out[todo[-1]].index}: {type(exc).__name__}: {exc}",
+                                source=self.source.name, shard=shard.name) from exc
+            else:
+                todo_next = []
+                if len(tokens) != len(todo):
+                    raise DataError(f"the tokenizer returned {len(tokens)} results for "
+                                    f"{len(todo)} documents (records {out[todo[0]].index}.."
+                                    f"{out[todo[-1]].index})", source=self.source.name,
+                                    shard=shard.name)
+            for k, ids in zip(todo, tokens):
+                ids = np.asarray(ids)
+                if ids.dtype == np.int32:   # records_to_items checks ids, but trusts int32 ones
+                    ids = ids.astype(np.int64)   # (a token shard's, whose format checked them)
+                out[k] = RawRecord(out[k].index, ids)
+            todo = todo_next
+        return [r for k, r in enumerate(out) if k not in failed]
 
     def _record_skips(self, shard: Shard, skips: list) -> None:
         while skips:

@@ -6,15 +6,14 @@ metrics, so the loop thread stays the only writer.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, Optional, Sequence
+from typing import Callable, Optional
 
 import numpy as np
 
 from ..errors import DataError
 from ..formats.base import RawRecord
+from ..tokenizer import TextTokenizer
 from .buffer import Item
-
-Tokenizer = Callable[[str], Sequence[int]]
 
 _INT32_MAX = int(np.iinfo(np.int32).max)
 
@@ -48,36 +47,27 @@ class TransformCounts:
         metrics.dropped_documents += self.dropped
 
 
-_process_tokenizer: Optional[Tokenizer] = None
+_process_tokenizer: Optional[TextTokenizer] = None
 
 
-def set_process_tokenizer(tokenizer: Tokenizer) -> None:
+def set_process_tokenizer(tokenizer: TextTokenizer) -> None:
     """Initializer of a tokenizer process: keep the tokenizer, so calls do not re-send it."""
     global _process_tokenizer
     _process_tokenizer = tokenizer
 
 
-def tokenize_texts(texts: list[str]) -> list[np.ndarray]:
-    """Runs in a tokenizer process (for tokenizers that hold the GIL). The ids come back as
-    int64, so the loader checks them (`to_tokens`) where the record's name is known."""
-    return [np.asarray(_process_tokenizer(text), dtype=np.int64).reshape(-1) for text in texts]
+def tokenize_texts(texts: list[str]) -> list:
+    """Runs in a tokenizer process (for tokenizers that hold the GIL)."""
+    return _process_tokenizer.encode_texts(texts)
 
 
-def pretokenize(records: list[RawRecord], tokens: list[np.ndarray]) -> list[RawRecord]:
-    """Records whose text payloads were tokenized elsewhere, in order."""
-    out, it = [], iter(tokens)
-    for record in records:
-        out.append(RawRecord(record.index, next(it)) if isinstance(record.payload, str) else record)
-    return out
-
-
-def to_tokens(payload, tokenizer: Optional[Tokenizer]) -> np.ndarray:
+def to_tokens(payload) -> np.ndarray:
+    """A record's tokens: UTF-8 bytes of a text (no tokenizer configured), or its ids, checked.
+    With a tokenizer, texts are tokenized before (`SourceFetcher._tokenize`)."""
     if isinstance(payload, str):
-        if tokenizer is None:
-            return utf8_bytes(payload)
-        return token_ids(np.asarray(tokenizer(payload)).reshape(-1))
-    # A token shard's document (or ids tokenized in a process, int64). The token format has
-    # already refused negative ids, so an int32 document needs no check, and no scan per document.
+        return utf8_bytes(payload)
+    # A token shard's document (or a tokenizer's ids). The token format has already refused
+    # negative ids, so an int32 document needs no check, and no scan per document.
     payload = np.asarray(payload)
     if payload.dtype == np.int32:
         return payload.reshape(-1)
@@ -97,8 +87,8 @@ def token_ids(ids: np.ndarray) -> np.ndarray:
     return ids.astype(np.int32, copy=False)
 
 
-def records_to_items(records: list[RawRecord], shard: int, tokenizer: Optional[Tokenizer],
-                     capacity: int, long_documents: str, keep=None,
+def records_to_items(records: list[RawRecord], shard: int, capacity: int, long_documents: str,
+                     keep=None,
                      ages: Optional[dict] = None, where: tuple = (None, None),
                      on_skip: Optional[Callable[[int, str], None]] = None
                      ) -> tuple[list[Item], TransformCounts]:
@@ -109,7 +99,7 @@ def records_to_items(records: list[RawRecord], shard: int, tokenizer: Optional[T
     counts = TransformCounts(records=len(records))
     for record in records:
         try:
-            tokens = to_tokens(record.payload, tokenizer)
+            tokens = to_tokens(record.payload)
         except TokenIdError as exc:   # from the tokenizer, or a uint32 / int64 token shard
             if on_skip is None:
                 raise DataError(str(exc), source=where[0], shard=where[1],

@@ -3,12 +3,20 @@
 concurrent.futures joins its workers at interpreter exit, so one long tokenizer call (or a
 collective waiting on a dead peer) would keep a Ctrl-C'd trainer from exiting. These threads
 never hold the process up; the work they do is either finished or not needed any more.
+
+One thing must not happen, though: the interpreter exiting while a daemon thread is inside
+native code that will take the GIL back (a Hugging Face tokenizer's `encode_batch`). Python
+stops such a thread by unwinding it, and Rust code aborts the whole process on that ("FATAL:
+exception not rethrown"). So a loader with such a tokenizer, when it closes, lets each thread
+finish the job in hand (`finish`, bounded by a timeout) before it returns. Python code needs no
+wait (a slow pure-Python tokenizer would only delay Ctrl-C).
 """
 from __future__ import annotations
 
 import asyncio
 import queue
 import threading
+import time
 from concurrent.futures import Executor, Future
 from typing import Callable, TypeVar
 
@@ -55,3 +63,24 @@ class DaemonExecutor(Executor):
         if wait:
             for thread in self._threads:
                 thread.join()
+
+    async def finish(self, timeout: float) -> bool:
+        """After `shutdown`: wait, without blocking the event loop, until every thread has
+        finished its job in hand (at most `timeout` seconds). True if they all did."""
+        deadline = time.monotonic() + timeout
+        while any(t.is_alive() for t in self._threads):
+            if time.monotonic() > deadline:
+                return False
+            await asyncio.sleep(0.005)
+        return True
+
+
+async def run_detached(fn: Callable[[], object], timeout: float) -> bool:
+    """fn() on a daemon thread, awaited for at most `timeout` seconds (a blocking shutdown that
+    must not block the event loop, nor the interpreter's exit). True if it returned."""
+    thread = threading.Thread(target=fn, name="streamload-shutdown", daemon=True)
+    thread.start()
+    deadline = time.monotonic() + timeout
+    while thread.is_alive() and time.monotonic() < deadline:
+        await asyncio.sleep(0.005)
+    return not thread.is_alive()
