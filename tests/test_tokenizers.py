@@ -110,11 +110,20 @@ class ShortBatch:
         return [[1, 2, 3] for _ in texts[1:]]
 
 
-def test_a_batch_tokenizer_returning_too_few_results_is_named(corpus):
+class NegativeInt32:
+    def encode_texts(self, texts):
+        return [np.array([5, -1, 7], dtype=np.int32) for _ in texts]
+
+
+@pytest.mark.parametrize("tokenizer, error", [
+    (ShortBatch(), r"returned \d+ results for \d+ documents"),
+    (NegativeInt32(), r"record 0: token id -1 is outside"),   # int32 ids are checked too
+])
+def test_what_a_bad_batch_tokenizer_returns_is_an_error_naming_the_shard(corpus, tokenizer, error):
     root, _, _ = corpus
-    with pytest.raises(sl.DataError, match=r"returned \d+ results for \d+ documents") as err:
+    with pytest.raises(sl.DataError, match=error) as err:
         with sl.Loader([sl.Source(str(root / "web"))], micro_batch_tokens=256, epochs=1,
-                       tokenizer=ShortBatch()) as loader:
+                       tokenizer=tokenizer) as loader:
             list(loader)
     assert "web" in str(err.value) and "part-00" in str(err.value)
 
@@ -130,20 +139,6 @@ def test_hf_tokenizer_refuses_a_bad_eos_id(corpus):
     _, _, tok = corpus
     with pytest.raises(sl.ConfigError, match="eos_id"):
         sl.HFTokenizer(tok, eos_id=-1)
-
-
-class NegativeInt32:
-    def encode_texts(self, texts):
-        return [np.array([5, -1, 7], dtype=np.int32) for _ in texts]
-
-
-def test_ids_from_a_tokenizer_are_checked_whatever_their_dtype(corpus):
-    root, _, _ = corpus
-    with pytest.raises(sl.DataError, match=r"token id -1 is outside") as err:
-        with sl.Loader([sl.Source(str(root / "web"))], micro_batch_tokens=256, epochs=1,
-                       tokenizer=NegativeInt32()) as loader:
-            list(loader)
-    assert "web" in str(err.value) and "record 0" in str(err.value)
 
 
 EXIT_SCRIPT = """
