@@ -76,6 +76,18 @@ def test_a_hugging_face_tokenizer_gives_its_own_ids_for_every_document(corpus, t
     assert any(len(ids) > 64 for ids in expected.values()), "some documents must be split"
 
 
+def test_a_transformers_fast_tokenizer_gives_what_it_gives_itself(corpus):
+    """`transformers.AutoTokenizer` returns such a tokenizer; the loader uses its backend."""
+    transformers = pytest.importorskip("transformers")
+    root, docs, tok = corpus
+    fast = transformers.PreTrainedTokenizerFast(tokenizer_object=tok)
+    expected = {k: fast(t)["input_ids"] for k, t in docs.items()}   # its own call, as a user would
+    assert any(ids[0] == tok.token_to_id("<bos>") for ids in expected.values())
+    with sl.Loader([sl.Source(str(root / "web"))], micro_batch_tokens=64, micro_batches=2,
+                   epochs=1, tokenizer=fast) as loader:
+        assert delivered(loader) == expected
+
+
 def failing_tokenizer(text: str) -> list[int]:
     if "Zürich" in text and len(text) % 2 == 0:
         raise ValueError("cannot handle this one")
