@@ -11,6 +11,7 @@ from .storage.retry import RetryPolicy
 from .tokenizer import HFTokenizer
 
 __all__ = ["Loader", "Source", "Batch", "MicroBatch", "CostModel", "LoaderConfig", "RetryPolicy",
-           "HFTokenizer", "Mixture", "MixPoint", "LengthQuota", "MixtureState", "LoaderSpec", "load_config",
-           "StreamloadError", "ConfigError", "StorageError", "DataError", "DistributedError"]
+           "HFTokenizer", "Mixture", "MixPoint", "LengthQuota", "MixtureState", "LoaderSpec",
+           "load_config", "StreamloadError", "ConfigError", "StorageError", "DataError",
+           "DistributedError"]
 __version__ = "0.1.0"

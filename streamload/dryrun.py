@@ -62,7 +62,7 @@ from .plan.planner import Planner
 from .plan.types import Candidates, Geometry
 from .state import deal, deal_epoch
 from .storage import open_store
-from .tokenizer import TokenizerError, as_tokenizer
+from .tokenizer import TokenizerError
 
 DEFAULT_RANKS = 8
 DEFAULT_STEPS = 100
@@ -260,7 +260,7 @@ def scan(spec: LoaderSpec, max_docs: Optional[int] = None) -> list[SourceScan]:
     if max_docs is not None and max_docs < 1:
         raise ConfigError(f"max_docs: must be an integer >= 1, got {max_docs!r}")
     config = spec.config()
-    tokenizer = as_tokenizer(spec.load_tokenizer())
+    tokenizer = spec.load_tokenizer()
 
     async def all_sources():
         return await asyncio.gather(*(
