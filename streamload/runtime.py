@@ -39,7 +39,7 @@ from .plan.types import Geometry
 from .state import (STATE_VERSION, EpochLayout, LoaderState, SourceTracker, fresh_layout,
                     layout_from_progress)
 from .storage import ObjectStore, open_store
-from .tokenizer import HFTokenizer, TextTokenizer
+from .tokenizer import TextTokenizer
 
 T = TypeVar("T")
 
@@ -97,10 +97,10 @@ class Runtime:
         self.started: Optional[float] = None            # when run() began (for rates)
         self._scale_mark: Optional[tuple] = None        # (time, buffers' blocked_s) at last step
         self._id_prefixes: dict[tuple[int, int], str] = {}   # (source, shard) -> "name/shard/"
-        # Packed rows: the batches queued, the one the trainer holds, the one being packed.
+        # Packed rows (tokens, then positions, in one array per step): the batches queued, the
+        # one the trainer holds, the one being packed.
         step_size, keep = config.micro_batches * config.micro_batch_tokens, config.prefetch_steps + 2
-        self._row_memory = (ArrayRecycler(step_size, np.int64, keep),
-                            ArrayRecycler(step_size, np.int64, keep))
+        self._row_memory = ArrayRecycler(2 * step_size, np.int64, keep)   # tokens | positions
 
     # -- set-up ---------------------------------------------------------------------------
     def _stores(self) -> list[ObjectStore]:
@@ -300,7 +300,7 @@ class Runtime:
         finally:
             await supervisor.cancel_all()
             executor.shutdown()
-            if isinstance(self.tokenizer, HFTokenizer):   # see pipeline/workers.py
+            if getattr(self.tokenizer, "native_calls", False):   # see pipeline/workers.py
                 await executor.finish(WORKERS_FINISH_S)
             if processes is not None:   # wait=True: a pool left running hangs the exit of a
                 await run_detached(     # multiprocessing child (it joins its own children)
@@ -407,8 +407,10 @@ class Runtime:
             lambda: exchange_tokens(self.comm, holder, plan.rank, lengths, mine))
         sources = c.source[plan.take[entries]]
         item_ids = summaries.ids[plan.take[entries]]
+        memory = self._row_memory.take()
+        half = memory.shape[0] // 2
         rows = pack_rows(tokens, plan.row[entries], M, self.config.micro_batch_tokens,
-                         out=tuple(memory.take() for memory in self._row_memory))
+                         out=(memory[:half], memory[half:]))
         micro_batches = []
         source_list, id_list = sources.tolist(), item_ids.tolist()
         for row in rows:

@@ -11,7 +11,8 @@ accepts:
   releases the GIL and encodes on the library's own threads; a per-document `encode` does not
   release it, so transform threads calling it tokenize no faster than one
   (`benchmarks/tokenizing.py`);
-- any object with an `encode_texts(list[str]) -> list[sequence of int]` method.
+- any object with an `encode_texts(list[str]) -> list[sequence of int]` method (and, if that
+  runs native code that takes the GIL back, `native_calls = True`).
 
 A tokenizer that fails on one document raises `TokenizerError` with that document's index in
 the batch, so the loader can name the record (or skip it, with `on_error="skip"`).
@@ -26,6 +27,10 @@ from .errors import ConfigError
 
 
 class TextTokenizer(Protocol):
+    # True if encode_texts runs native code that takes the GIL back: a thread must not be
+    # stopped inside it (pipeline/workers.py), so closing the loader waits for such calls.
+    native_calls: bool
+
     def encode_texts(self, texts: list[str]) -> list: ...
 
 
@@ -42,6 +47,7 @@ class TokenizerError(Exception):
 
 class PerDocument:
     """A callable `str -> sequence of int`, one document at a time."""
+    native_calls = False
 
     def __init__(self, fn: Callable[[str], Sequence[int]]):
         self.fn = fn
@@ -64,6 +70,7 @@ class HFTokenizer:
     `backend_tokenizer` is used). `add_special_tokens` is passed on (the libraries' default,
     True: the post-processor's BOS/CLS and the like); `eos_id`, if given, is appended to every
     document."""
+    native_calls = True
 
     def __init__(self, tokenizer: Any, *, add_special_tokens: bool = True,
                  eos_id: Optional[int] = None):
@@ -82,9 +89,6 @@ class HFTokenizer:
         encodings = encode(texts, add_special_tokens=self.add_special_tokens)
         tail = [] if self.eos_id is None else [self.eos_id]
         return [np.array(e.ids + tail, dtype=np.int64) for e in encodings]
-
-    def __call__(self, text: str) -> np.ndarray:
-        return self.encode_texts([text])[0]
 
 
 def is_hf_tokenizer(obj: Any) -> bool:

@@ -67,12 +67,7 @@ class DaemonExecutor(Executor):
     async def finish(self, timeout: float) -> bool:
         """After `shutdown`: wait, without blocking the event loop, until every thread has
         finished its job in hand (at most `timeout` seconds). True if they all did."""
-        deadline = time.monotonic() + timeout
-        while any(t.is_alive() for t in self._threads):
-            if time.monotonic() > deadline:
-                return False
-            await asyncio.sleep(0.005)
-        return True
+        return await _joined(self._threads, timeout)
 
 
 async def run_detached(fn: Callable[[], object], timeout: float) -> bool:
@@ -80,7 +75,14 @@ async def run_detached(fn: Callable[[], object], timeout: float) -> bool:
     must not block the event loop, nor the interpreter's exit). True if it returned."""
     thread = threading.Thread(target=fn, name="streamload-shutdown", daemon=True)
     thread.start()
+    return await _joined([thread], timeout)
+
+
+async def _joined(threads: list[threading.Thread], timeout: float) -> bool:
+    """Poll until `threads` have ended (True) or `timeout` seconds have passed (False)."""
     deadline = time.monotonic() + timeout
-    while thread.is_alive() and time.monotonic() < deadline:
+    while any(t.is_alive() for t in threads):
+        if time.monotonic() > deadline:
+            return False
         await asyncio.sleep(0.005)
-    return not thread.is_alive()
+    return True
