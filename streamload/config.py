@@ -77,6 +77,8 @@ class LoaderConfig(msgspec.Struct, kw_only=True):
     planner: str = "balanced"               # "naive" | "balanced" | "lookahead"
     lookahead: int = 4                      # W for planner="lookahead" (also its max deferral)
     max_deferral: Optional[int] = 8         # a sample offered this many steps is taken first
+    step_overhead: float = 0.05             # per-step cost the planner weighs against an empty
+                                            # slot: this share of a rank's full step at b/token
     window_factor: float = 2.0              # head window per source per rank, in steps of quota
     buffer_tokens: Optional[int] = None     # per source per rank; default: 2 windows + one row
     prefetch_steps: int = 2                 # planned batches queued ahead of the trainer
@@ -121,6 +123,9 @@ class LoaderConfig(msgspec.Struct, kw_only=True):
                                   f"({self.micro_batch_tokens}), got {self.buffer_tokens}")
         if not (self.window_factor > 0 and math.isfinite(self.window_factor)):
             raise ConfigError(f"window_factor: must be a positive number, got {self.window_factor!r}")
+        if isinstance(self.step_overhead, bool) or not isinstance(self.step_overhead, (int, float)) \
+                or not (math.isfinite(self.step_overhead) and self.step_overhead >= 0):
+            raise ConfigError(f"step_overhead: must be a number >= 0, got {self.step_overhead!r}")
         if not self.collective_timeout_s > 0:
             raise ConfigError(f"collective_timeout_s: must be > 0, got {self.collective_timeout_s!r}")
         if self.on_error not in ("raise", "skip"):

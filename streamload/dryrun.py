@@ -54,7 +54,7 @@ from .configfile import LoaderSpec, load_config
 from .errors import ConfigError, DataError, StorageError, StreamloadError
 from .formats.tokens import (_BadShard, _check_offsets, _offsets_what, _read_offsets,
                              offsets_uri)
-from .pipeline.autoscale import plan_memory
+from .pipeline.autoscale import MemoryPlan
 from .pipeline.fetch import Shard, list_shards
 from .plan.cost import CostModel
 from .plan.mixing import QuotaMixer
@@ -359,7 +359,7 @@ class _Window:
         lengths = np.concatenate([self.head[:n_head], self.feed[self.ptr:self.ptr + fresh]])
         ages = np.concatenate([self.head_age[:n_head], np.zeros(fresh, np.int64)])
         done = (self.next_pass is None and n_head == self.head.size
-                and self.ptr + fresh >= self.feed.size)
+                and self.ptr + fresh >= self.feed.size and int(lengths.sum()) < tokens)
         return lengths, ages, done
 
     def commit(self, taken: np.ndarray, lengths: np.ndarray, ages: np.ndarray) -> None:
@@ -403,7 +403,7 @@ class _SourceFeed:
             n = self.shard_items.size
             out = []
             for shards in deal_epoch(n, seed=self.seed, epoch=pass_index, source_index=self.index,
-                                     world=R, endless=endless):
+                                     world=R, endless=endless, rotation=self.index % R):
                 parts = [self.lengths[self.starts[k]:self.starts[k] + self.shard_items[k]]
                          for k in shards % n]
                 out.append(np.concatenate(parts) if parts else np.zeros(0, np.int64))
@@ -428,11 +428,19 @@ class _SourceFeed:
         return _Window(first)
 
 
-def _window_tokens(spec: LoaderSpec, config, mixer: QuotaMixer) -> list[int]:
-    """Head window per rank per source, as the loader's Runtime sizes it (`plan_memory`)."""
-    budgets = plan_memory(config, np.asarray(mixer.max_shares(), dtype=np.float64),
-                          [s.name for s in spec.sources])
-    return [b.window_tokens for b in budgets]
+def _memory_plan(spec: LoaderSpec, config, mixer: QuotaMixer, ranks: int) -> MemoryPlan:
+    return MemoryPlan(config, mixer.max_shares(), [s.name for s in spec.sources], ranks)
+
+
+def _window_tokens(memory: MemoryPlan, mixer: QuotaMixer, holding: np.ndarray) -> np.ndarray:
+    """[R, S] head windows, as the loader's Runtime sizes them (`MemoryPlan.for_rank`): ranks
+    holding the same sources get the same windows, so each distinct row is sized once."""
+    shares = mixer.shares_at(holding.any(axis=0))
+    holders = holding.sum(axis=0)
+    rows, inverse = np.unique(holding, axis=0, return_inverse=True)
+    sized = np.array([[b.window_tokens for b in memory.budgets(shares, holders, held)]
+                      for held in rows], dtype=np.int64)
+    return sized[np.asarray(inverse).reshape(-1)]
 
 
 def simulate(spec: LoaderSpec, lengths: Sequence[Union[SourceScan, np.ndarray]], steps: int,
@@ -460,9 +468,10 @@ def simulate(spec: LoaderSpec, lengths: Sequence[Union[SourceScan, np.ndarray]],
     geometry = Geometry(R, M, C)
     cost = CostModel(config.cost_a, config.cost_b, config.document_masking)
     planner = Planner(geometry, cost, method=config.planner, seed=config.seed,
-                      max_age=config.max_deferral, lookahead=config.lookahead)
+                      max_age=config.max_deferral, lookahead=config.lookahead,
+                      step_overhead=config.step_overhead)
     mixer = QuotaMixer.from_sources(spec.mixture, spec.sources, capacity=C)
-    window_tokens = _window_tokens(spec, config, mixer)
+    memory = _memory_plan(spec, config, mixer, R)
     feeds = [_SourceFeed(data, s, config.seed, R) for s, data in enumerate(lengths)]
     passes = [0] * S
     windows = [[None] * S for _ in range(R)]   # windows[rank][source]
@@ -471,12 +480,18 @@ def simulate(spec: LoaderSpec, lengths: Sequence[Union[SourceScan, np.ndarray]],
         for r in range(R):
             windows[r][s] = feed.window(r, restartable[s])
 
+    def holding_now() -> np.ndarray:   # an epoch's start: the ranks dealt items of a source
+        return np.array([[windows[r][s].has_items for s in range(S)] for r in range(R)],
+                        dtype=bool).reshape(R, S)
+
+    window_tokens = _window_tokens(memory, mixer, holding_now())
+
     reports: list[StepReport] = []
     epoch, step = 0, 0
     step_tokens = geometry.step_tokens
     empty_epochs = 0
     while step < steps:
-        views = [[windows[r][s].window(window_tokens[s]) for s in range(S)] for r in range(R)]
+        views = [[windows[r][s].window(window_tokens[r, s]) for s in range(S)] for r in range(R)]
         has_data = np.array([any(views[r][s][0].size for r in range(R)) for s in range(S)])
         exhausted = np.array([[views[r][s][2] for s in range(S)] for r in range(R)])
         outcome = mixer.outcome(has_data, exhausted)
@@ -495,6 +510,7 @@ def simulate(spec: LoaderSpec, lengths: Sequence[Union[SourceScan, np.ndarray]],
                     passes[s] += 1
                     for r, items in enumerate(feeds[s].rank_items(passes[s])):
                         windows[r][s].restart(items)
+            window_tokens = _window_tokens(memory, mixer, holding_now())
             continue
         empty_epochs = 0
 
@@ -507,6 +523,8 @@ def simulate(spec: LoaderSpec, lengths: Sequence[Union[SourceScan, np.ndarray]],
         assignment = planner.plan_quota(quota, step)
         take = np.asarray(assignment.take, dtype=np.int64)
         units = mixer.update(quota, take)
+        window_tokens = _window_tokens(memory, mixer,
+                                       MemoryPlan.holding_after(c, take, exhausted))
         reports.append(_report(step, epoch, c, quota, assignment, take, units, geometry, S))
 
         # Taken items leave their windows; the others age. Candidates are (source, rank, pos).
@@ -661,7 +679,7 @@ def run(args: argparse.Namespace) -> int:
         config = spec.config()
         mixer = QuotaMixer.from_sources(spec.mixture, spec.sources,
                                         capacity=config.micro_batch_tokens)
-        _window_tokens(spec, config, mixer)   # memory_budget problems are config errors too
+        _memory_plan(spec, config, mixer, args.ranks)   # memory_budget problems too
     except ConfigError as exc:
         return fail(str(exc), 2)
     try:

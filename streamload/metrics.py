@@ -6,6 +6,9 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+FILL_BINS = 1000   # tokens-per-step histogram resolution: 0.1% of a full step
+LOW_FILL = 0.9     # a step below this share of its capacity counts as low
+
 
 @dataclass
 class SourceMetrics:
@@ -54,18 +57,44 @@ class StepMetrics:
     deferral_sum: int = 0
     delivered: int = 0
     stall_s: float = 0.0        # time the trainer waited in next()
+    step_tokens: int = 0        # R·M·C: the tokens a full step holds
+    delivered_tokens: int = 0   # over every rank, all steps
+    # Steps by fill (the job's tokens over R·M·C) in 0.1% bins: exact enough percentiles of
+    # tokens per step in constant memory, however long the run.
+    fill_bins: np.ndarray = field(default_factory=lambda: np.zeros(FILL_BINS + 1, np.int64))
 
     def record(self, rank_tokens: np.ndarray, rank_cost: np.ndarray) -> None:
         self.steps += 1
+        tokens = int(rank_tokens.sum())
+        self.delivered_tokens += tokens
+        if self.step_tokens:
+            self.fill_bins[min(int(round(tokens / self.step_tokens * FILL_BINS)), FILL_BINS)] += 1
         self.last_rank_tokens = rank_tokens.tolist()
         self.last_rank_cost = rank_cost.tolist()
         mean = float(rank_cost.mean()) if rank_cost.size else 0.0
         self.last_imbalance = float(rank_cost.max() / mean) if mean > 0 else 1.0
         self.imbalance_sum += self.last_imbalance
 
+    def tokens_per_step(self) -> dict:
+        """The job's tokens per step: mean and p1 / p50 / p99 (to 0.1% of a full step), the
+        mean fill, and the steps below LOW_FILL of a full step."""
+        if not self.steps or not self.step_tokens:
+            return {"mean": None, "p1": None, "p50": None, "p99": None, "fill": None,
+                    "steps_below_90pct": 0}
+        cumulative = np.cumsum(self.fill_bins)
+        def percentile(q):   # the lowest bin holding the q-th percentile step
+            k = int(np.searchsorted(cumulative, q / 100 * self.steps, side="left"))
+            return int(round(k / FILL_BINS * self.step_tokens))
+        low = int(self.fill_bins[:int(LOW_FILL * FILL_BINS)].sum())
+        return {"mean": self.delivered_tokens / self.steps, "p1": percentile(1),
+                "p50": percentile(50), "p99": percentile(99),
+                "fill": self.delivered_tokens / (self.steps * self.step_tokens),
+                "steps_below_90pct": low}
+
     def snapshot(self) -> dict:
         plan = np.asarray(self.plan_ms, dtype=np.float64)
         return {
+            "tokens_per_step": self.tokens_per_step(), "step_capacity_tokens": self.step_tokens,
             "steps": self.steps, "epoch": self.epoch,
             "rank_tokens": self.last_rank_tokens, "rank_cost": self.last_rank_cost,
             "imbalance": self.last_imbalance,

@@ -24,7 +24,7 @@ from .dist.coordinator import (OUTCOMES, SourceWindow, StopStepping, check_statu
                                encode_summary, encode_waiting, plan_size)
 from .dist.exchange import exchange_tokens
 from .metrics import SourceMetrics, StepMetrics
-from .pipeline.autoscale import Autoscaler, Knobs, MemoryGate, plan_memory
+from .pipeline.autoscale import Autoscaler, Knobs, MemoryGate, MemoryPlan
 from .pipeline.buffer import SourceBuffer
 from .pipeline.fetch import Shard, SourceFetcher, list_shards
 from .pipeline.recycle import ArrayRecycler
@@ -68,11 +68,15 @@ class Runtime:
         self.geometry = Geometry(comm.world, config.micro_batches, config.micro_batch_tokens)
         self.cost = CostModel(config.cost_a, config.cost_b, config.document_masking)
         self.planner = Planner(self.geometry, self.cost, method=config.planner, seed=config.seed,
-                               max_age=config.max_deferral, lookahead=config.lookahead)
+                               max_age=config.max_deferral, lookahead=config.lookahead,
+                               step_overhead=config.step_overhead)
         self.mixer = QuotaMixer.from_sources(mixture, sources, capacity=config.micro_batch_tokens)
         # Checked here, so a budget too small for the geometry fails when the Loader is built.
-        # Windows are sized for each source's largest share over the schedule.
-        self.budgets = plan_memory(config, self.mixer.max_shares(), [s.name for s in sources])
+        # The knobs' ceilings come from each source's largest share over the schedule; the
+        # windows follow the shares and the ranks holding data, step by step.
+        self.memory = MemoryPlan(config, self.mixer.max_shares(), [s.name for s in sources],
+                                 comm.world)
+        self.budgets = self.memory.initial(self.mixer.max_shares())
         self.knobs = [Knobs(min(config.shard_prefetch, max_shards), min(config.range_readahead, max_ranges),
                             max_shards, max_ranges)
                       for b in self.budgets
@@ -84,7 +88,7 @@ class Runtime:
         self.fetchers: list[SourceFetcher] = []
         self.source_waits = np.zeros(len(sources))
         self.source_metrics = [SourceMetrics() for _ in sources]
-        self.step_metrics = StepMetrics()
+        self.step_metrics = StepMetrics(step_tokens=self.geometry.step_tokens)
         self.shards: list[list[Shard]] = []
         self.buffers: list[SourceBuffer] = []
         self.stores: list[ObjectStore] = []
@@ -92,6 +96,7 @@ class Runtime:
         self.epoch = 0
         self.resume: Optional[LoaderState] = None   # set by Loader.load_state_dict
         self.trackers: list[SourceTracker] = []
+        self.holding: Optional[np.ndarray] = None   # [R, S]: ranks holding data of each source
         self.listing_crcs: list[int] = []
         self.closing = asyncio.Event()   # set by request_close(), on the loop
         self.started: Optional[float] = None            # when run() began (for rates)
@@ -204,6 +209,10 @@ class Runtime:
             for s, p in enumerate(state.sources)]
         for source, shard, record, chunk, age in state.ages:
             self.resume_ages[source][(shard, record, chunk)] = age
+        R, S = self.comm.world, len(self.sources)
+        if state.holding is not None and state.world_size == R:   # the windows it stopped with
+            self.holding = np.unpackbits(np.frombuffer(state.holding, np.uint8),
+                                         count=R * S).astype(bool).reshape(R, S)
 
     def _virtual_shards(self, source: int) -> int:
         """Shards per epoch: each listed shard once per pass (`Source.repeat`)."""
@@ -247,14 +256,14 @@ class Runtime:
     def snapshot(self):
         """What `state()` needs to describe the job right after the current step."""
         return (self.epoch, self.step + 1, self.mixer.to_state(),
-                [t.snapshot() for t in self.trackers])
+                [t.snapshot() for t in self.trackers], self.holding)
 
     def state(self, snapshot) -> LoaderState:
         if snapshot is None:   # nothing consumed yet: where this loader would start
             if self.resume is not None:
                 return self.resume
             return LoaderState(STATE_VERSION, self.config.seed, self.comm.world, 0, 0, None, ())
-        epoch, step, mixture, trackers = snapshot
+        epoch, step, mixture, trackers, holding = snapshot
         sources, ages = [], []
         for s, (source, (tracker, ranks)) in enumerate(zip(self.sources, trackers)):
             progress, pending = tracker.progress(ranks, source.name, self.listing_crcs[s],
@@ -262,7 +271,7 @@ class Runtime:
             sources.append(progress)
             ages += [(s, *a) for a in pending]
         return LoaderState(STATE_VERSION, self.config.seed, self.comm.world, epoch, step, mixture,
-                           tuple(sources), tuple(ages))
+                           tuple(sources), tuple(ages), np.packbits(holding).tobytes())
 
     # -- main -----------------------------------------------------------------------------
     async def run(self, handoff: Handoff) -> None:
@@ -281,6 +290,9 @@ class Runtime:
             if self.resume is not None:
                 self._apply_resume()
             self._start_epoch_tracking()
+            if self.holding is None:   # else resumed: the windows the saved run had
+                self.holding = self._epoch_holding()
+            self.budgets = self._budgets()
             self.buffers = [SourceBuffer(b.capacity_tokens, b.window_tokens) for b in self.budgets]
             self.gates = [MemoryGate(b.inflight_bytes) for b in self.budgets]
             for s, source in enumerate(self.sources):
@@ -379,10 +391,14 @@ class Runtime:
                 if self.config.epochs is not None and self.epoch >= self.config.epochs:
                     return
                 self._start_epoch_tracking()
+                self.holding = self._epoch_holding()
+                self._resize(self._budgets())
                 continue
             if quota is None:   # every rank keeps the mixer's state (the schedule's position)
                 quota = self.mixer.plan(candidates, step_tokens, self.step)
             self.mixer.update(quota, plan.take)
+            self.holding = MemoryPlan.holding_after(candidates, plan.take, exhausted)
+            self._resize(self._budgets())
             lengths = candidates.length[plan.take]
             self._track(summaries, plan)
             self._autoscale()
@@ -391,6 +407,24 @@ class Runtime:
             handoff.put(batch)
             self._slot_held = False
             self.step += 1
+
+    def _epoch_holding(self) -> np.ndarray:
+        """[R, S] at an epoch's start: the ranks whose layout has units of a source hold it
+        (every rank, for an endless source)."""
+        return np.array([[self._endless(s) or bool(t.layout.rank_units(q))
+                          for s, t in enumerate(self.trackers)] for q in range(self.comm.world)],
+                        dtype=bool).reshape(self.comm.world, len(self.sources))
+
+    def _budgets(self):
+        """This rank's buffers for the next step, from `holding` and the mix's shares."""
+        return self.memory.for_rank(self.comm.rank,
+                                    self.mixer.shares_at(self.holding.any(axis=0)), self.holding)
+
+    def _resize(self, budgets) -> None:
+        self.budgets = budgets
+        for buffer, gate, budget in zip(self.buffers, self.gates, budgets):
+            buffer.resize(budget.capacity_tokens, budget.window_tokens)
+            gate.set_limit(budget.inflight_bytes)
 
     async def _deliver(self, summaries, plan, lengths) -> Batch:
         me, R, M = self.comm.rank, self.comm.world, self.config.micro_batches
@@ -476,6 +510,7 @@ class Runtime:
                 autoscale_changes=[list(h) for h in knobs.history[-8:]],
                 inflight_bytes=self.gates[s].used if self.gates else 0,
                 inflight_bytes_peak=self.gates[s].peak if self.gates else 0,
+                inflight_over_budget_peak_bytes=self.gates[s].excess_peak if self.gates else 0,
                 inflight_budget_bytes=self.budgets[s].inflight_bytes,
                 decoded_per_raw_byte=self.gates[s].expansion if self.gates else None,
                 buffer_blocked_s=buffer.blocked_s if buffer is not None else 0.0)

@@ -60,6 +60,8 @@ class SourceProgress(msgspec.Struct, frozen=True):
     units: tuple[tuple[ReadUnit, ...], ...]   # per base rank: filtered units before the rest
     first_pass: int = 0                  # endless sources: the pass the base was dealt from
     passes: tuple[int, ...] = ()         # endless sources: per base rank, its base's pass
+    rotation: int = 0                    # the deal starts at rank `rotation` (0: states saved
+                                         # before sources were rotated)
 
 
 class LoaderState(msgspec.Struct, frozen=True):
@@ -71,6 +73,9 @@ class LoaderState(msgspec.Struct, frozen=True):
     mixture: Optional[MixtureState]      # the schedule's position and carried deficits
     sources: tuple[SourceProgress, ...]
     ages: tuple[tuple[int, int, int, int, int], ...] = ()   # (source, shard, record, chunk, age)
+    # [world_size, sources] bits, row-major: which ranks still held data of which source after
+    # the last step. Head windows are sized from it (`MemoryPlan`), so an exact resume needs it.
+    holding: Optional[bytes] = None
 
 
 def encode_state(state: LoaderState) -> bytes:
@@ -118,6 +123,7 @@ class EpochLayout:
     endless: bool = False
     passes: Optional[list[int]] = None         # endless: per base rank, the pass of its base
     first_pass: int = 0                        # endless: the pass `base_shards` refers to
+    rotation: int = 0                          # the deal's first rank (`deal_epoch`)
 
     def rank_units(self, rank: int) -> list[ReadUnit]:
         """The filtered units and the rest of the base: the whole epoch of a finite source."""
@@ -128,7 +134,7 @@ class EpochLayout:
         """An endless source's pass `pass_index` for one rank, as pass-wide shard ids."""
         return deal_epoch(self.num_shards, seed=self.seed, epoch=pass_index,
                           source_index=self.source_index, world=self.base_world,
-                          endless=True)[rank]
+                          endless=True, rotation=self.rotation)[rank]
 
     def later_passes(self, rank: int) -> Iterator[tuple[int, list[ReadUnit]]]:
         """(pass, units) for each pass after the base, without end; nothing if finite."""
@@ -145,27 +151,33 @@ class EpochLayout:
 
 
 def deal_epoch(num_shards: int, *, seed: int, epoch: int, source_index: int, world: int,
-               endless: bool, base_shards: Optional[np.ndarray] = None) -> list[np.ndarray]:
+               endless: bool, base_shards: Optional[np.ndarray] = None,
+               rotation: int = 0) -> list[np.ndarray]:
     """Every rank's shards of an epoch in order: the seeded permutation (of `base_shards` only,
-    when given), strided by rank. For an endless source `epoch` is a pass: pass-wide shard ids,
-    and the deal rotated by the pass."""
+    when given), strided by rank, the first shard to rank `rotation`. For an endless source
+    `epoch` is a pass: pass-wide shard ids, and the deal rotated by the pass too.
+
+    Fresh layouts rotate by the source's index, so sources with fewer shards than ranks start
+    on different ranks: five one-shard sources on two ranks are read 3 and 2, not 5 and 0."""
     order = shard_permutation(num_shards, seed, epoch, source_index)
     if base_shards is not None:
         order = order[base_shards[order]]
     if not endless:
-        return [deal(order, world, q) for q in range(world)]
-    return [deal(order, world, q, epoch) + epoch * num_shards for q in range(world)]
+        return [deal(order, world, q, -rotation) for q in range(world)]
+    return [deal(order, world, q, epoch - rotation) + epoch * num_shards for q in range(world)]
 
 
 def fresh_layout(num_shards: int, *, seed: int, epoch: int, source_index: int,
                  world: int, base_shards: Optional[np.ndarray] = None,
-                 endless: bool = False) -> EpochLayout:
-    """A fresh epoch; for an endless source, `epoch` is the pass its base deals."""
+                 endless: bool = False, rotation: Optional[int] = None) -> EpochLayout:
+    """A fresh epoch; for an endless source, `epoch` is the pass its base deals. `rotation`:
+    the deal's first rank (default: the source's index, modulo the world)."""
+    rotation = source_index % world if rotation is None else rotation
     base = deal_epoch(num_shards, seed=seed, epoch=epoch, source_index=source_index, world=world,
-                      endless=endless, base_shards=base_shards)
+                      endless=endless, base_shards=base_shards, rotation=rotation)
     return EpochLayout(world, base_shards, base, [0] * world, [[] for _ in range(world)],
                        num_shards, seed, source_index, endless,
-                       [epoch] * world if endless else None, epoch if endless else 0)
+                       [epoch] * world if endless else None, epoch if endless else 0, rotation)
 
 
 def layout_from_progress(progress: SourceProgress, *, seed: int, epoch: int, source_index: int,
@@ -178,7 +190,7 @@ def layout_from_progress(progress: SourceProgress, *, seed: int, epoch: int, sou
     saved = fresh_layout(progress.num_shards, seed=seed,
                          epoch=progress.first_pass if endless else epoch,
                          source_index=source_index, world=progress.base_world, base_shards=bits,
-                         endless=endless)
+                         endless=endless, rotation=progress.rotation)
     saved.base_position = list(progress.base_position)
     saved.units = [list(u) for u in progress.units]
     if endless:
@@ -346,4 +358,5 @@ class SourceTracker:
         endless = ({"first_pass": layout.first_pass, "passes": tuple(passes)}
                    if layout.endless else {})
         return SourceProgress(name, num_shards, listing_crc, layout.base_world, bits,
-                              tuple(positions), tuple(all_units), **endless), ages
+                              tuple(positions), tuple(all_units), **endless,
+                              rotation=layout.rotation), ages

@@ -56,11 +56,19 @@ def test_restart_source_is_upsampled_to_its_weight_while_the_finite_one_sets_the
     assert {i for i in base_ids(counts) if i.startswith("big/")} == big
     assert all(n == 2 for i, n in counts.items() if i.startswith("big/"))
     # The endless one: read pass after pass, never running out, every sample about as often
-    # as the others (whole passes; deferral can hold a sample back about one pass).
+    # as the others. When the run ends, a sample can be behind by what the buffer holds
+    # unoffered (about a pass here: two windows and a row of a source with ~7 steps a pass)
+    # plus the deferral bound (max_deferral = 8 steps, another pass or so).
     assert {i for i in base_ids(counts) if i.startswith("small/")} == small
     passes = [n for i, n in counts.items() if i.startswith("small/")]
-    assert min(passes) >= 5 and max(passes) - min(passes) <= 2, sorted(Counter(passes).items())
-    assert abs(token_share(batches, "small") - 0.5) < 0.02
+    assert min(passes) >= 5 and max(passes) - min(passes) <= 3, sorted(Counter(passes).items())
+    # The mix holds while both sources have data; as the finite one runs short at the end of
+    # its epoch, the endless one fills the steps (full steps), above its weight.
+    for epoch in (0, 1):
+        steps = [b for b in batches if b.epoch == epoch]
+        body, tail = steps[:int(0.9 * len(steps))], steps[int(0.9 * len(steps)):]
+        assert abs(token_share(body, "small") - 0.5) < 0.02
+        assert token_share(tail, "small") > 0.5
     assert stats["sources"]["small"]["shards_read"] >= 5 * 3
     assert {b.epoch for b in batches} == {0, 1}
 

@@ -106,9 +106,9 @@ def test_two_rank_resume_is_identical_at_every_stop_near_the_epoch_tail(tmp_path
     write_jsonl_source(tmp_path, "web", shards=4, per_shard=30, compression="zst", seed=1)
     write_jsonl_source(tmp_path, "code", shards=2, per_shard=20, median=500, compression="gz", seed=2)
     write_token_source(tmp_path, "math", shards=2, per_shard=20, seed=3)
-    results = run_ranks(resume_everywhere_job, 2, str(tmp_path), [5, 20, 30, 38, 42, 45])
+    results = run_ranks(resume_everywhere_job, 2, str(tmp_path), [5, 20, 30, 36, 40, 42])
     for steps, diverged in results:
-        assert steps > 45 and not diverged, diverged
+        assert steps > 42 and not diverged, (steps, diverged)
 
 
 def test_works_as_a_torch_distributed_checkpoint_stateful(tmp_path):

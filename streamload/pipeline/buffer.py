@@ -38,17 +38,23 @@ class EndOfEpoch:
 
 class SourceBuffer:
     def __init__(self, capacity_tokens: int, window_tokens: int):
-        if capacity_tokens < window_tokens:
-            raise ValueError("buffer capacity must hold at least one window")
-        self.capacity_tokens = capacity_tokens
-        self.window_tokens = window_tokens
         self._entries: deque = deque()
         self._tokens = 0          # tokens held, all epochs
         self._head_tokens = 0     # tokens before the first end-of-epoch marker
         self._markers = 0
         self._changes = Changes()
+        self.resize(capacity_tokens, window_tokens)
         self._error: Optional[BaseException] = None
         self.blocked_s = 0.0      # time the producer waited because the buffer was full
+
+    def resize(self, capacity_tokens: int, window_tokens: int) -> None:
+        """New sizes for the next step (`MemoryPlan.budgets`); a producer waiting for room and
+        a step waiting for its window check again."""
+        if capacity_tokens < window_tokens:
+            raise ValueError("buffer capacity must hold at least one window")
+        self.capacity_tokens = capacity_tokens
+        self.window_tokens = window_tokens
+        self._changes.notify()
 
     # -- producer side -------------------------------------------------------------------
     async def put(self, items: Iterable[Item]) -> None:
@@ -95,10 +101,12 @@ class SourceBuffer:
         """The head window (call after wait_ready), and whether it holds the rest of the epoch."""
         out, tokens = [], 0
         for entry in self._entries:
-            if isinstance(entry, EndOfEpoch):
-                return out, True
+            # A window complete by its tokens is not done, whether or not the end-of-epoch
+            # marker has arrived behind it yet: `done` must not depend on fetch timing.
             if tokens >= self.window_tokens:
                 return out, False
+            if isinstance(entry, EndOfEpoch):
+                return out, True
             out.append(entry)
             tokens += len(entry)
         return out, False

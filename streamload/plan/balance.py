@@ -24,9 +24,10 @@ Phases, in order (vectorized over bins; Python loops run per round, never per it
    they take at most half the step's capacity (first-fit-decreasing).
 4. **Refinement** (up to `REFINE_BINS` bins): moves and swaps between the most loaded bin and the least loaded
    ones while they lower the maximum.
-5. **Trim** (up to `REFINE_BINS` bins). With the step full, bins whose documents came out costlier per token sit above the
-   rest with no room to even out. Their light items wait one step when that raises tokens per
-   unit of step time (the next step is full anyway).
+5. **Trim** (up to `REFINE_BINS` bins). With the step full, bins whose documents came out
+   costlier per token sit above the rest with no room to even out. Their light items wait one
+   step when that gains the epoch: the step saves more than the items cost later, at w/R, plus
+   the overhead of the steps they add (`fill.deferral_gain`; never at R = 1).
 
 Items not taken stay in their buffers; the coordinator offers them again with age + 1, and
 `max_age` bounds how often that can happen. When the selection leaves room to spare (under
@@ -37,6 +38,7 @@ from __future__ import annotations
 import numpy as np
 
 from .cost import CostModel
+from .fill import deferral_gain
 from .types import Assignment, Candidates, Geometry
 
 _EPS = 1e-9
@@ -421,14 +423,15 @@ def _repair(bins: _Bins, missing: np.ndarray, forced: np.ndarray) -> bool:
     return True
 
 
-def _trim(bins: _Bins, droppable: np.ndarray, levels: int = 64) -> np.ndarray:
+def _trim(bins: _Bins, droppable: np.ndarray, geometry: Geometry, overhead: float,
+          levels: int = 64) -> np.ndarray:
     """Lower the most loaded bins to a common level by leaving light items for the next step,
-    when that raises tokens per unit of step time. Returns the items left out.
+    when that gains the epoch (`fill.deferral_gain`). Returns the items left out.
 
     With the step full, bins whose documents came out costlier per token end up above the rest
-    with no room to even out. Their light items can wait one step: the next step is full
-    anyway, so what counts is how long this one takes. The level is chosen among `levels`
-    candidates, to maximize (tokens taken) / (largest load).
+    with no room to even out. Their light items can wait one step when what the step saves
+    beats what the epoch pays for them later. The level is chosen among `levels` candidates,
+    to maximize that gain.
     """
     placed = np.flatnonzero((bins.bin >= 0) & droppable)
     if placed.size == 0:
@@ -441,13 +444,12 @@ def _trim(bins: _Bins, droppable: np.ndarray, levels: int = 64) -> np.ndarray:
     lowest = float(floor.max())
     if lowest >= top:
         return placed[:0]
-    tokens = float(bins.tokens.sum())
     density = float(w[placed].sum()) / float(length[placed].sum())
     level = np.linspace(lowest, top, levels + 1)
-    lost = np.maximum(load[None, :] - level[:, None], 0.0).sum(axis=1) / density
-    efficiency = (tokens - lost) / np.maximum(level, _EPS)
-    best = int(np.argmax(efficiency))
-    if efficiency[best] <= tokens / top * (1 + 1e-6):
+    lost_work = np.maximum(load[None, :] - level[:, None], 0.0).sum(axis=1)
+    gain = deferral_gain(top - level, lost_work, lost_work / density, geometry, overhead)
+    best = int(np.argmax(gain))
+    if gain[best] <= 1e-9 * top:
         return placed[:0]
     cut = level[best]
     over = placed[load[bins.bin[placed]] > cut]
@@ -492,11 +494,13 @@ class _Members:
 
 
 def _refine(bins: _Bins, max_iters: int, neighbours: int = 16, swap_neighbours: int = 4,
-            drop: np.ndarray | None = None, tolerance: float = 1e-4) -> None:
+            drop: np.ndarray | None = None, tolerance: float = 1e-4,
+            geometry: Geometry | None = None, overhead: float = 0.0) -> None:
     """Moves and swaps off the most loaded bin while they lower the maximum.
 
-    With `drop` (bool per item: may be left out), when nothing else helps, an item of the most
-    loaded bin is left untaken if that raises tokens per unit of step time.
+    With `drop` (bool per item: may be left out) and the step's `geometry`, when nothing else
+    helps, an item of the most loaded bin is left untaken if that gains the epoch
+    (`fill.deferral_gain`).
     """
     w, length, C = bins.weight, bins.length, bins.capacity
     B = bins.num_bins
@@ -542,18 +546,17 @@ def _refine(bins: _Bins, max_iters: int, neighbours: int = 16, swap_neighbours: 
                 best_new = new.flat[flat]
                 best = ("swap", xs[flat // ys.size], ys[flat % ys.size])
         if best is None and drop is not None:
-            # No move or swap helps: leave out a light item of the top bin when that raises
-            # tokens per unit of step time (the step is as slow as its slowest rank).
+            # No move or swap helps: leave out a light item of the top bin when that gains
+            # the epoch (the step is as slow as its slowest rank; the item is paid later).
             # Only items small against the bin: a heavy one would be the bottleneck of
             # whichever step takes it, so leaving it out only postpones the cost.
             xd = xs[drop[xs] & (w[xs] <= DROP_SHARE * cur)]
             if xd.size:
                 second = float(np.partition(bins.load, B - 2)[B - 2])
-                total = float(bins.tokens.sum())
                 new_max = np.maximum(cur - w[xd], second)
-                efficiency = (total - length[xd]) / np.maximum(new_max, _EPS)
-                pick = int(np.argmax(efficiency))
-                if efficiency[pick] > total / cur * (1 + 1e-9):
+                gain = deferral_gain(cur - new_max, w[xd], length[xd], geometry, overhead)
+                pick = int(np.argmax(gain))
+                if gain[pick] > 1e-9 * cur:
                     best = ("drop", xd[pick], None)
         if best is None:
             break
@@ -579,8 +582,11 @@ def _refine(bins: _Bins, max_iters: int, neighbours: int = 16, swap_neighbours: 
 
 def assign_balanced(c: Candidates, selected: np.ndarray, geometry: Geometry, cost: CostModel, *,
                     forced: np.ndarray | None = None, refine_iters: int | None = None,
-                    light_share: float = LIGHT_SHARE) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+                    light_share: float = LIGHT_SHARE, overhead: float = 0.0
+                    ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Assign `selected` candidates to (rank, row), minimizing the largest per-rank cost.
+    An item is left out only when that gains the epoch, with `overhead` the cost of a step
+    (`fill.deferral_gain`).
 
     `forced` (bool per selected item) marks items that must be taken: the plan holds all of
     them whenever first-fit-decreasing can place them on their own (always while they take at
@@ -657,9 +663,11 @@ def assign_balanced(c: Candidates, selected: np.ndarray, geometry: Geometry, cos
             bins.maxroom = C - bins.fill.min(axis=1)
         if not _repair(bins, local[forced & usable & (bins.bin < 0)], forced):
             return False
-        _refine(bins, refine_iters, drop=~forced if masking and tight else None)
+        _refine(bins, refine_iters, drop=~forced if masking and tight else None,
+                geometry=geometry, overhead=overhead)
         if masking and tight and bins.num_bins <= REFINE_BINS:
-            out = _trim(bins, ~forced & (weight <= DROP_SHARE * float(bins.load.max())))
+            out = _trim(bins, ~forced & (weight <= DROP_SHARE * float(bins.load.max())),
+                        geometry, overhead)
             if out.size:
                 # What was left out may still fit below the new maximum elsewhere.
                 _fill_light(bins, out, cap=0.0, home_first=True)

@@ -91,6 +91,37 @@ class StepQuota:
     total: float                   # T, the step's size in the unit
 
 
+def balanced_clip(carry: np.ndarray, shares: np.ndarray, active: np.ndarray,
+                  clip: float) -> np.ndarray:
+    """`carry` clipped to [-clip, clip] without changing its sum over the `active` sources.
+
+    A carry moves share between sources; it must never grow or shrink the step, whose size is
+    the shares' sum times T. So the active sources' carries add up to 0, as they do before any
+    clip (Σ(p_s·N - r_s) = 0). A plain per-source clip broke that when one side saturated: a
+    source whose window ran short for a while sat at +clip while the others kept going down,
+    and once it left, the others' summed target was T minus that drift for the rest of the
+    epoch (a step shrank to a quarter of its size this way). Here the clipped amount is handed
+    back to the sources with a share, in proportion to it: a shift of λ·p_s, with λ found by
+    bisection (Σ clip(c - λ·p) is monotone in λ)."""
+    out = np.where(active, np.clip(carry, -clip, clip), 0.0)
+    free = active & (shares > 0)
+    want = float(carry[active].sum()) - float(out[active & ~free].sum())
+    if not free.any() or abs(float(out[free].sum()) - want) <= 1e-9 * clip:
+        return out
+    c, p = carry[free], shares[free]
+    want = float(np.clip(want, -clip * c.size, clip * c.size))   # reachable inside the box
+    lo = float(((c - clip) / p).min())   # every carry at +clip
+    hi = float(((c + clip) / p).max())   # every carry at -clip
+    for _ in range(60):
+        mid = 0.5 * (lo + hi)
+        if np.clip(c - mid * p, -clip, clip).sum() > want:
+            lo = mid
+        else:
+            hi = mid
+    out[free] = np.clip(c - 0.5 * (lo + hi) * p, -clip, clip)
+    return out
+
+
 class QuotaMixer:
     """Turns a `Mixture` into per-step quotas and keeps the state that makes them exact."""
 
@@ -213,7 +244,7 @@ class QuotaMixer:
         N = float(units.sum())
         clip = CARRY_CLIP_STEPS * max(quota.total, 1.0)
         carry = self.carry + quota.shares * N - units
-        self.carry = np.where(quota.active, np.clip(carry, -clip, clip), 0.0)
+        self.carry = balanced_clip(carry, quota.shares, quota.active, clip)
         if self.quotas:
             bucket = quota.virtual_quota[virtual]
             hit = bucket >= 0

@@ -16,9 +16,10 @@ import numpy as np
 
 from .balance import assign_balanced
 from .cost import CostModel
+from .fill import step_overhead_cost, top_up
 from .lookahead import select_lookahead
 from .naive import assign_naive, finish
-from .select import select
+from .select import interleaved, select
 from .types import Assignment, Candidates, Geometry
 
 METHODS = ("naive", "balanced", "lookahead")
@@ -33,6 +34,7 @@ class Planner:
     seed: int = 0
     max_age: int | None = None   # an item offered this many steps is selected first
     lookahead: int = 4           # W: steps the lookahead method plans over
+    step_overhead: float = 0.05  # per-step overhead, as a fraction of a rank's full linear step
 
     def __post_init__(self):
         if self.method not in METHODS:
@@ -42,6 +44,21 @@ class Planner:
         if self.lookahead < 1:
             from ..errors import ConfigError
             raise ConfigError(f"planner.lookahead: must be >= 1 steps, got {self.lookahead}")
+        self.overhead = step_overhead_cost(self.step_overhead, self.geometry, self.cost)
+
+    def _max_cost(self, c: Candidates, take, rank, row) -> float:
+        return float(finish(c, take, rank, row, self.geometry, self.cost).rank_cost.max())
+
+    @staticmethod
+    def _leftovers(c: Candidates, selected: np.ndarray, take: np.ndarray) -> np.ndarray:
+        """What the top-up may add, in priority order: selected items the method could not
+        place, then the rest of the windows."""
+        placed = np.zeros(len(c), dtype=bool)
+        placed[take] = True
+        unplaced = np.asarray(selected, dtype=np.int64)
+        unplaced = unplaced[~placed[unplaced]]
+        placed[unplaced] = True
+        return np.concatenate([unplaced, interleaved(c, np.flatnonzero(~placed))])
 
     @property
     def force_age(self) -> int | None:
@@ -70,31 +87,33 @@ class Planner:
         elif self.method == "balanced":
             selected = select(c, targets, max_age=self.max_age, counts=counts)
             forced = None if self.max_age is None else c.age[selected] >= self.max_age
-            take, rank, row = assign_balanced(c, selected, self.geometry, self.cost, forced=forced)
+            take, rank, row = assign_balanced(c, selected, self.geometry, self.cost, forced=forced,
+                                              overhead=self.overhead)
         elif self.method == "lookahead":
             selected, forced = select_lookahead(c, targets, self.geometry, self.cost,
                                                 window=self.lookahead, force_age=self.force_age)
-            take, rank, row = assign_balanced(c, selected, self.geometry, self.cost, forced=forced)
+            take, rank, row = assign_balanced(c, selected, self.geometry, self.cost, forced=forced,
+                                              overhead=self.overhead)
         else:
             raise ValueError(f"unknown planning method {self.method!r}; choose from {METHODS}")
-        assignment = None
         if self.method != "naive" and 0 < len(take) == len(selected) <= NAIVE_CHECK_ITEMS:
             # The cost-aware heuristics can, rarely, end a little above the plain arrival-order
             # fill (hypothesis found 2014 against 1949 with 22 items). For a few dozen items
             # that fill costs little (0.2 ms): when it places everything too and its largest rank
             # cost is lower, it is the plan. (At 64 ranks and 16k items it would cost 70 ms.)
-            assignment = finish(c, take, rank, row, self.geometry, self.cost)
-            naive = finish(c, *assign_naive(c, selected, self.geometry), self.geometry, self.cost)
-            if len(naive) == len(selected) and \
-                    naive.rank_cost.max() < assignment.rank_cost.max():
-                assignment = naive
+            naive = assign_naive(c, selected, self.geometry)
+            if len(naive[0]) == len(selected) and self._max_cost(c, *naive) < \
+                    self._max_cost(c, take, rank, row):
+                take, rank, row = naive
+        # Full steps: rows with room take what is left (module fill.py), unless leaving it
+        # out gains the epoch.
+        take, rank, row = top_up(c, take, rank, row, self._leftovers(c, selected, take),
+                                 self.geometry, self.cost, overhead=self.overhead,
+                                 cost_aware=self.method != "naive")
         if len(take) == 0 and len(c) > 0:
             # Progress guarantee: a plan that takes nothing while candidates exist would repeat
-            # forever (targets can round to nothing at an epoch's tail). The oldest item of the
-            # first non-empty window fits any empty row.
+            # forever. The oldest item of the first non-empty window fits any empty row.
             first = int(np.lexsort((c.position, c.rank, -c.age))[0])
             take = np.array([first], dtype=np.int64)
             rank, row = np.zeros(1, dtype=np.int32), np.zeros(1, dtype=np.int32)
-        if assignment is not None:
-            return assignment
         return finish(c, take, rank, row, self.geometry, self.cost)

@@ -72,3 +72,21 @@ def select(c: Candidates, targets: np.ndarray, *, max_age: int | None = None,
     # source's keys ascend and the sources come in order, so a stable sort merges sorted runs.
     interleave = np.argsort(key_all, kind="stable")
     return picked_all[interleave].astype(np.int64)
+
+
+def interleaved(c: Candidates, items: np.ndarray) -> np.ndarray:
+    """`items` (candidate indices) in arrival order within each source, the sources interleaved
+    by progress through their tokens among `items`, as `select` interleaves what it picks."""
+    member = np.zeros(len(c), dtype=bool)
+    member[items] = True
+    order = arrival_order(c)
+    order = order[member[order]]
+    if order.size == 0:
+        return order.astype(np.int64)
+    sources = c.source[order]
+    lengths = c.length[order].astype(np.float64)
+    starts = np.searchsorted(sources, sources, side="left")
+    csum = np.cumsum(lengths)
+    before = csum - lengths - (csum[starts] - lengths[starts])
+    totals = np.bincount(sources, weights=lengths, minlength=c.num_sources)
+    return order[np.argsort(before / totals[sources], kind="stable")].astype(np.int64)

@@ -1,0 +1,140 @@
+"""Full steps: what the epoch pays for a slot left empty, and the top-up that fills the step.
+
+Pure NumPy. A trainer pays for steps, not tokens: the epoch's compute is
+
+    Σ over steps (the slowest rank's cost + a per-step overhead o)
+
+and, with every step full and balanced, Σ of the slowest ranks' costs is the epoch's work over
+R. Leaving an item of cost w and l tokens out of a step changes that sum in three ways:
+- this step's slowest rank gets cheaper by Δ (at most w, and only if the item sat on it);
+- the item's work is still paid later: full, balanced steps spread it at w / R;
+- the epoch needs l / (R·M·C) steps more, each paying o.
+So the epoch gains `Δ − w/R − o·l/(R·M·C)` (`deferral_gain`). At R = 1, Δ ≤ w = w/R: a slot
+left empty never pays. Every rule in the planner that leaves an item out (balance's trim, its
+refinement's drops, the top-up's refusals) asks this one question.
+
+`top_up` runs after a planning method: rows with room take the step's leftovers (selected but
+not placed first, then the rest of the windows in arrival order, interleaved across sources as
+`select` interleaves them), largest gains first, never past a row's capacity. The mixer's carry
+sees what was taken, so the mix stays exact over any window of steps.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from .cost import CostModel
+from .types import Candidates, Geometry
+
+FULL = 0.99                # a step below this share of its tokens takes what fits, whatever
+                           # it costs: the epoch rule trades only the last percent
+MAX_ATTEMPTS_PER_ROW = 4   # the top-up looks at most this many candidates per row, plus a few
+MIN_ATTEMPTS = 256
+
+
+def deferral_gain(lowered_max, work, tokens, geometry: Geometry, overhead: float):
+    """What leaving `work` (cost units) of `tokens` tokens out of this step gains the epoch,
+    when it lowers the step's slowest rank by `lowered_max` (module docstring). Positive: leave
+    it out. Works on arrays."""
+    return lowered_max - work / geometry.ranks - overhead * tokens / geometry.step_tokens
+
+
+def step_overhead_cost(fraction: float, geometry: Geometry, cost: CostModel) -> float:
+    """The per-step overhead `o` in cost units: `fraction` of the linear cost of one rank's
+    full step (M·C tokens at b each; at a·C per token when b is 0)."""
+    per_token = cost.b if cost.b > 0 else cost.a * geometry.capacity
+    return float(fraction) * geometry.micro_batches * geometry.capacity * per_token
+
+
+class _Rows:
+    """The step's rows as the top-up fills them: tokens per row, cost per rank."""
+
+    def __init__(self, c: Candidates, take, rank, row, geometry: Geometry, cost: CostModel):
+        R, M, C = geometry.ranks, geometry.micro_batches, geometry.capacity
+        self.c, self.geometry, self.cost = c, geometry, cost
+        cells = rank.astype(np.int64) * M + row
+        self.fill = np.bincount(cells, weights=c.length[take], minlength=R * M).astype(np.int64)
+        self.room = C - self.fill
+        self.load = cost.row_costs(c.length[take], cells, R * M,
+                                   extra_cost=c.extra_cost[take]).reshape(R, M).sum(axis=1)
+        self.row_rank = np.repeat(np.arange(R), M)
+        self.added: list[int] = []
+        self.cells: list[int] = []
+
+    def place(self, item: int, cell: int, work: float) -> None:
+        length = int(self.c.length[item])
+        self.fill[cell] += length
+        self.room[cell] -= length
+        self.load[cell // self.geometry.micro_batches] += work
+        self.added.append(item)
+        self.cells.append(cell)
+
+    def best(self, item: int) -> tuple[int, float, float]:
+        """(row, the item's cost there, what the step's slowest rank gains): the row whose
+        rank ends cheapest, then the tightest. The item must fit somewhere."""
+        cost, length = self.cost, int(self.c.length[item])
+        fits = np.flatnonzero(self.room >= length)
+        extra = float(self.c.extra_cost[item])
+        if cost.document_masking:
+            marginal = np.full(fits.size, float(cost.doc_cost(length)) + extra)
+        else:   # a row's cost is convex in its tokens: what this row would add
+            f = self.fill[fits].astype(np.float64)
+            marginal = cost.a * ((f + length) ** 2 - f * f) + cost.b * length + extra
+        ends = self.load[self.row_rank[fits]] + marginal
+        tied = np.flatnonzero(ends == ends.min())
+        pick = tied[np.argmin(self.room[fits[tied]])]
+        return int(fits[pick]), float(marginal[pick]), max(float(ends[pick] - self.load.max()), 0.0)
+
+    def fill_pass(self, pool: list[int], *, cost_aware: bool, overhead: float,
+                  stop_at: float, budget: int) -> list[int]:
+        """One pass over `pool`; returns the items it refused (cost-aware) or skipped."""
+        left, lengths = [], self.c.length
+        max_room = int(self.room.max())
+        for k, item in enumerate(pool):
+            if k >= budget or max_room <= 0 or self.fill.sum() >= stop_at:
+                left.extend(pool[k:])
+                break
+            length = int(lengths[item])
+            if length > max_room:
+                left.append(item)
+                continue
+            if not cost_aware:
+                self.place(item, int(np.flatnonzero(self.room >= length)[0]), 0.0)
+            else:
+                cell, work, raised = self.best(item)
+                if deferral_gain(raised, work, length, self.geometry, overhead) > 0:
+                    left.append(item)
+                    continue
+                self.place(item, cell, work)
+            max_room = int(self.room.max())
+        return left
+
+
+def top_up(c: Candidates, take: np.ndarray, rank: np.ndarray, row: np.ndarray,
+           pool: np.ndarray, geometry: Geometry, cost: CostModel, *, overhead: float,
+           cost_aware: bool) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Add candidates from `pool` (indices, in priority order, none of them in `take`) to rows
+    with room. Returns the new (take, rank, row), the added items after the planned ones.
+
+    `cost_aware`: each goes to the row whose rank ends cheapest (then the tightest row), and
+    only when leaving it out would not gain the epoch (`deferral_gain` <= 0); then, while the
+    step is below FULL of its tokens, a second pass places what fits regardless: the step's
+    tokens are the recipe's batch size, so the epoch rule may only trade the last few
+    percent. Otherwise first fit in (rank, row) order, as a token-balanced loader packs."""
+    R, M, C = geometry.ranks, geometry.micro_batches, geometry.capacity
+    pool = np.asarray(pool, dtype=np.int64)
+    rows = _Rows(c, take, rank, row, geometry, cost)
+    pool = pool[c.length[pool] <= rows.room.max(initial=0)]
+    if pool.size == 0:
+        return take, rank, row
+    budget = MAX_ATTEMPTS_PER_ROW * R * M + MIN_ATTEMPTS
+    full = FULL * geometry.step_tokens
+    left = rows.fill_pass(pool.tolist(), cost_aware=cost_aware, overhead=overhead,
+                          stop_at=np.inf, budget=budget)
+    if cost_aware and left:
+        rows.fill_pass(left, cost_aware=False, overhead=overhead, stop_at=full, budget=budget)
+    if not rows.added:
+        return take, rank, row
+    cells = np.asarray(rows.cells, dtype=np.int64)
+    return (np.concatenate([take, np.asarray(rows.added, dtype=np.int64)]),
+            np.concatenate([rank, (cells // M).astype(rank.dtype)]),
+            np.concatenate([row, (cells % M).astype(row.dtype)]))
