@@ -1,0 +1,512 @@
+"""A whole epoch, judged as a trainer pays for it: steps, fill and compute per epoch.
+
+    python benchmarks/epoch.py                       # loader at R=1,2,4; dry run at R=8,64,512
+    python benchmarks/epoch.py --ranks 1,2 --planners naive,balanced --sim-ranks 8
+    python benchmarks/epoch.py --scale 2 --step-overhead 0.1 --workdir /tmp/streamload-epoch
+
+A trainer pays per global step: R ranks x M rows of at most C tokens, whatever the rows hold.
+This runs one whole epoch (epochs=1) of a five-source corpus (`benchmarks/_epoch_corpus.py`:
+JSONL, byte tokens, ~9.7M tokens at --scale 1; lengths 10..100k, a source of long documents
+that outlives the others, a one-shard source, a schedule that switches weights at 25% of the
+tokens) and measures what the epoch cost:
+
+  loader   the public `sl.Loader` on real gloo process groups (one spawned process per rank,
+           like benchmarks/loader_cpu.py), R in --ranks. Every rank records per step its tokens
+           and its cost from its micro-batches' cu_seqlens (every segment is a document; the
+           pieces of a split document count separately) and every sample id; the per-step lists
+           come back through a multiprocessing queue and must have the same length on every
+           rank. exactly_once: no sample id twice across ranks, and the ids are exactly the
+           corpus's (every document, ":k" for each piece of a split one).
+  sim      `streamload.dryrun.simulate` (the loader's planning loop on lengths, no processes) on
+           the same corpus, scanned with `dryrun.scan`, at R in --sim-ranks. So that a step of
+           R x M x C tokens still leaves >= --sim-min-steps steps per epoch at large R, the
+           scanned data is replicated k times (`sim_scale`; default: the smallest k that gives
+           that many ideal steps, 1 at R=8): --sim-deal shards (default) copies every shard k
+           times (k times as many shards of the same shape, dealt to ranks as the loader deals
+           shards); roundrobin hands simulate plain arrays (every rank gets items). The
+           schedule's switch is moved to 25% of the replicated tokens.
+
+Cost model: a document (row segment) of L tokens costs L^2 / 24576 + L, i.e. a*L^2 + b*L with
+a = 1, b = 24576, divided by 24576 (cost_a = 1/24576, cost_b = 1; units: "token-equivalents of
+linear work"). The loader and the simulation plan with the same cost_a / cost_b. A rank's cost
+in a step is the sum over its rows' segments. Epoch compute = sum over steps of the largest
+rank's cost, plus (compute_with_overhead) a fixed per-step overhead of --step-overhead x the
+linear cost of a full balanced step on one rank (0.05 x b x M x C = 0.05 x M x C by default):
+optimizer, collectives, launch latency, paid on every step however full.
+
+Per (mode, R, planner):
+  steps, ideal_steps = ceil(total tokens / (R*M*C)), steps_over_ideal
+  fill_mean          tokens delivered / (steps * R * M * C)
+  tokens_per_step    p1 / p50 / p99
+  low_fill_steps     steps below 0.9 fill, not counting the epoch's last R*M steps
+                     (low_fill_steps_all: counting them); fill_by_decile: mean fill in each
+                     tenth of the epoch's steps; source_last_step: the last step holding each
+                     source's tokens (where the mix thins out)
+  compute, compute_with_overhead, and speedup_vs_naive = naive's / this one's at the same mode
+                     and R (> 1: cheaper than naive); speedup_vs_naive_no_overhead likewise
+  imbalance_mean     mean over steps of max / mean rank cost
+  scaling            steps(R) / (steps(1) / R), loader runs (1.0: steps shrink as 1/R)
+  wall_s             loader: the slowest rank's Loader from construction to close; sim: simulate
+  exactly_once       loader runs only (null for sim)
+Targets (booleans, with the measured values, per configuration):
+  fill               fill_mean >= 0.98 and steps <= 1.02 * ideal_steps
+  tail               low_fill_steps == 0 (none below 0.9 fill except the last R*M steps)
+  vs_naive           balanced and lookahead: compute_with_overhead <= naive's (null for naive)
+  scaling            loader: steps(R) <= 1.02 * steps(1) / R (null for sim, and without R=1)
+  exactly_once       loader: as above (null for sim)
+With R*M >= steps (the simulation at R=64 and 512 with the default sizes) every step is in
+the excluded tail, so `tail` holds trivially there: read low_fill_steps_all instead.
+all_met: every non-null target of every configuration. The exit status is 0 whatever the
+targets say (this is a measurement); 1 on an error (a rank failed or timed out). Ranks that
+disagree on the number of steps are reported (same_steps_all_ranks; exactly_once is then false),
+not raised.
+
+streamload is imported from the checkout this file sits in (its parent directory goes first
+on sys.path, for the spawned ranks too), so a copy of benchmarks/epoch.py and _epoch_corpus.py
+in another checkout (say `git archive HEAD | tar -x -C /tmp/head`) measures that checkout.
+The corpus is cached under --workdir and shared by every checkout.
+
+The human table goes to stderr; the last line of stdout is one JSON object:
+  {"corpus": {"root", "scale", "tokens", "documents", "sources": [...]},
+   "geometry": {"micro_batch_tokens", "micro_batches", "cost_a", "cost_b", "step_overhead",
+                "overhead_per_step"},
+   "results": [{"mode": "loader"|"sim", "ranks", "planner", "steps", "ideal_steps",
+                "steps_over_ideal", "tokens", "fill_mean", "tokens_per_step": {"p1", "p50",
+                "p99"}, "low_fill_steps", "low_fill_steps_all", "fill_by_decile",
+                "source_last_step", "compute", "compute_with_overhead", "speedup_vs_naive",
+                "speedup_vs_naive_no_overhead", "imbalance_mean", "scaling", "wall_s",
+                "exactly_once", "sim_scale", "targets": {name: {"met", ...measured}}, "met"},
+               ...],
+   "all_met": bool, "wall_s": float}
+"""
+from __future__ import annotations
+
+import os
+
+for _var in ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS", "NUMEXPR_NUM_THREADS"):
+    os.environ.setdefault(_var, "1")
+
+import argparse  # noqa: E402
+import dataclasses  # noqa: E402
+import datetime  # noqa: E402
+import json  # noqa: E402
+import math  # noqa: E402
+import queue as queue_module  # noqa: E402
+import socket  # noqa: E402
+import sys  # noqa: E402
+import time  # noqa: E402
+import traceback  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+import numpy as np  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+import _epoch_corpus  # noqa: E402
+from _options import add_loader_options, loader_options  # noqa: E402
+
+PLANNERS = ("naive", "balanced", "lookahead")
+COST_A, COST_B = 1.0 / 24576, 1.0        # a = 1, b = 24576, divided by 24576
+LOW_FILL = 0.9
+log = _epoch_corpus.log
+
+
+# -- the job: sources, mixture, options (the same for the loader and the simulation) -----------
+def make_sources(corpus: _epoch_corpus.EpochCorpus):
+    import streamload as sl
+    return [sl.Source(f"{corpus.root}/{s['name']}/", weight=s["weight"], name=s["name"])
+            for s in corpus.sources]
+
+
+def make_mixture(total_tokens: float):
+    import streamload as sl
+    return sl.Mixture(schedule_unit="tokens", interpolate="step",
+                      schedule=[sl.MixPoint(at=at, weights=w)
+                                for at, w in _epoch_corpus.mixture_points(total_tokens)])
+
+
+def job_options(args, planner: str) -> dict:
+    return loader_options(args.sl_opt, micro_batch_tokens=args.micro_batch_tokens,
+                          micro_batches=args.micro_batches, seed=args.seed, epochs=1,
+                          planner=planner, cost_a=COST_A, cost_b=COST_B)
+
+
+# -- loader runs: one spawned process per rank ---------------------------------------------------
+def run_rank(rank: int, world: int, port: int, corpus: _epoch_corpus.EpochCorpus, options: dict,
+             queue) -> None:
+    try:
+        if world > 1:
+            import torch.distributed as dist
+            dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                                    world_size=world, timeout=datetime.timedelta(seconds=300))
+        import streamload as sl
+        names = corpus.names
+        index = {n: i for i, n in enumerate(names)}
+        a, b = options["cost_a"], options["cost_b"]
+        tokens, costs, planned, by_source, ids = [], [], [], [], []
+        started = time.perf_counter()
+        with sl.Loader(make_sources(corpus), mixture=make_mixture(corpus.tokens),
+                       **options) as loader:
+            for batch in loader:
+                step_tokens, step_cost = 0, 0.0
+                per_source = [0] * len(names)
+                for mb in batch.micro_batches:
+                    seg = np.diff(mb.cu_seqlens.numpy()).astype(np.int64)
+                    step_tokens += mb.num_tokens
+                    step_cost += float((a * seg * seg + b * seg).sum())
+                    if len(mb.sample_ids) != seg.size:
+                        raise RuntimeError(f"step {batch.step}: {len(mb.sample_ids)} sample ids "
+                                           f"for {seg.size} cu_seqlens segments")
+                    for sid, n in zip(mb.sample_ids, seg.tolist()):
+                        per_source[index[sid.split("/", 1)[0]]] += n
+                    ids.extend(mb.sample_ids)
+                tokens.append(step_tokens)
+                costs.append(step_cost)
+                planned.append(float(batch.rank_cost[rank]))
+                by_source.append(per_source)
+            stats = loader.stats()
+        wall = time.perf_counter() - started
+        queue.put({"rank": rank, "tokens": tokens, "costs": costs, "planned": planned,
+                   "by_source": by_source, "ids": ids, "wall_s": wall,
+                   "stall_s": float(stats.get("stall_s", 0.0))})
+        if world > 1:
+            import torch.distributed as dist
+            dist.destroy_process_group()
+    except BaseException:
+        queue.put({"rank": rank, "error": traceback.format_exc()})
+        raise
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run_loader(world: int, corpus, options: dict, timeout: float) -> list[dict]:
+    """Spawn `world` ranks; return their records, by rank. Raises if a rank fails."""
+    import multiprocessing as mp
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    port = free_port()
+    procs = [ctx.Process(target=run_rank, args=(r, world, port, corpus, options, queue))
+             for r in range(world)]
+    for p in procs:
+        p.start()
+    results: dict[int, dict] = {}
+    deadline = time.monotonic() + timeout
+    try:
+        while len(results) < world:
+            try:
+                item = queue.get(timeout=1.0)
+            except queue_module.Empty:
+                dead = [r for r, p in enumerate(procs)
+                        if p.exitcode not in (None, 0) and r not in results]
+                if dead:
+                    raise RuntimeError(f"rank(s) {dead} exited with "
+                                       f"{[procs[r].exitcode for r in dead]} and no result")
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"R={world}: no result after {timeout:.0f}s")
+                continue
+            if "error" in item:
+                raise RuntimeError(f"rank {item['rank']} of {world} failed:\n{item['error']}")
+            results[item["rank"]] = item
+    finally:
+        for p in procs:
+            p.join(timeout=30)
+            if p.is_alive():
+                p.kill()
+                p.join()
+    return [results[r] for r in range(world)]
+
+
+def loader_config(world: int, planner: str, corpus, args, expected_ids: set) -> dict:
+    options = job_options(args, planner)
+    started = time.perf_counter()
+    ranks = run_loader(world, corpus, options, args.timeout)
+    elapsed = time.perf_counter() - started
+    lengths = [len(r["tokens"]) for r in ranks]
+    steps = max(lengths)
+
+    def table(key):   # [steps, R], padded with 0 where a rank stopped early
+        out = np.zeros((steps, world))
+        for q, r in enumerate(ranks):
+            out[:len(r[key]), q] = r[key]
+        return out
+
+    rank_tokens, rank_cost = table("tokens"), table("costs")
+    planned = table("planned")
+    by_source = np.zeros((steps, len(corpus.names)))
+    for r in ranks:
+        by_source[:len(r["by_source"])] += np.array(r["by_source"]).reshape(-1, len(corpus.names))
+    ids = [i for r in ranks for i in r["ids"]]
+    unique = set(ids)
+    out = metrics(rank_tokens, rank_cost, by_source, world, args, corpus.names)
+    out.update({
+        "mode": "loader", "ranks": world, "planner": planner,
+        "same_steps_all_ranks": len(set(lengths)) == 1, "rank_steps": lengths,
+        "wall_s": round(max(r["wall_s"] for r in ranks), 2),
+        "wall_with_spawn_s": round(elapsed, 2),
+        "stall_s": round(max(r["stall_s"] for r in ranks), 3),
+        # the plan's predicted rank cost against the cost measured from cu_seqlens
+        "plan_cost_max_rel_dev": round(float(np.max(np.abs(planned - rank_cost)
+                                                    / np.maximum(rank_cost, 1.0))), 6),
+        "samples": len(ids), "duplicates": len(ids) - len(unique),
+        "missing": len(expected_ids - unique), "unexpected": len(unique - expected_ids),
+        "sim_scale": None,
+    })
+    out["exactly_once"] = (out["duplicates"] == 0 and out["missing"] == 0
+                           and out["unexpected"] == 0 and out["same_steps_all_ranks"])
+    return out
+
+
+# -- simulation ---------------------------------------------------------------------------------
+def scan_corpus(corpus, args):
+    from streamload.configfile import LoaderSpec
+    from streamload.dryrun import scan
+    spec = LoaderSpec("benchmarks/epoch.py", make_sources(corpus), job_options(args, "balanced"),
+                      make_mixture(corpus.tokens))
+    started = time.perf_counter()
+    scans = scan(spec)
+    total = sum(s.tokens for s in scans)
+    log(f"scanned lengths in {time.perf_counter() - started:.1f}s: "
+        + ", ".join(f"{s.name} {s.lengths.size:,} items/{s.shards} shards" for s in scans))
+    if total != corpus.tokens:
+        raise RuntimeError(f"the scan found {total:,} tokens, the corpus holds {corpus.tokens:,}")
+    return scans
+
+
+def sim_scale_for(ranks: int, corpus, args) -> int:
+    if args.sim_scale != "auto":
+        return int(args.sim_scale)
+    step = ranks * args.micro_batches * args.micro_batch_tokens
+    return max(1, math.ceil(args.sim_min_steps * step / corpus.tokens))
+
+
+def replicate(scans, k: int, deal: str):
+    if deal == "roundrobin":
+        return [np.tile(s.lengths, k) for s in scans]
+    if k == 1:
+        return scans
+    return [dataclasses.replace(s, lengths=np.tile(s.lengths, k),
+                                shard_items=np.tile(s.shard_items, k), shards=s.shards * k,
+                                shards_read=s.shards_read * k, documents=s.documents * k)
+            for s in scans]
+
+
+def sim_config(world: int, planner: str, corpus, scans, args) -> dict:
+    from streamload.configfile import LoaderSpec
+    from streamload.dryrun import simulate
+    k = sim_scale_for(world, corpus, args)
+    data = replicate(scans, k, args.sim_deal)
+    total = corpus.tokens * k
+    spec = LoaderSpec("benchmarks/epoch.py", make_sources(corpus), job_options(args, planner),
+                      make_mixture(total))
+    ideal = math.ceil(total / (world * args.micro_batches * args.micro_batch_tokens))
+    cap = 20 * ideal + 1000
+    started = time.perf_counter()
+    reports = simulate(spec, data, steps=cap, ranks=world)
+    wall = time.perf_counter() - started
+    steps, S = len(reports), len(corpus.names)
+    rank_tokens = np.zeros((steps, world))
+    rank_cost = np.zeros((steps, world))
+    by_source = np.zeros((steps, S))
+    for i, r in enumerate(reports):   # StepReport's fields, as far as this version has them
+        per_source = np.asarray(getattr(r, "tokens", ()), dtype=np.float64).reshape(-1)
+        if per_source.size == S:
+            by_source[i] = per_source
+        rank_cost[i] = np.asarray(r.rank_cost, dtype=np.float64)
+        per_rank = getattr(r, "rank_tokens", None)
+        if per_rank is not None and np.size(per_rank) == world:
+            rank_tokens[i] = np.asarray(per_rank, dtype=np.float64)
+        else:   # no per-rank tokens: spread the step's tokens evenly (fill stays exact)
+            rank_tokens[i] = (per_source.sum() if per_source.size == S else
+                              float(r.fill) * world * args.micro_batches
+                              * args.micro_batch_tokens) / world
+    out = metrics(rank_tokens, rank_cost, by_source, world, args, corpus.names)
+    out.update({"mode": "sim", "ranks": world, "planner": planner, "wall_s": round(wall, 2),
+                "sim_scale": k, "sim_deal": args.sim_deal, "truncated": steps >= cap,
+                "exactly_once": None})
+    if out["tokens"] != total:
+        out["note"] = f"delivered {out['tokens']:,} of {total:,} tokens"
+    return out
+
+
+# -- metrics and targets ------------------------------------------------------------------------
+def metrics(rank_tokens: np.ndarray, rank_cost: np.ndarray, by_source: np.ndarray, R: int, args,
+            names) -> dict:
+    M, C = args.micro_batches, args.micro_batch_tokens
+    steps = rank_tokens.shape[0]
+    step_tokens = rank_tokens.sum(axis=1)
+    total = int(round(step_tokens.sum()))
+    capacity = R * M * C
+    fill = step_tokens / capacity
+    ideal = math.ceil(total / capacity)
+    overhead = args.step_overhead * COST_B * M * C
+    largest = rank_cost.max(axis=1) if steps else np.zeros(0)
+    mean = rank_cost.mean(axis=1) if steps else np.zeros(0)
+    imbalance = np.where(mean > 0, largest / np.maximum(mean, 1e-300), 1.0)
+    body = fill[:max(steps - R * M, 0)]
+    deciles = [float(np.mean(part)) if part.size else None
+               for part in np.array_split(fill, 10)] if steps else []
+    last_step = {}
+    for s, name in enumerate(names):
+        nz = np.flatnonzero(by_source[:, s] > 0)
+        last_step[name] = int(nz[-1]) if nz.size else None
+    low = np.flatnonzero(body < LOW_FILL)
+    return {
+        "steps": steps, "ideal_steps": ideal,
+        "steps_over_ideal": round(steps / ideal, 4) if ideal else None,
+        "tokens": total,
+        "fill_mean": round(total / (steps * capacity), 4) if steps else 0.0,
+        "tokens_per_step": {f"p{q}": int(np.percentile(step_tokens, q)) if steps else 0
+                            for q in (1, 50, 99)},
+        "low_fill_steps": int(low.size),
+        "low_fill_steps_all": int((fill < LOW_FILL).sum()),
+        "first_low_fill_step": int(low[0]) if low.size else None,
+        "fill_by_decile": [round(d, 3) if d is not None else None for d in deciles],
+        "source_last_step": last_step,
+        "compute": round(float(largest.sum()), 1),
+        "compute_with_overhead": round(float(largest.sum() + steps * overhead), 1),
+        "imbalance_mean": round(float(imbalance.mean()), 4) if steps else None,
+    }
+
+
+def check_targets(results: list[dict]) -> bool:
+    """Fill in the naive ratios, scaling and targets; return all_met."""
+    def find(mode, ranks, planner):
+        for r in results:
+            if (r["mode"], r["ranks"], r["planner"]) == (mode, ranks, planner):
+                return r
+        return None
+
+    all_met = True
+    for r in results:
+        naive = find(r["mode"], r["ranks"], "naive")
+        for key, field in (("speedup_vs_naive", "compute_with_overhead"),
+                           ("speedup_vs_naive_no_overhead", "compute")):
+            r[key] = (round(naive[field] / r[field], 4) if naive and r[field] > 0 else None)
+        one = find("loader", 1, r["planner"]) if r["mode"] == "loader" else None
+        r["scaling"] = (round(r["steps"] / (one["steps"] / r["ranks"]), 4)
+                        if one and one["steps"] else None)
+        targets = {
+            "fill": {"met": r["fill_mean"] >= 0.98 and r["steps"] <= 1.02 * r["ideal_steps"],
+                     "fill_mean": r["fill_mean"], "steps": r["steps"],
+                     "ideal_steps": r["ideal_steps"]},
+            "tail": {"met": r["low_fill_steps"] == 0, "low_fill_steps": r["low_fill_steps"],
+                     "excluded_last_steps": r["ranks"] * r["micro_batches"]},
+            "vs_naive": ({"met": None} if r["planner"] == "naive" or naive is None else
+                         {"met": r["compute_with_overhead"] <= naive["compute_with_overhead"],
+                          "compute_with_overhead": r["compute_with_overhead"],
+                          "naive": naive["compute_with_overhead"]}),
+            "scaling": ({"met": None} if r["scaling"] is None or r["ranks"] == 1 else
+                        {"met": r["scaling"] <= 1.02, "steps": r["steps"],
+                         "steps_1": one["steps"], "scaling": r["scaling"]}),
+            "exactly_once": {"met": r["exactly_once"]},
+        }
+        r["targets"] = targets
+        r["met"] = all(t["met"] is not False for t in targets.values())
+        all_met = all_met and r["met"]
+    return all_met
+
+
+def print_table(results: list[dict]) -> None:
+    def b(x):
+        return "-" if x is None else ("yes" if x else "NO")
+
+    header = (f"{'mode':<7}{'R':>4} {'planner':<10}{'steps':>6}{'ideal':>6}{'st/id':>6}"
+              f"{'fill':>7}{'p1':>9}{'p50':>9}{'p99':>9}{'low':>5}{'all':>5}{'compute+oh':>12}"
+              f"{'vs_naive':>9}{'imb':>7}{'scal':>6}{'once':>5}{'wall_s':>8}  targets f/t/n/s")
+    print("low / all: steps below 0.9 fill, without / with the epoch's last R*M steps; "
+          "vs_naive: naive's compute+oh / this; imb: mean max/mean rank cost; scal: "
+          "steps(R) / (steps(1) / R); targets: fill / tail / vs_naive / scaling", file=sys.stderr)
+    print(header, file=sys.stderr)
+    for r in results:
+        t = r["targets"]
+        vs = r["speedup_vs_naive"]
+        sc = r["scaling"]
+        print(f"{r['mode']:<7}{r['ranks']:>4} {r['planner']:<10}{r['steps']:>6}"
+              f"{r['ideal_steps']:>6}{r['steps_over_ideal']:>6.2f}{r['fill_mean']:>7.3f}"
+              f"{r['tokens_per_step']['p1']:>9}{r['tokens_per_step']['p50']:>9}"
+              f"{r['tokens_per_step']['p99']:>9}{r['low_fill_steps']:>5}"
+              f"{r['low_fill_steps_all']:>5}"
+              f"{r['compute_with_overhead']:>12.4g}{'-' if vs is None else f'{vs:.3f}':>9}"
+              f"{r['imbalance_mean']:>7.3f}{'-' if sc is None else f'{sc:.2f}':>6}"
+              f"{b(r['exactly_once']):>5}{r['wall_s']:>8.1f}  "
+              + "/".join(b(t[k]["met"]) for k in ("fill", "tail", "vs_naive", "scaling")),
+              file=sys.stderr)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--ranks", default="1,2,4", help="loader world sizes (comma list; '' = none)")
+    p.add_argument("--sim-ranks", default="8,64,512", help="simulated world sizes ('' = none)")
+    p.add_argument("--planners", default=",".join(PLANNERS))
+    p.add_argument("--micro-batch-tokens", type=int, default=4096, help="C")
+    p.add_argument("--micro-batches", type=int, default=2, help="M")
+    p.add_argument("--step-overhead", type=float, default=0.05,
+                   help="per-step overhead, as a fraction of b*M*C (a full step's linear cost)")
+    p.add_argument("--scale", type=float, default=1.0, help="corpus size (1: ~9.7M tokens)")
+    p.add_argument("--sim-scale", default="auto",
+                   help="replicate the scanned corpus k times in the simulation; auto: the "
+                        "smallest k giving --sim-min-steps ideal steps at each R")
+    p.add_argument("--sim-min-steps", type=int, default=50)
+    p.add_argument("--sim-deal", choices=("shards", "roundrobin"), default="shards")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--workdir", default="/tmp/streamload-epoch")
+    p.add_argument("--timeout", type=float, default=1800, help="seconds per loader run")
+    add_loader_options(p)
+    args = p.parse_args(argv)
+    ranks = [int(x) for x in args.ranks.split(",") if x.strip()]
+    sim_ranks = [int(x) for x in args.sim_ranks.split(",") if x.strip()]
+    planners = [x.strip() for x in args.planners.split(",") if x.strip()]
+    for planner in planners:
+        if planner not in PLANNERS:
+            p.error(f"--planners: unknown planner {planner!r}")
+    if args.sim_scale != "auto" and not args.sim_scale.isdigit():
+        p.error("--sim-scale: 'auto' or a positive integer")
+
+    started = time.perf_counter()
+    corpus = _epoch_corpus.load_or_generate(args.workdir, args.scale, args.seed)
+    M, C = args.micro_batches, args.micro_batch_tokens
+    expected = corpus.expected_ids(C)
+    log(f"corpus {corpus.root}: {corpus.tokens:,} tokens, {corpus.documents:,} documents, "
+        f"{len(expected):,} items at C={C:,}; M={M}, step overhead "
+        f"{args.step_overhead:g} x M x C = {args.step_overhead * M * C:,.0f}")
+    results = []
+    for world in ranks:
+        for planner in planners:
+            r = loader_config(world, planner, corpus, args, expected)
+            r["micro_batches"] = M
+            results.append(r)
+            log(f"loader R={world} {planner}: {r['steps']} steps (ideal {r['ideal_steps']}), "
+                f"fill {r['fill_mean']:.3f}, compute+oh {r['compute_with_overhead']:,.0f}, "
+                f"exactly_once {r['exactly_once']}, {r['wall_s']:.1f}s")
+    if sim_ranks:
+        scans = scan_corpus(corpus, args)
+        for world in sim_ranks:
+            for planner in planners:
+                r = sim_config(world, planner, corpus, scans, args)
+                r["micro_batches"] = M
+                results.append(r)
+                log(f"sim R={world} x{r['sim_scale']} {planner}: {r['steps']} steps (ideal "
+                    f"{r['ideal_steps']}), fill {r['fill_mean']:.3f}, compute+oh "
+                    f"{r['compute_with_overhead']:,.0f}, {r['wall_s']:.1f}s")
+    all_met = check_targets(results)
+    print(file=sys.stderr)
+    print_table(results)
+    wall = time.perf_counter() - started
+    print(f"\nall targets met: {all_met}; {wall:.0f}s", file=sys.stderr)
+    print(json.dumps({
+        "corpus": {"root": corpus.root, "scale": corpus.scale, "tokens": corpus.tokens,
+                   "documents": corpus.documents, "items": len(expected),
+                   "switch_at_fraction": _epoch_corpus.SWITCH, "sources": corpus.describe()},
+        "geometry": {"micro_batch_tokens": C, "micro_batches": M, "cost_a": COST_A,
+                     "cost_b": COST_B, "step_overhead": args.step_overhead,
+                     "overhead_per_step": args.step_overhead * COST_B * M * C},
+        "results": results, "all_met": all_met, "wall_s": round(wall, 1)}))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
