@@ -354,6 +354,14 @@ def metrics(rank_tokens: np.ndarray, rank_cost: np.ndarray, by_source: np.ndarra
         nz = np.flatnonzero(by_source[:, s] > 0)
         last_step[name] = int(nz[-1]) if nz.size else None
     low = np.flatnonzero(body < LOW_FILL)
+    # The mix, where it is defined by the first weights alone: the steps before the schedule's
+    # switch and before any source ran out. A planner could buy fill by taking the wrong data.
+    (_, first), (switch, _) = _epoch_corpus.mixture_points(total)
+    before = np.cumsum(step_tokens) <= switch
+    before[min([v for v in last_step.values() if v is not None], default=0):] = False
+    window = by_source[before].sum(axis=0)
+    target = np.array([first[n] for n in names]) / sum(first.values())
+    mix_dev = float(np.abs(window / window.sum() - target).max()) if window.sum() > 0 else None
     return {
         "steps": steps, "ideal_steps": ideal,
         "steps_over_ideal": round(steps / ideal, 4) if ideal else None,
@@ -369,6 +377,8 @@ def metrics(rank_tokens: np.ndarray, rank_cost: np.ndarray, by_source: np.ndarra
         "compute": round(float(largest.sum()), 1),
         "compute_with_overhead": round(float(largest.sum() + steps * overhead), 1),
         "imbalance_mean": round(float(imbalance.mean()), 4) if steps else None,
+        "mix_steps": int(before.sum()),
+        "mix_max_abs_dev": round(mix_dev, 4) if mix_dev is not None else None,
     }
 
 
@@ -416,22 +426,28 @@ def print_table(results: list[dict]) -> None:
 
     header = (f"{'mode':<7}{'R':>4} {'planner':<10}{'steps':>6}{'ideal':>6}{'st/id':>6}"
               f"{'fill':>7}{'p1':>9}{'p50':>9}{'p99':>9}{'low':>5}{'all':>5}{'compute+oh':>12}"
-              f"{'vs_naive':>9}{'imb':>7}{'scal':>6}{'once':>5}{'wall_s':>8}  targets f/t/n/s")
+              f"{'vs_naive':>9}{'imb':>7}{'mix':>7}{'scal':>6}{'once':>5}{'wall_s':>8}"
+              f"  targets f/t/n/s")
     print("low / all: steps below 0.9 fill, without / with the epoch's last R*M steps; "
           "vs_naive: naive's compute+oh / this; imb: mean max/mean rank cost; scal: "
-          "steps(R) / (steps(1) / R); targets: fill / tail / vs_naive / scaling", file=sys.stderr)
+          "steps(R) / (steps(1) / R); mix: max |realized - target| share before the schedule's "
+          "switch and the first source's end; targets: fill / tail / vs_naive / scaling",
+          file=sys.stderr)
     print(header, file=sys.stderr)
     for r in results:
         t = r["targets"]
         vs = r["speedup_vs_naive"]
         sc = r["scaling"]
+        mix = r["mix_max_abs_dev"]
         print(f"{r['mode']:<7}{r['ranks']:>4} {r['planner']:<10}{r['steps']:>6}"
               f"{r['ideal_steps']:>6}{r['steps_over_ideal']:>6.2f}{r['fill_mean']:>7.3f}"
               f"{r['tokens_per_step']['p1']:>9}{r['tokens_per_step']['p50']:>9}"
               f"{r['tokens_per_step']['p99']:>9}{r['low_fill_steps']:>5}"
               f"{r['low_fill_steps_all']:>5}"
               f"{r['compute_with_overhead']:>12.4g}{'-' if vs is None else f'{vs:.3f}':>9}"
-              f"{r['imbalance_mean']:>7.3f}{'-' if sc is None else f'{sc:.2f}':>6}"
+              f"{r['imbalance_mean']:>7.3f}"
+              f"{'-' if mix is None else f'{mix:.3f}':>7}"
+              f"{'-' if sc is None else f'{sc:.2f}':>6}"
               f"{b(r['exactly_once']):>5}{r['wall_s']:>8.1f}  "
               + "/".join(b(t[k]["met"]) for k in ("fill", "tail", "vs_naive", "scaling")),
               file=sys.stderr)
@@ -450,7 +466,7 @@ def main(argv=None) -> int:
     p.add_argument("--sim-scale", default="auto",
                    help="replicate the scanned corpus k times in the simulation; auto: the "
                         "smallest k giving --sim-min-steps ideal steps at each R")
-    p.add_argument("--sim-min-steps", type=int, default=50)
+    p.add_argument("--sim-min-steps", type=int, default=100)
     p.add_argument("--sim-deal", choices=("shards", "roundrobin"), default="shards")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--workdir", default="/tmp/streamload-epoch")

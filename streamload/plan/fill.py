@@ -38,6 +38,15 @@ def deferral_gain(lowered_max, work, tokens, geometry: Geometry, overhead: float
     return lowered_max - work / geometry.ranks - overhead * tokens / geometry.step_tokens
 
 
+def epoch_cost(rank_cost: np.ndarray, tokens: int, geometry: Geometry, overhead: float) -> float:
+    """What a step's plan costs the epoch, up to a constant: its slowest rank, less the work
+    it retires (paid at 1/R per unit in full, balanced steps if left for later) and the
+    overhead of the steps its tokens save. Of two plans for one step, the lower is better;
+    at R = 1 that is the one with more tokens."""
+    return float(rank_cost.max(initial=0.0)) - float(rank_cost.sum()) / geometry.ranks \
+        - overhead * tokens / geometry.step_tokens
+
+
 def step_overhead_cost(fraction: float, geometry: Geometry, cost: CostModel) -> float:
     """The per-step overhead `o` in cost units: `fraction` of the linear cost of one rank's
     full step (M·C tokens at b each; at a·C per token when b is 0)."""

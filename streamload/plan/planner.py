@@ -16,7 +16,7 @@ import numpy as np
 
 from .balance import assign_balanced
 from .cost import CostModel
-from .fill import step_overhead_cost, top_up
+from .fill import FULL, epoch_cost, step_overhead_cost, top_up
 from .lookahead import select_lookahead
 from .naive import assign_naive, finish
 from .select import interleaved, select
@@ -48,6 +48,15 @@ class Planner:
 
     def _max_cost(self, c: Candidates, take, rank, row) -> float:
         return float(finish(c, take, rank, row, self.geometry, self.cost).rank_cost.max())
+
+    def _epoch_cost(self, c: Candidates, take, rank, row) -> float:
+        rank_cost = finish(c, take, rank, row, self.geometry, self.cost).rank_cost
+        return epoch_cost(rank_cost, int(c.length[take].sum()), self.geometry, self.overhead)
+
+    def _fill(self, c: Candidates, selected, take, rank, row):
+        """`top_up` with what the plan left: the step's leftovers, then the windows."""
+        return top_up(c, take, rank, row, self._leftovers(c, selected, take), self.geometry,
+                      self.cost, overhead=self.overhead, cost_aware=self.method != "naive")
 
     @staticmethod
     def _leftovers(c: Candidates, selected: np.ndarray, take: np.ndarray) -> np.ndarray:
@@ -107,9 +116,20 @@ class Planner:
                 take, rank, row = naive
         # Full steps: rows with room take what is left (module fill.py), unless leaving it
         # out gains the epoch.
-        take, rank, row = top_up(c, take, rank, row, self._leftovers(c, selected, take),
-                                 self.geometry, self.cost, overhead=self.overhead,
-                                 cost_aware=self.method != "naive")
+        take, rank, row = self._fill(c, selected, take, rank, row)
+        if self.method != "naive" and \
+                c.length[take].sum() < FULL * self.geometry.step_tokens:
+            # Cost-aware assignment evens out rows; with items near C that can leave no row
+            # with room for what is left. The same selection packed largest first (first-fit
+            # decreasing) and filled up is the alternative: the plan that costs the epoch less
+            # is the plan (`fill.epoch_cost`), as long as it keeps every overdue item.
+            largest_first = selected[np.argsort(-c.length[selected], kind="stable")]
+            packed = self._fill(c, selected, *assign_naive(c, largest_first, self.geometry))
+            overdue = selected[c.age[selected] >= self.force_age] \
+                if self.force_age is not None else selected[:0]
+            if np.isin(overdue, packed[0]).all() and \
+                    self._epoch_cost(c, *packed) < self._epoch_cost(c, take, rank, row):
+                take, rank, row = packed
         if len(take) == 0 and len(c) > 0:
             # Progress guarantee: a plan that takes nothing while candidates exist would repeat
             # forever. The oldest item of the first non-empty window fits any empty row.
