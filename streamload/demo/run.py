@@ -424,6 +424,8 @@ def summarize(corpus: corpus_module.Corpus, ranks: list[dict], args, wall: float
         "tokens_per_rank": [int(t) for t in rank_tokens],
         "fill": total_tokens / (ranks[0]["steps"] * len(ranks) * args.micro_batches * C)
         if ranks[0]["steps"] else 0.0,
+        "tokens_per_step": ranks[0]["stats"]["tokens_per_step"],
+        "step_capacity_tokens": ranks[0]["stats"]["step_capacity_tokens"],
         "mix": mix, "steps_with_all_sources": active_steps,
         "imbalance_mean": sum(imbalances) / len(imbalances) if imbalances else None,
         "imbalance_max": max(imbalances) if imbalances else None,
@@ -450,6 +452,11 @@ def _print_summary(s: dict) -> None:
     print(f"  tokens         {s['tokens']:,} of {s['corpus_tokens']:,} in the corpus, "
           f"rows {s['fill']:.1%} full")
     print(f"  tokens/rank    {', '.join(f'{t:,}' for t in s['tokens_per_rank'])}")
+    per_step = s["tokens_per_step"]
+    if per_step["p50"] is not None:
+        print(f"  tokens/step    p1 {per_step['p1']:,}, p50 {per_step['p50']:,}, "
+              f"p99 {per_step['p99']:,} of {s['step_capacity_tokens']:,} (R x M x C); "
+              f"steps below 90% full: {per_step['steps_below_90pct']}")
     active = s["steps_with_all_sources"]
     span = f"steps 0-{active - 1}" if active > 0 else "(none)"
     print(f"  mix            {'source':<8} {'target':>6}  {span:>12}  {'epoch':>6}  ran out at"
