@@ -124,21 +124,23 @@ def top_up(c: Candidates, take: np.ndarray, rank: np.ndarray, row: np.ndarray,
     """Add candidates from `pool` (indices, in priority order, none of them in `take`) to rows
     with room. Returns the new (take, rank, row), the added items after the planned ones.
 
-    `cost_aware`: each goes to the row whose rank ends cheapest (then the tightest row), and
-    only when leaving it out would not gain the epoch (`deferral_gain` <= 0); then, while the
-    step is below FULL of its tokens, a second pass places what fits regardless: the step's
-    tokens are the recipe's batch size, so the epoch rule may only trade the last few
-    percent. Otherwise first fit in (rank, row) order, as a token-balanced loader packs."""
+    It brings a step up to FULL of its tokens, no further (a step that full is left as the
+    method planned it, which also keeps this loop off the common path). `cost_aware`: each
+    item goes to the row whose rank ends cheapest (then the tightest row), and only when
+    leaving it out would not gain the epoch (`deferral_gain` <= 0); then, while the step is
+    still below FULL, a second pass places what fits regardless: the step's tokens are the
+    recipe's batch size, so the epoch rule may only trade the last percent. Otherwise first fit
+    in (rank, row) order, as a token-balanced loader packs."""
     R, M, C = geometry.ranks, geometry.micro_batches, geometry.capacity
     pool = np.asarray(pool, dtype=np.int64)
     rows = _Rows(c, take, rank, row, geometry, cost)
+    full = FULL * geometry.step_tokens
     pool = pool[c.length[pool] <= rows.room.max(initial=0)]
-    if pool.size == 0:
+    if pool.size == 0 or rows.fill.sum() >= full:   # full already: nothing to do (and cheap)
         return take, rank, row
     budget = MAX_ATTEMPTS_PER_ROW * R * M + MIN_ATTEMPTS
-    full = FULL * geometry.step_tokens
     left = rows.fill_pass(pool.tolist(), cost_aware=cost_aware, overhead=overhead,
-                          stop_at=np.inf, budget=budget)
+                          stop_at=full, budget=budget)
     if cost_aware and left:
         rows.fill_pass(left, cost_aware=False, overhead=overhead, stop_at=full, budget=budget)
     if not rows.added:
