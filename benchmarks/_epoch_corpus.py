@@ -81,16 +81,9 @@ class EpochCorpus:
 
     def expected_ids(self, capacity: int) -> set[str]:
         """Every sample id one epoch delivers (long_documents="split": ":k" per piece)."""
-        ids = set()
-        for s in self.sources:
-            for sh in s["shards"]:
-                for record, n in enumerate(sh["lengths"]):
-                    base = f"{s['name']}/{sh['name']}/{record}"
-                    if n <= capacity:
-                        ids.add(base)
-                    else:
-                        ids.update(f"{base}:{k}" for k in range(math.ceil(n / capacity)))
-        return ids
+        from streamload.demo.corpus import expected_ids
+        return expected_ids(((s["name"], sh["name"], sh["lengths"]) for s in self.sources
+                             for sh in s["shards"]), capacity)
 
     def describe(self) -> list[dict]:
         out = []

@@ -59,6 +59,20 @@ _CLASSES = "Loader Buffer Planner Shard Reader Writer Tree Node Cache Stream Con
 _MODULES = "os sys json math time asyncio numpy torch itertools functools pathlib re".split()
 
 
+def expected_ids(shards, capacity: int) -> set[str]:
+    """Every sample id one epoch delivers with long_documents="split", from (source name, shard
+    name, document lengths) per shard: "source/shard/record", ":k" per piece of a long one."""
+    ids = set()
+    for source, shard, lengths in shards:
+        for record, n in enumerate(lengths):
+            base = f"{source}/{shard}/{record}"
+            if n <= capacity:
+                ids.add(base)
+            else:
+                ids.update(f"{base}:{k}" for k in range(math.ceil(n / capacity)))
+    return ids
+
+
 @dataclass(frozen=True)
 class SourceSpec:
     name: str
@@ -132,16 +146,8 @@ class Corpus:
 
     def expected_ids(self, capacity: int) -> set[str]:
         """Every sample id one epoch delivers with long_documents="split"."""
-        ids = set()
-        for s in self.sources:
-            for shard, lengths in zip(s.shards, s.lengths):
-                for record, n in enumerate(lengths):
-                    base = f"{s.name}/{shard}/{record}"
-                    if n <= capacity:
-                        ids.add(base)
-                    else:
-                        ids.update(f"{base}:{k}" for k in range(math.ceil(n / capacity)))
-        return ids
+        return expected_ids(((s.name, shard, lengths) for s in self.sources
+                             for shard, lengths in zip(s.shards, s.lengths)), capacity)
 
     def save(self, path: str | os.PathLike) -> None:
         Path(path).write_text(json.dumps(asdict(self)))
