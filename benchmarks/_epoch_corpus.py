@@ -79,11 +79,12 @@ class EpochCorpus:
         return np.array([n for s in self.sources for sh in s["shards"] for n in sh["lengths"]],
                         dtype=np.int64)
 
-    def expected_ids(self, capacity: int) -> set[str]:
-        """Every sample id one epoch delivers (long_documents="split": ":k" per piece)."""
-        from streamload.demo.corpus import expected_ids
-        return expected_ids(((s["name"], sh["name"], sh["lengths"]) for s in self.sources
-                             for sh in s["shards"]), capacity)
+    def expected_items(self, capacity: int) -> dict[str, int]:
+        """Every item one epoch delivers (long_documents="split": ":k" per piece), with its
+        tokens."""
+        from streamload.demo.corpus import expected_items
+        return expected_items(((s["name"], sh["name"], sh["lengths"]) for s in self.sources
+                               for sh in s["shards"]), capacity)
 
     def describe(self) -> list[dict]:
         out = []

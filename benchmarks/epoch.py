@@ -159,7 +159,7 @@ def run_rank(rank: int, world: int, port: int, corpus: _epoch_corpus.EpochCorpus
                                            f"for {seg.size} cu_seqlens segments")
                     for sid, n in zip(mb.sample_ids, seg.tolist()):
                         per_source[index[sid.split("/", 1)[0]]] += n
-                    ids.extend(mb.sample_ids)
+                        ids.append((sid, n))
                 tokens.append(step_tokens)
                 costs.append(step_cost)
                 planned.append(float(batch.rank_cost[rank]))
@@ -220,7 +220,7 @@ def run_loader(world: int, corpus, options: dict, timeout: float) -> list[dict]:
     return [results[r] for r in range(world)]
 
 
-def loader_config(world: int, planner: str, corpus, args, expected_ids: set) -> dict:
+def loader_config(world: int, planner: str, corpus, args, expected_ids: dict) -> dict:
     options = job_options(args, planner)
     started = time.perf_counter()
     ranks = run_loader(world, corpus, options, args.timeout)
@@ -239,8 +239,9 @@ def loader_config(world: int, planner: str, corpus, args, expected_ids: set) -> 
     by_source = np.zeros((steps, len(corpus.names)))
     for r in ranks:
         by_source[:len(r["by_source"])] += np.array(r["by_source"]).reshape(-1, len(corpus.names))
-    ids = [i for r in ranks for i in r["ids"]]
-    unique = set(ids)
+    from streamload.demo.corpus import check_delivery
+    parts = [tuple(i) for r in ranks for i in r["ids"]]
+    check = check_delivery(parts, expected_ids)
     out = metrics(rank_tokens, rank_cost, by_source, world, args, corpus.names)
     out.update({
         "mode": "loader", "ranks": world, "planner": planner,
@@ -251,12 +252,13 @@ def loader_config(world: int, planner: str, corpus, args, expected_ids: set) -> 
         # the plan's predicted rank cost against the cost measured from cu_seqlens
         "plan_cost_max_rel_dev": round(float(np.max(np.abs(planned - rank_cost)
                                                     / np.maximum(rank_cost, 1.0))), 6),
-        "samples": len(ids), "duplicates": len(ids) - len(unique),
-        "missing": len(expected_ids - unique), "unexpected": len(unique - expected_ids),
+        "samples": len(parts), "duplicates": len(check["duplicates"]),
+        "missing": len(check["missing"]), "unexpected": len(check["unexpected"]),
+        "pieces_not_tiled": len(check["untiled"]),
+        "cut_parts": sum("+" in sid for sid, _ in parts),
         "sim_scale": None,
     })
-    out["exactly_once"] = (out["duplicates"] == 0 and out["missing"] == 0
-                           and out["unexpected"] == 0 and out["same_steps_all_ranks"])
+    out["exactly_once"] = (not any(check.values()) and out["same_steps_all_ranks"])
     return out
 
 
@@ -289,6 +291,7 @@ def replicate(scans, k: int, deal: str):
     if k == 1:
         return scans
     return [dataclasses.replace(s, lengths=np.tile(s.lengths, k),
+                                divisible=None if s.divisible is None else np.tile(s.divisible, k),
                                 shard_items=np.tile(s.shard_items, k), shards=s.shards * k,
                                 shards_read=s.shards_read * k, documents=s.documents * k)
             for s in scans]
@@ -485,7 +488,7 @@ def main(argv=None) -> int:
     started = time.perf_counter()
     corpus = _epoch_corpus.load_or_generate(args.workdir, args.scale, args.seed)
     M, C = args.micro_batches, args.micro_batch_tokens
-    expected = corpus.expected_ids(C)
+    expected = corpus.expected_items(C)
     log(f"corpus {corpus.root}: {corpus.tokens:,} tokens, {corpus.documents:,} documents, "
         f"{len(expected):,} items at C={C:,}; M={M}, step overhead "
         f"{args.step_overhead:g} x M x C = {args.step_overhead * M * C:,.0f}")

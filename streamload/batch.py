@@ -12,7 +12,8 @@ class MicroBatch:
     tokens: torch.Tensor          # int64 [n], n <= micro_batch_tokens
     cu_seqlens: torch.Tensor      # int32 [docs + 1], document boundaries (for varlen attention)
     position_ids: torch.Tensor    # int64 [n], restarting at 0 in every document
-    sample_ids: list[str]         # "source/shard/record", ":k" for the k-th chunk of a split doc
+    sample_ids: list[str]         # "source/shard/record", ":k" for the k-th piece of a split doc,
+                                  # ":k+o" for its rest from token o after a cut (`pieces`)
     max_seqlen: int               # longest document in the row
 
     @property

@@ -88,6 +88,7 @@ class SourceScan:
     dropped: int = 0
     skipped: int = 0             # bad records or shards skipped (on_error="skip")
     complete: bool = True        # False: max_docs cut the scan short; the items are a sample
+    divisible: Optional[np.ndarray] = None   # bool per item: a piece of a split document
 
     @property
     def tokens(self) -> int:
@@ -126,6 +127,18 @@ def items_from_documents(docs: np.ndarray, capacity: int, long_documents: str
     last = np.cumsum(pieces) - 1
     out[last] = docs - (pieces - 1) * capacity
     return out, counts
+
+
+def divisible_items(docs: np.ndarray, capacity: int, long_documents: str) -> np.ndarray:
+    """Which of `items_from_documents`'s items are pieces of a split document (the planner may
+    cut those to fill a row, `plan/fill.py`)."""
+    docs = np.asarray(docs, dtype=np.int64)
+    docs = docs[docs > 0]
+    if long_documents == "drop":
+        docs = docs[docs <= capacity]
+    if long_documents != "split":
+        return np.zeros(docs.size, dtype=bool)
+    return np.repeat(docs > capacity, np.maximum(-(-docs // capacity), 1))
 
 
 def _store_options(spec: LoaderSpec, source) -> dict:
@@ -238,10 +251,11 @@ async def _scan_source(spec: LoaderSpec, index: int, tokenizer, max_docs: Option
         await store.aclose()
 
     counts = {"empty": 0, "split": 0, "truncated": 0, "dropped": 0}
-    items, shard_items = [], []
+    items, shard_items, divisible = [], [], []
     for docs in per_shard:
         lengths, c = items_from_documents(docs, capacity, long_documents)
         items.append(lengths)
+        divisible.append(divisible_items(docs, capacity, long_documents))
         shard_items.append(lengths.size)
         for k, v in c.items():
             counts[k] += v
@@ -251,7 +265,8 @@ async def _scan_source(spec: LoaderSpec, index: int, tokenizer, max_docs: Option
         lengths=np.concatenate(items) if items else np.zeros(0, np.int64),
         shard_items=np.array(shard_items, dtype=np.int64), shards=len(shards),
         shards_read=len(per_shard), documents=int(sum(d.size for d in per_shard)),
-        skipped=skips.count if skips else 0, complete=complete, **counts)
+        skipped=skips.count if skips else 0, complete=complete,
+        divisible=np.concatenate(divisible) if divisible else np.zeros(0, bool), **counts)
 
 
 def scan(spec: LoaderSpec, max_docs: Optional[int] = None) -> list[SourceScan]:
@@ -319,35 +334,44 @@ class StepReport:
 
 class _Window:
     """One (rank, source) buffer: items deferred at its head (with their ages), then the rank's
-    feed of items not yet offered."""
+    feed of items not yet offered.
 
-    def __init__(self, feed: np.ndarray, next_pass: Optional[Callable[[], np.ndarray]] = None):
+    Items are kept *coded*, `length * 2 + divisible` (a piece of a split document, which the
+    planner may cut: its rest stays at the head, as in `SourceBuffer.take`)."""
+
+    def __init__(self, feed: np.ndarray, next_pass: Optional[Callable[[], np.ndarray]] = None,
+                 coded: bool = False):
         """`next_pass`: where the items after `feed` come from, for a stream without end (a
-        sampled source's items again, an endless source's next pass); None: it ends."""
+        sampled source's items again, an endless source's next pass); None: it ends. Both give
+        coded items when `coded`, else plain lengths (nothing divisible)."""
         self.head = np.zeros(0, np.int64)
         self.head_age = np.zeros(0, np.int64)
-        self.next_pass = next_pass
-        self._set_feed(feed)
+        self.coded = coded
+        self.next_pass = next_pass if (coded or next_pass is None) else (lambda: 2 * next_pass())
+        self._set_feed(feed if coded else 2 * np.asarray(feed, dtype=np.int64))
         self.offered = 0            # head items in this step's window
         self.fresh = 0              # feed items in this step's window
+        self.divisible = np.zeros(0, bool)   # of this step's window
 
     def _set_feed(self, feed: np.ndarray) -> None:
         self.feed = feed
         self.ptr = 0
-        self.prefix = np.concatenate([[0], np.cumsum(feed)])   # prefix[j] = sum(feed[:j])
+        self.prefix = np.concatenate([[0], np.cumsum(feed >> 1)])   # tokens in feed[:j]
 
     def restart(self, feed: np.ndarray) -> None:
         """The next pass (epoch) of this rank's items, after what is still at the head."""
-        self._set_feed(feed)
+        self._set_feed(feed if self.coded else 2 * np.asarray(feed, dtype=np.int64))
 
     def window(self, tokens: int) -> tuple[np.ndarray, np.ndarray, bool]:
         """The shortest prefix holding >= `tokens` tokens, or all that is left: (lengths, ages,
-        done). `done`: the window holds the rest of the pass (SourceBuffer.window)."""
-        head_before = np.cumsum(self.head) - self.head
+        done). `done`: the window holds the rest of the pass (SourceBuffer.window). Which
+        items are divisible: `self.divisible`."""
+        head_lengths = self.head >> 1
+        head_before = np.cumsum(head_lengths) - head_lengths
         n_head = int(np.searchsorted(head_before, tokens, side="left"))
         fresh = 0
         if n_head == self.head.size:
-            need = tokens - int(self.head.sum())
+            need = tokens - int(head_lengths.sum())
             while True:
                 stop = int(np.searchsorted(self.prefix[:-1], need + self.prefix[self.ptr],
                                            side="left"))
@@ -356,17 +380,26 @@ class _Window:
                     break
                 self._set_feed(np.concatenate([self.feed[self.ptr:], self.next_pass()]))
         self.offered, self.fresh = n_head, fresh
-        lengths = np.concatenate([self.head[:n_head], self.feed[self.ptr:self.ptr + fresh]])
+        codes = np.concatenate([self.head[:n_head], self.feed[self.ptr:self.ptr + fresh]])
+        lengths, self.divisible = codes >> 1, (codes & 1).astype(bool)
         ages = np.concatenate([self.head_age[:n_head], np.zeros(fresh, np.int64)])
         done = (self.next_pass is None and n_head == self.head.size
                 and self.ptr + fresh >= self.feed.size and int(lengths.sum()) < tokens)
         return lengths, ages, done
 
-    def commit(self, taken: np.ndarray, lengths: np.ndarray, ages: np.ndarray) -> None:
-        """Remove the taken window positions; the rest of the window ages one step."""
+    def commit(self, taken: np.ndarray, lengths: np.ndarray, ages: np.ndarray,
+               taken_lengths: Optional[np.ndarray] = None) -> None:
+        """Remove the taken window positions (`taken_lengths`: tokens taken of each; an item
+        cut short keeps its rest in place); the rest of the window ages one step."""
         keep = np.ones(lengths.size, dtype=bool)
         keep[taken] = False
-        self.head = np.concatenate([lengths[keep], self.head[self.offered:]])
+        lengths = np.asarray(lengths, dtype=np.int64).copy()
+        if taken_lengths is not None:
+            cut = np.asarray(taken_lengths) < lengths[taken]
+            lengths[taken[cut]] -= np.asarray(taken_lengths)[cut]
+            keep[taken[cut]] = True
+        codes = lengths * 2 + self.divisible
+        self.head = np.concatenate([codes[keep], self.head[self.offered:]])
         self.head_age = np.concatenate([ages[keep] + 1, self.head_age[self.offered:]])
         self.ptr += self.fresh
         self.offered = self.fresh = 0
@@ -377,7 +410,7 @@ class _Window:
 
 
 class _SourceFeed:
-    """How one source's items are dealt to ranks, pass by pass."""
+    """How one source's items are dealt to ranks, pass by pass, as coded items (`_Window`)."""
 
     def __init__(self, data: Union[SourceScan, np.ndarray], index: int, seed: int, ranks: int):
         self.index, self.seed, self.ranks = index, seed, ranks
@@ -391,6 +424,9 @@ class _SourceFeed:
             self.sampled = False
         if self.lengths.size and self.lengths.min() < 1:
             raise ValueError(f"source {index}: item lengths must be >= 1")
+        divisible = getattr(data, "divisible", None)
+        self.codes = 2 * self.lengths + (0 if divisible is None else
+                                         np.asarray(divisible, dtype=np.int64))
         self.by_shards = self.shard_items is not None and not self.sampled
         if self.by_shards:
             self.starts = np.cumsum(self.shard_items) - self.shard_items
@@ -404,11 +440,11 @@ class _SourceFeed:
             out = []
             for shards in deal_epoch(n, seed=self.seed, epoch=pass_index, source_index=self.index,
                                      world=R, endless=endless, rotation=self.index % R):
-                parts = [self.lengths[self.starts[k]:self.starts[k] + self.shard_items[k]]
+                parts = [self.codes[self.starts[k]:self.starts[k] + self.shard_items[k]]
                          for k in shards % n]
                 out.append(np.concatenate(parts) if parts else np.zeros(0, np.int64))
             return out
-        items = self.lengths
+        items = self.codes
         if pass_index > 0 and not self.sampled:
             items = items[np.random.default_rng([self.seed, pass_index, self.index])
                           .permutation(items.size)]
@@ -419,13 +455,13 @@ class _SourceFeed:
         one goes on pass after pass (each rank at its own pace, as in the loader)."""
         first = self.rank_items(0, endless)[rank]
         if not self.lengths.size:
-            return _Window(first)
+            return _Window(first, coded=True)
         if self.sampled:   # this rank's items come round again
-            return _Window(first, (lambda: first) if first.size else None)
+            return _Window(first, (lambda: first) if first.size else None, coded=True)
         if endless:
             passes = iter(range(1, 2**62))
-            return _Window(first, lambda: self.rank_items(next(passes), True)[rank])
-        return _Window(first)
+            return _Window(first, lambda: self.rank_items(next(passes), True)[rank], coded=True)
+        return _Window(first, coded=True)
 
 
 def _memory_plan(spec: LoaderSpec, config, mixer: QuotaMixer, ranks: int) -> MemoryPlan:
@@ -516,26 +552,29 @@ def simulate(spec: LoaderSpec, lengths: Sequence[Union[SourceScan, np.ndarray]],
 
         win_lengths = [[views[r][s][0] for s in range(S)] for r in range(R)]
         win_ages = [[views[r][s][1] for s in range(S)] for r in range(R)]
-        c = Candidates.from_windows(win_lengths, win_ages)
+        c = Candidates.from_windows(win_lengths, win_ages, None,
+                                    [[windows[r][s].divisible for s in range(S)] for r in range(R)])
         if len(c) == 0:
             break
         quota = mixer.plan(c, step_tokens, step)
         assignment = planner.plan_quota(quota, step)
         take = np.asarray(assignment.take, dtype=np.int64)
-        units = mixer.update(quota, take)
+        units = mixer.update(quota, take, assignment.length)
+        whole = assignment.length == c.length[take]   # a cut item's rest stays
         window_tokens = _window_tokens(memory, mixer,
-                                       MemoryPlan.holding_after(c, take, exhausted))
+                                       MemoryPlan.holding_after(c, take[whole], exhausted))
         reports.append(_report(step, epoch, c, quota, assignment, take, units, geometry, S))
 
         # Taken items leave their windows; the others age. Candidates are (source, rank, pos).
-        taken = np.zeros(len(c), dtype=bool)
-        taken[take] = True
+        taken = np.zeros(len(c), dtype=np.int64)   # tokens taken of each candidate
+        taken[take] = assignment.length
         at = 0
         for s in range(S):
             for r in range(R):
                 n = win_lengths[r][s].size
                 positions = np.flatnonzero(taken[at:at + n])
-                windows[r][s].commit(positions, win_lengths[r][s], win_ages[r][s])
+                windows[r][s].commit(positions, win_lengths[r][s], win_ages[r][s],
+                                     taken[at:at + n][positions])
                 at += n
         step += 1
     return reports
@@ -543,7 +582,7 @@ def simulate(spec: LoaderSpec, lengths: Sequence[Union[SourceScan, np.ndarray]],
 
 def _report(step, epoch, c: Candidates, quota, assignment, take, units, geometry: Geometry,
             S: int) -> StepReport:
-    lengths = c.length[take]
+    lengths = assignment.length
     source = c.source[take]
     tokens = np.bincount(source, weights=lengths, minlength=S).astype(np.int64)
     samples = np.bincount(source, minlength=S).astype(np.int64)

@@ -15,6 +15,7 @@ from typing import Awaitable, Callable, Optional, Protocol, TypeVar
 import numpy as np
 import torch
 
+from . import pieces
 from .batch import Batch, MicroBatch
 from .config import LoaderConfig, Source
 from .errors import ConfigError
@@ -243,6 +244,12 @@ class Runtime:
         c, R = summaries.candidates, self.comm.world
         taken = np.zeros(len(c), dtype=bool)
         taken[plan.take] = True
+        ids = summaries.ids
+        cut = plan.length < c.length[plan.take]
+        if cut.any():   # the rest of a cut piece is pending, under its new offset (`pieces`)
+            ids = ids.copy()
+            ids[plan.take[cut], 2] += plan.length[cut]
+            taken[plan.take[cut]] = False
         # Candidates are ordered by (source, rank, position): slice each window out.
         bounds = np.searchsorted(c.source.astype(np.int64) * R + c.rank,
                                  np.arange(len(self.sources) * R + 1))
@@ -250,7 +257,7 @@ class Runtime:
             for q in range(R):
                 lo, hi = bounds[s * R + q], bounds[s * R + q + 1]
                 if hi > lo:
-                    tracker.observe(q, summaries.ids[lo:hi], c.age[lo:hi].astype(np.int64),
+                    tracker.observe(q, ids[lo:hi], c.age[lo:hi].astype(np.int64),
                                     taken[lo:hi])
 
     def snapshot(self):
@@ -396,10 +403,11 @@ class Runtime:
                 continue
             if quota is None:   # every rank keeps the mixer's state (the schedule's position)
                 quota = self.mixer.plan(candidates, step_tokens, self.step)
-            self.mixer.update(quota, plan.take)
-            self.holding = MemoryPlan.holding_after(candidates, plan.take, exhausted)
+            self.mixer.update(quota, plan.take, plan.length)
+            whole = plan.length == candidates.length[plan.take]   # a cut item's rest stays
+            self.holding = MemoryPlan.holding_after(candidates, plan.take[whole], exhausted)
             self._resize(self._budgets())
-            lengths = candidates.length[plan.take]
+            lengths = plan.length
             self._track(summaries, plan)
             self._autoscale()
             batch = await self._deliver(summaries, plan, lengths)
@@ -435,7 +443,8 @@ class Runtime:
             entries = np.flatnonzero((holder == me) & (c.source[plan.take] == s))
             positions = c.position[plan.take[entries]]
             order = np.argsort(positions, kind="stable")
-            items = await buffer.take(positions[order], len(self._windows[s][0]))
+            items = await buffer.take(positions[order], len(self._windows[s][0]),
+                                      lengths[entries[order]])
             mine.update(zip(entries[order].tolist(), (i.tokens for i in items)))
         entries, tokens = await self._collective(
             lambda: exchange_tokens(self.comm, holder, plan.rank, lengths, mine))
@@ -486,14 +495,15 @@ class Runtime:
             metrics.step_wait_s += float(wait)
 
     def _sample_id(self, source: int, shard: int, record: int, chunk: int) -> str:
-        """"source/shard/record", with ":chunk" for a piece of a split document."""
+        """"source/shard/record", ":k" for piece k of a split document, ":k+o" for what was
+        left of it after its first o tokens went to an earlier step (`pieces`)."""
         shards = self.shards[source]
         shard %= len(shards)   # a repeated or restarted pass reads the same shard again
         prefix = self._id_prefixes.get((source, shard))
         if prefix is None:
             prefix = self._id_prefixes[(source, shard)] = \
                 f"{self.sources[source].name}/{shards[shard].name}/"
-        return f"{prefix}{record}" if chunk < 0 else f"{prefix}{record}:{chunk}"
+        return f"{prefix}{record}{pieces.suffix(chunk)}"
 
     def stats(self) -> dict:
         sources = {}

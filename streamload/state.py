@@ -30,10 +30,11 @@ from typing import Iterator, Optional
 import msgspec
 import numpy as np
 
+from . import pieces
 from .errors import ConfigError
 from .plan.mixing import MixtureState
 
-STATE_VERSION = 2
+STATE_VERSION = 3
 _END = (2**62, 2**62)   # skip_through for "only the extras"
 
 
@@ -43,11 +44,25 @@ class ReadUnit(msgspec.Struct, array_like=True, frozen=True):
     extras: tuple[tuple[int, int], ...] = ()
 
     def keep_filter(self):
-        """A predicate on (record, chunk), or None when the whole shard is kept."""
+        """None when the whole shard is kept; else `start(record, chunk)`: the offset to start
+        an item at (0: whole), or None to leave it out. An extra whose chunk carries an offset
+        (`pieces`) is the rest of a piece the planner cut: the piece is kept from there."""
         if self.skip_through is None:
             return None
-        skip, extras = tuple(self.skip_through), {tuple(e) for e in self.extras}
-        return lambda record, chunk: (record, chunk) > skip or (record, chunk) in extras
+        skip = tuple(self.skip_through)
+        extras, rests = set(), {}
+        for record, chunk in self.extras:
+            offset = chunk & pieces.OFFSET_MASK if chunk >= 0 else 0
+            if offset:
+                rests[(record, chunk - offset)] = offset
+            else:
+                extras.add((record, chunk))
+
+        def start(record, chunk):
+            if (record, chunk) in rests:
+                return rests[(record, chunk)]
+            return 0 if (record, chunk) > skip or (record, chunk) in extras else None
+        return start
 
 
 class SourceProgress(msgspec.Struct, frozen=True):
@@ -91,10 +106,29 @@ def decode_state(data) -> LoaderState:
             state = msgspec.convert(data, LoaderState)
     except msgspec.MsgspecError as exc:
         raise ConfigError(f"loader state: not a valid streamload state: {exc}") from None
+    if state.version == 2:
+        state = _from_version_2(state)
     if state.version != STATE_VERSION:
         raise ConfigError(f"loader state: version {state.version} is not supported "
                           f"(this streamload writes version {STATE_VERSION})")
     return state
+
+
+def _from_version_2(state: LoaderState) -> LoaderState:
+    """Version 2 numbered the pieces of a split document 0, 1, ...; version 3 keeps an offset
+    beside the piece number (`pieces`): piece k is `k << 32`. Nothing else changed."""
+    def chunk(c: int) -> int:   # (_END's 2**62 is no piece number: it stays)
+        return pieces.piece(c) if 0 <= c < 1 << pieces.SHIFT else c
+
+    def unit(u: ReadUnit) -> ReadUnit:
+        skip = None if u.skip_through is None else (u.skip_through[0], chunk(u.skip_through[1]))
+        return ReadUnit(u.shard, skip, tuple((r, chunk(c)) for r, c in u.extras))
+
+    sources = tuple(msgspec.structs.replace(p, units=tuple(tuple(unit(u) for u in units)
+                                                            for units in p.units))
+                    for p in state.sources)
+    ages = tuple((s, shard, r, chunk(c), age) for s, shard, r, c, age in state.ages)
+    return msgspec.structs.replace(state, version=3, sources=sources, ages=ages)
 
 
 def shard_permutation(num_shards: int, seed: int, epoch: int, source_index: int) -> np.ndarray:

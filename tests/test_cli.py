@@ -146,7 +146,8 @@ def test_demo_small_delivers_everything_exactly_once(tmp_path):
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert summary["exactly_once"] is True and summary["ok"] is True
     assert summary["duplicates"] == 0 and summary["missing"] == 0
-    assert summary["samples"] == summary["expected_samples"] > summary["documents"]  # some split
+    # Every item once, some split, and pieces the planner cut to fill rows arrive in parts.
+    assert summary["samples"] >= summary["expected_samples"] > summary["documents"]
     assert summary["tokens"] == summary["corpus_tokens"]
     assert summary["ranks"] == 2 and summary["equal_steps_on_every_rank"]
     assert set(summary["mix"]) == {"web", "code", "books", "math"}
@@ -186,6 +187,6 @@ def test_demo_corpus_matches_inspect(tmp_path, capsys):
         assert [s["name"] for s in report["shards"]] == source.shards
         assert [s["records"] for s in report["shards"]] == [len(x) for x in source.lengths]
         assert report["tokens"] == source.tokens
-    assert len(corpus.expected_ids(4096)) == sum(s.samples(4096) for s in corpus.sources)
+    assert len(corpus.expected_items(4096)) == sum(s.samples(4096) for s in corpus.sources)
     again = generate(tmp_path / "again", small=True, capacity=4096)
     assert [s.lengths for s in again.sources] == [s.lengths for s in corpus.sources]

@@ -5,6 +5,7 @@ import numpy as np
 import pytest
 
 import streamload as sl
+from streamload import pieces
 from corpus import base_ids, upload_dir, write_jsonl_source, write_token_source
 
 pytestmark = pytest.mark.timeout(60)
@@ -37,12 +38,13 @@ def test_one_epoch_delivers_every_sample_exactly_once(local_corpus):
         stats = loader.stats()
     assert len(ids) == len(set(ids)), "a sample was delivered twice"
     assert set(base_ids(ids)) == expected
-    # Every split document arrives whole: chunks 0..k-1, each once.
-    chunks: dict[str, list[int]] = {}
+    # Every split document arrives whole: pieces 0..k-1, each once (a piece cut to fill a row
+    # arrives as ":k" and ":k+offset" parts).
+    chunks: dict[str, set[int]] = {}
     for i in ids:
-        if ":" in i.rsplit("/", 1)[-1]:
-            base, k = i.rsplit(":", 1)
-            chunks.setdefault(base, []).append(int(k))
+        doc, k, _ = pieces.parse(i)
+        if k >= 0:
+            chunks.setdefault(doc, set()).add(k)
     assert chunks, "the corpus should contain documents longer than a row"
     for base, ks in chunks.items():
         assert sorted(ks) == list(range(len(ks))), base

@@ -4,6 +4,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from streamload import pieces
+
 from streamload.formats.base import RawRecord
 from streamload.pipeline.transform import records_to_items, utf8_bytes
 from streamload.plan.packing import pack_rows
@@ -55,7 +57,7 @@ def test_byte_tokens_are_uint8_and_split_chunks_keep_the_bytes():
     items, counts = records_to_items([RawRecord(7, text), RawRecord(8, "")], shard=0,
                                      capacity=100, long_documents="split")
     assert b"".join(item.tokens.tobytes() for item in items) == data
-    assert [item.chunk for item in items] == list(range(-(-len(data) // 100)))
+    assert [item.chunk for item in items] == [pieces.piece(k) for k in range(-(-len(data) // 100))]
     assert counts.tokens == len(data) and counts.samples == len(items) and counts.empty == 1
 
 

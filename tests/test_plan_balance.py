@@ -60,11 +60,12 @@ def test_exchanged_fraction_counts_tokens_that_leave_home():
     c = Candidates.from_windows([[np.array([10, 30])], [np.array([60])]])
     # Items: 0 (10 tokens, rank 0), 1 (30, rank 0), 2 (60, rank 1).
     a = Assignment(take=np.array([0, 1, 2]), rank=np.array([0, 1, 1], np.int32),
-                   row=np.zeros(3, np.int32), rank_cost=np.zeros(2))
+                   row=np.zeros(3, np.int32), rank_cost=np.zeros(2),
+                   length=np.array([10, 30, 60]))
     assert exchanged_tokens(c, a) == 30
     assert exchanged_fraction(c, a) == pytest.approx(30 / 100)
     empty = Assignment(np.zeros(0, np.int64), np.zeros(0, np.int32), np.zeros(0, np.int32),
-                       np.zeros(2))
+                       np.zeros(2), np.zeros(0, np.int64))
     assert exchanged_fraction(c, empty) == 0.0
 
 

@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 import streamload as sl
+from streamload import pieces
 from corpus import base_ids, write_jsonl_source
 from distributed import run_ranks
 from resumecheck import flat, resume_divergence
@@ -35,6 +36,21 @@ def loader_for(root, **kw):
                       sl.Source(str(Path(root) / "big"), weight=0.5)], **kw)
 
 
+def piece_tokens(batches, prefix, epoch=None) -> Counter:
+    """Tokens delivered per (document, piece) of the ids starting with `prefix`."""
+    out = Counter()
+    for b in batches:
+        if epoch is not None and b.epoch != epoch:
+            continue
+        for mb in b.micro_batches:
+            bounds = mb.cu_seqlens.tolist()
+            for sid, lo, hi in zip(mb.sample_ids, bounds, bounds[1:]):
+                if sid.startswith(prefix):
+                    doc, k, _ = pieces.parse(sid)
+                    out[(doc, k)] += hi - lo
+    return out
+
+
 def token_share(batches, prefix):
     tokens = Counter()
     for b in batches:
@@ -54,7 +70,9 @@ def test_restart_source_is_upsampled_to_its_weight_while_the_finite_one_sets_the
     counts = Counter(ids)   # by sample: a chunk of a split document is its own sample
     # The finite source: every sample once per epoch, two epochs.
     assert {i for i in base_ids(counts) if i.startswith("big/")} == big
-    assert all(n == 2 for i, n in counts.items() if i.startswith("big/"))
+    # Twice each, by tokens: a piece cut to fill a row arrives in parts, cut where it fell.
+    both, first = piece_tokens(batches, "big/"), piece_tokens(batches, "big/", epoch=0)
+    assert both.keys() == first.keys() and all(both[k] == 2 * n for k, n in first.items())
     # The endless one: read pass after pass, never running out, every sample about as often
     # as the others. When the run ends, a sample can be behind by what the buffer holds
     # unoffered (about a pass here: two windows and a row of a source with ~7 steps a pass)

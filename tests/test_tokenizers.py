@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 
 import streamload as sl
+from streamload import pieces
 from corpus import texts
 from streamload.formats import write_jsonl
 
@@ -46,15 +47,15 @@ def corpus(tmp_path_factory):
 
 def delivered(loader) -> dict[str, list[int]]:
     """document id -> its tokens (the pieces of a split document joined in their order)."""
-    pieces: dict[str, dict[int, list[int]]] = {}
+    parts: dict[str, dict[tuple[int, int], list[int]]] = {}
     for batch in loader:
         for mb in batch.micro_batches:
             tokens, bounds = mb.tokens.tolist(), mb.cu_seqlens.tolist()
             for sample, a, b in zip(mb.sample_ids, bounds, bounds[1:]):
-                doc, _, k = sample.partition(":")
-                assert int(k or 0) not in pieces.setdefault(doc, {}), f"{sample} twice"
-                pieces[doc][int(k or 0)] = tokens[a:b]
-    return {doc: [t for k in sorted(p) for t in p[k]] for doc, p in pieces.items()}
+                doc, k, offset = pieces.parse(sample)
+                assert (k, offset) not in parts.setdefault(doc, {}), f"{sample} twice"
+                parts[doc][(k, offset)] = tokens[a:b]
+    return {doc: [t for key in sorted(p) for t in p[key]] for doc, p in parts.items()}
 
 
 @pytest.mark.parametrize("tokenize_in", ["threads", "processes"])

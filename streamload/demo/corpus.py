@@ -14,7 +14,7 @@ math     local         .tokens.npy    pre-tokenized (uint16 ids), lognormal, med
 
 Text is made of words drawn from a small vocabulary with Zipf-like frequencies, a few of them
 non-ASCII, so that byte-level tokenization gives lengths that differ from character counts.
-Everything is a deterministic function of the seed. `Corpus.expected_ids(C)` lists the sample
+Everything is a deterministic function of the seed. `Corpus.expected_items(C)` lists the sample
 ids that one epoch must deliver, which is what the demo checks exactly-once delivery against.
 """
 from __future__ import annotations
@@ -59,18 +59,51 @@ _CLASSES = "Loader Buffer Planner Shard Reader Writer Tree Node Cache Stream Con
 _MODULES = "os sys json math time asyncio numpy torch itertools functools pathlib re".split()
 
 
-def expected_ids(shards, capacity: int) -> set[str]:
-    """Every sample id one epoch delivers with long_documents="split", from (source name, shard
-    name, document lengths) per shard: "source/shard/record", ":k" per piece of a long one."""
-    ids = set()
+def check_delivery(parts, expected: dict[str, int]) -> dict[str, list[str]]:
+    """What an epoch delivered, `parts` = (sample id, tokens) pairs over every rank, against
+    `expected` ({id: tokens}, `expected_items`). A piece the planner cut to fill a row arrives
+    in parts, ":k" then ":k+offset" (`streamload.pieces`): its parts must tile it. Returns the
+    ids delivered twice, the items never delivered, the ids that are no item, the pieces whose
+    parts overlap or leave a gap (`untiled`), and those whose parts stop short of their end
+    (`partial`: only right for a run stopped early)."""
+    seen, by_item = set(), {}
+    duplicates = []
+    for sid, n in parts:
+        if sid in seen:
+            duplicates.append(sid)
+        seen.add(sid)
+        base, _, offset = sid.partition("+")
+        by_item.setdefault(base, []).append((int(offset or 0), int(n)))
+    untiled, partial = [], []
+    for base, got in by_item.items():
+        got.sort()
+        starts = [offset for offset, _ in got]
+        ends = np.cumsum([n for _, n in got])
+        if base not in expected:
+            continue
+        if starts != [0] + ends[:-1].tolist() or int(ends[-1]) > expected[base]:
+            untiled.append(base)
+        elif int(ends[-1]) < expected[base]:
+            partial.append(base)
+    return {"duplicates": sorted(duplicates), "missing": sorted(expected.keys() - by_item.keys()),
+            "unexpected": sorted(by_item.keys() - expected.keys()), "untiled": sorted(untiled),
+            "partial": sorted(partial)}
+
+
+def expected_items(shards, capacity: int) -> dict[str, int]:
+    """Every item one epoch delivers with long_documents="split", and its tokens, from
+    (source name, shard name, document lengths) per shard: "source/shard/record", ":k" per
+    piece of a long one. (A piece the planner cuts arrives as ":k" and ":k+offset" parts.)"""
+    items = {}
     for source, shard, lengths in shards:
         for record, n in enumerate(lengths):
             base = f"{source}/{shard}/{record}"
             if n <= capacity:
-                ids.add(base)
+                items[base] = int(n)
             else:
-                ids.update(f"{base}:{k}" for k in range(math.ceil(n / capacity)))
-    return ids
+                for k in range(math.ceil(n / capacity)):
+                    items[f"{base}:{k}"] = int(min(capacity, n - k * capacity))
+    return items
 
 
 @dataclass(frozen=True)
@@ -144,10 +177,10 @@ class Corpus:
     def docs(self) -> int:
         return sum(s.docs for s in self.sources)
 
-    def expected_ids(self, capacity: int) -> set[str]:
-        """Every sample id one epoch delivers with long_documents="split"."""
-        return expected_ids(((s.name, shard, lengths) for s in self.sources
-                             for shard, lengths in zip(s.shards, s.lengths)), capacity)
+    def expected_items(self, capacity: int) -> dict[str, int]:
+        """Every item one epoch delivers with long_documents="split", with its tokens."""
+        return expected_items(((s.name, shard, lengths) for s in self.sources
+                               for shard, lengths in zip(s.shards, s.lengths)), capacity)
 
     def save(self, path: str | os.PathLike) -> None:
         Path(path).write_text(json.dumps(asdict(self)))

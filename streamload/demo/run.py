@@ -153,7 +153,7 @@ def _iterate(rank: int, world: int, job: dict) -> dict:
                     raise AssertionError(f"step {batch.step}: a row holds {mb.num_tokens} > {C} tokens")
                 lengths = np.diff(mb.cu_seqlens.numpy()).tolist()
                 for sid, n in zip(mb.sample_ids, lengths):
-                    ids.append(sid)
+                    ids.append((sid, n))
                     source = sid.split("/", 1)[0]
                     source_tokens[source] += n
                     source_samples[source] += 1
@@ -362,14 +362,11 @@ def summarize(corpus: corpus_module.Corpus, ranks: list[dict], args, wall: float
     stalled = ranks[0]["stalled_at_step"]
     complete = args.steps is None or any(r["steps"] < args.steps for r in ranks) or \
         stalled is not None
-    delivered = Counter()
-    for r in ranks:
-        delivered.update(r["ids"])
-    duplicates = sorted(i for i, n in delivered.items() if n > 1)
-    expected = corpus.expected_ids(C)
-    unexpected = sorted(set(delivered) - expected)
-    missing = sorted(expected - set(delivered))
-    no_duplicates = not duplicates and not unexpected
+    expected = corpus.expected_items(C)
+    check = corpus_module.check_delivery((tuple(p) for r in ranks for p in r["ids"]), expected)
+    duplicates, unexpected, missing = check["duplicates"], check["unexpected"], check["missing"]
+    no_duplicates = not duplicates and not unexpected and not check["untiled"]
+    missing = missing + check["partial"]   # a cut piece whose rest never came
     complete = complete or not missing
     exactly_once = (no_duplicates and not missing) if complete else None
     if not complete:

@@ -62,7 +62,7 @@ def check_statuses(gathered: list[np.ndarray], rank: int, local_error: Optional[
     return not any(array.shape[0] and array[0] == WAITING for array in gathered)
 
 
-ID_FIELDS = 3   # shard, record, chunk (-1 for a document that was not split)
+ID_FIELDS = 3   # shard, record, chunk (-1 for a whole document; else see `pieces`)
 
 
 @dataclass(frozen=True)
@@ -113,7 +113,9 @@ def decode_summaries(gathered: list[np.ndarray], num_sources: int) -> Summaries:
             at += (3 + ID_FIELDS) * n
     # Candidates are ordered source-major, then rank: lay the ids out the same way.
     flat_ids = [ids[r][s] for s in range(num_sources) for r in range(len(gathered))]
-    return Summaries(Candidates.from_windows(lengths, ages, extra),
+    # A piece of a split document (chunk >= 0, `pieces`) may be cut to fill a row.
+    divisible = [[i[:, 2] >= 0 for i in per_rank] for per_rank in ids]
+    return Summaries(Candidates.from_windows(lengths, ages, extra, divisible),
                      np.concatenate(flat_ids) if flat_ids else np.zeros((0, ID_FIELDS), np.int64),
                      exhausted)
 
@@ -124,7 +126,7 @@ OUTCOMES = ("continue", "end_epoch", "stop")   # what the job does after this pl
 def plan_size(num_candidates: int) -> int:
     """The longest plan message for a step with this many candidates (each is taken at most
     once). Every rank knows the candidates, so the broadcast needs no size of its own."""
-    return 3 + 3 * num_candidates
+    return 3 + 4 * num_candidates
 
 
 def encode_plan(assignment: Optional[Assignment], outcome: int) -> np.ndarray:
@@ -133,7 +135,7 @@ def encode_plan(assignment: Optional[Assignment], outcome: int) -> np.ndarray:
     k = len(assignment)
     return np.concatenate([np.array([OK, outcome, k], dtype=np.int64),
                            assignment.take.astype(np.int64), assignment.rank.astype(np.int64),
-                           assignment.row.astype(np.int64)])
+                           assignment.row.astype(np.int64), assignment.length.astype(np.int64)])
 
 
 @dataclass(frozen=True)
@@ -142,9 +144,11 @@ class PlanMessage:
     take: np.ndarray
     rank: np.ndarray
     row: np.ndarray
+    length: np.ndarray    # tokens taken of each item (fewer than it holds: cut to fill a row)
 
 
 def decode_plan(array: np.ndarray) -> PlanMessage:
     outcome, k = int(array[1]), int(array[2])
     body = array[3:]
-    return PlanMessage(outcome, body[:k], body[k:2 * k], body[2 * k:3 * k])
+    return PlanMessage(outcome, body[:k], body[k:2 * k], body[2 * k:3 * k],
+                       body[3 * k:4 * k])

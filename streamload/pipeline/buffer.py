@@ -111,23 +111,36 @@ class SourceBuffer:
             tokens += len(entry)
         return out, False
 
-    async def take(self, positions: np.ndarray, window_size: int) -> list[Item]:
-        """Remove window items at `positions` (ascending), age the rest of the window."""
+    async def take(self, positions: np.ndarray, window_size: int,
+                   lengths: Optional[np.ndarray] = None) -> list[Item]:
+        """Remove window items at `positions` (ascending), age the rest of the window.
+        `lengths`: tokens to take of each; an item cut short leaves its rest in its place, as
+        the remainder of its piece (`pieces`), aged like the rest of the window."""
+        cut = {} if lengths is None else {
+            int(p): int(n) for p, n in zip(positions, lengths) if n < len(self._entries[int(p)])}
         taken_mask = np.zeros(window_size, dtype=bool)
         taken_mask[positions] = True
         head = [self._entries.popleft() for _ in range(window_size)]
-        kept = []
-        for item, taken in zip(head, taken_mask):
+        kept, out, removed = [], {}, 0
+        for p, (item, taken) in enumerate(zip(head, taken_mask)):
+            if p in cut:
+                n = cut[p]
+                out[p] = Item(item.shard, item.record, item.chunk, item.tokens[:n])
+                item = Item(item.shard, item.record, item.chunk + n, item.tokens[n:])
+                item.age = head[p].age
+                taken = False
+                removed += n
+            elif taken:
+                out[p] = item
+                removed += len(item)
             if not taken:
                 item.age += 1
                 kept.append(item)
         self._entries.extendleft(reversed(kept))
-        by_position = {int(p): head[int(p)] for p in positions}
-        removed = sum(len(item) for item in by_position.values())
         self._tokens -= removed
         self._head_tokens -= removed
         self._changes.notify()
-        return [by_position[int(p)] for p in positions]
+        return [out[int(p)] for p in positions]
 
     async def next_epoch(self) -> None:
         """Drop the end-of-epoch marker at the head (the window before it must be empty)."""

@@ -13,6 +13,7 @@ import numpy as np
 from ..errors import DataError
 from ..formats.base import RawRecord
 from ..tokenizer import TextTokenizer
+from .. import pieces
 from .buffer import Item
 
 _INT32_MAX = int(np.iinfo(np.int32).max)
@@ -92,7 +93,9 @@ def records_to_items(records: list[RawRecord], shard: int, capacity: int, long_d
                      ages: Optional[dict] = None, where: tuple = (None, None),
                      on_skip: Optional[Callable[[int, str], None]] = None
                      ) -> tuple[list[Item], TransformCounts]:
-    """`keep(record, chunk)` filters items of a resumed shard; `ages` restores deferral ages.
+    """`keep(record, chunk)` filters items of a resumed shard: it gives the offset to start an
+    item at (0: whole; a remainder of a piece that was cut) or None to leave it out. `ages`
+    restores deferral ages.
     A record whose token ids batches cannot carry raises a DataError naming it (`where`: the
     source and shard names), or goes to `on_skip(record, reason)` when given."""
     items: list[Item] = []
@@ -114,14 +117,22 @@ def records_to_items(records: list[RawRecord], shard: int, capacity: int, long_d
             items.append(Item(shard, record.index, -1, tokens))
         elif long_documents == "split":
             for k, start in enumerate(range(0, n, capacity)):
-                items.append(Item(shard, record.index, k, tokens[start:start + capacity]))
+                items.append(Item(shard, record.index, pieces.piece(k),
+                                  tokens[start:start + capacity]))
         elif long_documents == "truncate":
             counts.truncated += 1
             items.append(Item(shard, record.index, -1, tokens[:capacity]))
         else:
             counts.dropped += 1
     if keep is not None:
-        items = [item for item in items if keep(item.record, item.chunk)]
+        kept = []
+        for item in items:
+            start = keep(item.record, item.chunk)
+            if start == 0:
+                kept.append(item)
+            elif start is not None:   # the rest of a piece the planner cut
+                kept.append(Item(shard, item.record, item.chunk | start, item.tokens[start:]))
+        items = kept
     if ages:
         for item in items:
             item.age = ages.get((shard, item.record, item.chunk), 0)

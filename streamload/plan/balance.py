@@ -59,7 +59,7 @@ def exchanged_fraction(c: Candidates, assignment: Assignment) -> float:
     """Fraction of the taken tokens that leave the rank holding them (0 when nothing is taken)."""
     if len(assignment) == 0:
         return 0.0
-    lengths = c.length[assignment.take]
+    lengths = assignment.length
     moved = lengths[c.rank[assignment.take] != assignment.rank].sum()
     return float(moved) / float(lengths.sum())
 
@@ -67,7 +67,7 @@ def exchanged_fraction(c: Candidates, assignment: Assignment) -> float:
 def exchanged_tokens(c: Candidates, assignment: Assignment) -> int:
     """Tokens that the exchange step has to send to another rank."""
     moved = c.rank[assignment.take] != assignment.rank
-    return int(c.length[assignment.take][moved].sum())
+    return int(assignment.length[moved].sum())
 
 
 class _Bins:

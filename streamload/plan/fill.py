@@ -27,6 +27,7 @@ from .types import Candidates, Geometry
 
 FULL = 0.99                # a step below this share of its tokens takes what fits, whatever
                            # it costs: the epoch rule trades only the last percent
+MIN_CUT, MIN_CUT_SHARE = 32, 128   # a cut head holds at least max(32, C/128) tokens
 MAX_ATTEMPTS_PER_ROW = 4   # the top-up looks at most this many candidates per row, plus a few
 MIN_ATTEMPTS = 256
 
@@ -68,14 +69,29 @@ class _Rows:
         self.row_rank = np.repeat(np.arange(R), M)
         self.added: list[int] = []
         self.cells: list[int] = []
+        self.lengths: list[int] = []   # tokens taken of each added item
 
-    def place(self, item: int, cell: int, work: float) -> None:
-        length = int(self.c.length[item])
+    def place(self, item: int, cell: int, work: float, length: int | None = None) -> None:
+        length = int(self.c.length[item]) if length is None else length
         self.fill[cell] += length
         self.room[cell] -= length
         self.load[cell // self.geometry.micro_batches] += work
         self.added.append(item)
         self.cells.append(cell)
+        self.lengths.append(length)
+
+    def cut_to_fill(self, divisible: np.ndarray) -> None:
+        """Rows with room take, largest room first, the head of the next divisible item (in
+        `divisible`'s order) cut to the room; the rest of the item stays in its buffer. Rows
+        with less than MIN_CUT of room are left: a head that short is a document boundary
+        for a few tokens."""
+        capacity = self.geometry.capacity
+        open_rows = np.flatnonzero(self.room >= max(MIN_CUT, capacity // MIN_CUT_SHARE))
+        open_rows = open_rows[np.argsort(-self.room[open_rows], kind="stable")]
+        for item, cell in zip(divisible.tolist(), open_rows.tolist()):
+            head = min(int(self.room[cell]), int(self.c.length[item]))
+            work = float(self.cost.doc_cost(head)) + float(self.c.extra_cost[item])
+            self.place(item, cell, work, head)
 
     def best(self, item: int) -> tuple[int, float, float]:
         """(row, the item's cost there, what the step's slowest rank gains): the row whose
@@ -95,17 +111,20 @@ class _Rows:
 
     def fill_pass(self, pool: list[int], *, cost_aware: bool, overhead: float,
                   stop_at: float, budget: int) -> list[int]:
-        """One pass over `pool`; returns the items it refused (cost-aware) or skipped."""
+        """One pass over `pool`; returns the items it refused (cost-aware) or skipped. An item
+        longer than every row's room is skipped for free; `budget` bounds the others."""
         left, lengths = [], self.c.length
         max_room = int(self.room.max())
+        total, attempts = int(self.fill.sum()), 0
         for k, item in enumerate(pool):
-            if k >= budget or max_room <= 0 or self.fill.sum() >= stop_at:
+            if attempts >= budget or max_room <= 0 or total >= stop_at:
                 left.extend(pool[k:])
                 break
             length = int(lengths[item])
             if length > max_room:
                 left.append(item)
                 continue
+            attempts += 1
             if not cost_aware:
                 self.place(item, int(np.flatnonzero(self.room >= length)[0]), 0.0)
             else:
@@ -114,15 +133,17 @@ class _Rows:
                     left.append(item)
                     continue
                 self.place(item, cell, work)
+            total += length
             max_room = int(self.room.max())
         return left
 
 
 def top_up(c: Candidates, take: np.ndarray, rank: np.ndarray, row: np.ndarray,
            pool: np.ndarray, geometry: Geometry, cost: CostModel, *, overhead: float,
-           cost_aware: bool) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+           cost_aware: bool) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
     """Add candidates from `pool` (indices, in priority order, none of them in `take`) to rows
-    with room. Returns the new (take, rank, row), the added items after the planned ones.
+    with room. Returns the new (take, rank, row) and the tokens taken of each item (`length`),
+    the added items after the planned ones.
 
     It brings a step up to FULL of its tokens, no further (a step that full is left as the
     method planned it, which also keeps this loop off the common path). `cost_aware`: each
@@ -130,22 +151,27 @@ def top_up(c: Candidates, take: np.ndarray, rank: np.ndarray, row: np.ndarray,
     leaving it out would not gain the epoch (`deferral_gain` <= 0); then, while the step is
     still below FULL, a second pass places what fits regardless: the step's tokens are the
     recipe's batch size, so the epoch rule may only trade the last percent. Otherwise first fit
-    in (rank, row) order, as a token-balanced loader packs."""
-    R, M, C = geometry.ranks, geometry.micro_batches, geometry.capacity
+    in (rank, row) order, as a token-balanced loader packs. Last (`cost_aware` only: the
+    naive baseline packs whole items), rows with room left take the head of a divisible item
+    (a piece of a long document) cut to fit (`cut_to_fill`)."""
+    R, M = geometry.ranks, geometry.micro_batches
     pool = np.asarray(pool, dtype=np.int64)
     rows = _Rows(c, take, rank, row, geometry, cost)
     full = FULL * geometry.step_tokens
-    pool = pool[c.length[pool] <= rows.room.max(initial=0)]
+    fits = pool[c.length[pool] <= rows.room.max(initial=0)]
     if pool.size == 0 or rows.fill.sum() >= full:   # full already: nothing to do (and cheap)
-        return take, rank, row
+        return take, rank, row, c.length[take]
     budget = MAX_ATTEMPTS_PER_ROW * R * M + MIN_ATTEMPTS
-    left = rows.fill_pass(pool.tolist(), cost_aware=cost_aware, overhead=overhead,
+    left = rows.fill_pass(fits.tolist(), cost_aware=cost_aware, overhead=overhead,
                           stop_at=full, budget=budget)
     if cost_aware and left:
         rows.fill_pass(left, cost_aware=False, overhead=overhead, stop_at=full, budget=budget)
-    if not rows.added:
-        return take, rank, row
+    if cost_aware and rows.fill.sum() < full:
+        added = np.zeros(len(c), dtype=bool)
+        added[rows.added] = True
+        rows.cut_to_fill(pool[c.divisible[pool] & ~added[pool]])
     cells = np.asarray(rows.cells, dtype=np.int64)
     return (np.concatenate([take, np.asarray(rows.added, dtype=np.int64)]),
             np.concatenate([rank, (cells // M).astype(rank.dtype)]),
-            np.concatenate([row, (cells % M).astype(row.dtype)]))
+            np.concatenate([row, (cells % M).astype(row.dtype)]),
+            np.concatenate([c.length[take], np.asarray(rows.lengths, dtype=np.int64)]))

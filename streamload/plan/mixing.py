@@ -225,19 +225,21 @@ class QuotaMixer:
             tokens = token_targets(c.length, c.rank, c.position, virtual, b.num_virtual,
                                    virtual_targets)
         relabelled = Candidates(c.length, virtual, c.rank, c.position, c.age, c.extra_cost,
-                                b.num_virtual, c.num_ranks)
+                                b.num_virtual, c.num_ranks, c.divisible)
         return StepQuota(self.step, relabelled, virtual_targets, tokens,
                          None if self.by_tokens else np.ones(len(c)), b.virtual_source,
                          b.virtual_quota, shares, active, targets, fractions, total)
 
-    def update(self, quota: StepQuota, take: np.ndarray) -> np.ndarray:
+    def update(self, quota: StepQuota, take: np.ndarray,
+               lengths: Optional[np.ndarray] = None) -> np.ndarray:
         """Feed back what the step took (indices into quota.candidates, i.e. into the
-        candidates given to `plan`). Returns the realized units per source."""
+        candidates given to `plan`; `lengths`, the tokens taken of each, when the plan cut
+        some). Returns the realized units per source."""
         S = self.num_sources
         take = np.asarray(take, dtype=np.int64)
         virtual = quota.candidates.source[take]
         source = quota.virtual_source[virtual]
-        lengths = quota.candidates.length[take]
+        lengths = quota.candidates.length[take] if lengths is None else np.asarray(lengths)
         tokens = np.bincount(source, weights=lengths, minlength=S).astype(np.int64)
         samples = np.bincount(source, minlength=S).astype(np.int64)
         units = (tokens if self.by_tokens else samples).astype(np.float64)

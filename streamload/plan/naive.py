@@ -49,10 +49,13 @@ def assign_naive(c: Candidates, selected: np.ndarray, geometry: Geometry) -> tup
             np.asarray(rows, dtype=np.int32))
 
 
-def finish(c: Candidates, take, rank, row, geometry: Geometry, cost) -> Assignment:
-    """Wrap (take, rank, row) into an Assignment with predicted per-rank costs."""
+def finish(c: Candidates, take, rank, row, geometry: Geometry, cost,
+           length: np.ndarray | None = None) -> Assignment:
+    """Wrap (take, rank, row) into an Assignment with predicted per-rank costs. `length`: the
+    tokens taken of each item (default: all of them)."""
     R, M = geometry.ranks, geometry.micro_batches
-    row_costs = cost.row_costs(c.length[take], rank.astype(np.int64) * M + row, R * M,
+    length = c.length[take] if length is None else np.asarray(length, dtype=np.int64)
+    row_costs = cost.row_costs(length, rank.astype(np.int64) * M + row, R * M,
                                extra_cost=c.extra_cost[take])
     return Assignment(take=take, rank=rank, row=row,
-                      rank_cost=row_costs.reshape(R, M).sum(axis=1))
+                      rank_cost=row_costs.reshape(R, M).sum(axis=1), length=length)

@@ -49,9 +49,9 @@ class Planner:
     def _max_cost(self, c: Candidates, take, rank, row) -> float:
         return float(finish(c, take, rank, row, self.geometry, self.cost).rank_cost.max())
 
-    def _epoch_cost(self, c: Candidates, take, rank, row) -> float:
-        rank_cost = finish(c, take, rank, row, self.geometry, self.cost).rank_cost
-        return epoch_cost(rank_cost, int(c.length[take].sum()), self.geometry, self.overhead)
+    def _epoch_cost(self, c: Candidates, take, rank, row, length) -> float:
+        rank_cost = finish(c, take, rank, row, self.geometry, self.cost, length).rank_cost
+        return epoch_cost(rank_cost, int(length.sum()), self.geometry, self.overhead)
 
     def _fill(self, c: Candidates, selected, take, rank, row):
         """`top_up` with what the plan left: the step's leftovers, then the windows."""
@@ -116,9 +116,8 @@ class Planner:
                 take, rank, row = naive
         # Full steps: rows with room take what is left (module fill.py), unless leaving it
         # out gains the epoch.
-        take, rank, row = self._fill(c, selected, take, rank, row)
-        if self.method != "naive" and \
-                c.length[take].sum() < FULL * self.geometry.step_tokens:
+        take, rank, row, length = self._fill(c, selected, take, rank, row)
+        if self.method != "naive" and length.sum() < FULL * self.geometry.step_tokens:
             # Cost-aware assignment evens out rows; with items near C that can leave no row
             # with room for what is left. The same selection packed largest first (first-fit
             # decreasing) and filled up is the alternative: the plan that costs the epoch less
@@ -128,12 +127,13 @@ class Planner:
             overdue = selected[c.age[selected] >= self.force_age] \
                 if self.force_age is not None else selected[:0]
             if np.isin(overdue, packed[0]).all() and \
-                    self._epoch_cost(c, *packed) < self._epoch_cost(c, take, rank, row):
-                take, rank, row = packed
+                    self._epoch_cost(c, *packed) < self._epoch_cost(c, take, rank, row, length):
+                take, rank, row, length = packed
         if len(take) == 0 and len(c) > 0:
             # Progress guarantee: a plan that takes nothing while candidates exist would repeat
             # forever. The oldest item of the first non-empty window fits any empty row.
             first = int(np.lexsort((c.position, c.rank, -c.age))[0])
             take = np.array([first], dtype=np.int64)
             rank, row = np.zeros(1, dtype=np.int32), np.zeros(1, dtype=np.int32)
-        return finish(c, take, rank, row, self.geometry, self.cost)
+            length = c.length[take]
+        return finish(c, take, rank, row, self.geometry, self.cost, length)
