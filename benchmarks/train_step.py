@@ -1,28 +1,59 @@
-"""Measured training steps, naive vs cost-balanced plans, on 2 gloo ranks.
+"""Measured training on the same tokens: naive vs cost-balanced (vs lookahead) plans, 2 gloo ranks.
 
-This benchmark measures; it does not predict. Two processes (gloo, 127.0.0.1 only) each run
-forward plus backward of a small transformer (real SDPA attention with document masking, see
-`streamload.calibrate.doc_attention`) over their own M packed micro-batches, then all-reduce the
-gradients as one flat buffer, as data-parallel training does. Both methods plan from the same
-sample stream: every (rank, source) buffer is a FIFO fed by its own seeded generator, each step
-offers the head windows, and what a plan leaves stays at the head with age + 1, as in the loader
-(`--max-age` bounds the wait). The project's planner makes the plans, with method "naive"
-(token-balanced, the baseline) and method "balanced" (cost-balanced). The two methods' steps
-alternate (and which one goes first alternates too), so drifts in machine load hit both.
+This benchmark measures; it does not predict. A planner is judged by what the same tokens cost,
+not by what one step costs: a plan can make each step look balanced by leaving slots empty, and
+then the data takes more steps and longer. So every planner here delivers the same finite sample
+stream (one "epoch", about --tokens tokens) until it is exhausted, and the figure of merit is the
+total time that took.
+
+Data. Every (rank, source) buffer is a FIFO holding a fixed, seeded sequence of document lengths
+(three sources: two lognormal ones and one with 25% of documents near C), with tokens x weight / R
+tokens in it (the document that would cross that total is left out, so every planner gets the
+identical samples). Each step offers the head windows (1.5 steps' share of each source deep, W
+steps' share for lookahead, plus one row); what a plan leaves stays at the head with age + 1, as
+in the loader (`--max-age` bounds the wait). The step's targets are the weights (renormalized
+over the sources that still hold data) x R*M*C x --fill. The project's planner plans every step,
+with method "naive" (token-balanced, the baseline), "balanced" (cost-balanced) and "lookahead"
+(balanced over a window of W steps; skipped with a note if it cannot plan here), each with the
+same `step_overhead` (the per-step cost the top-up weighs empty slots against; `--step-overhead`).
+Planning happens before the ranks start; every planner runs until its stream is empty.
+
+Measurement. Two processes (gloo, 127.0.0.1 only) each run forward plus backward of a small
+transformer (real SDPA attention with document masking, see `streamload.calibrate.doc_attention`)
+over their own M packed micro-batches of the step, then all-reduce the gradients as one flat
+buffer, as data-parallel training does. Rows are not padded: a row of n tokens is an [n]-token
+tensor, like varlen packing. The planners' steps are interleaved in one run, each planner's
+stream continuing until it has delivered everything: the next step is always from the planner
+furthest behind in its own epoch (ties rotate), so all of them progress at the same rate and
+drifts in machine load hit them alike. With --repeats K the whole interleaved pass runs K times
+(every other pass in reverse order) and totals are medians over the passes. Before timing, each
+rank runs two warm-up steps of mixed-length rows, and --warmup N runs each planner's first N
+steps once untimed (they are timed again in the pass).
 
 Per step and rank it records
     compute_s  forward+backward over the rank's rows (from a barrier to the end of backward)
     step_s     compute plus the gradient all-reduce, which waits for the slowest rank
-and reports per method the median step time, each rank's median compute time, the measured
-imbalance (max/mean of the ranks' compute, averaged over steps), the cost model's predicted
-imbalance for the same plans, and the speedup naive/balanced.
+    cpu_s      the compute in CPU time (`time.thread_time`; a rank runs one torch thread):
+               what the work cost without the time the rank sat descheduled by other load
+A step takes max over ranks of step_s (the all-reduce makes every rank wait for the slowest).
 
-Rows are not padded: a row of n tokens is a [n]-token tensor, like varlen packing.
-
-On the CPU it also records each rank's compute in CPU time (`time.thread_time`; a rank runs one
-torch thread): what the work cost, without the time a rank sat descheduled because other work
-shared the cores. Wall-clock step time is the real measure; the CPU-time figures say how much of
-a difference comes from the plans rather than from load on the machine.
+Per planner it reports
+    steps, ideal_steps   steps taken; ceil(tokens / (R*M*C))
+    fill                 tokens / (steps * R * M * C)
+    total_s              sum over steps of the step time: the time for the whole stream
+    tokens_per_s         tokens / total_s
+    speedup_vs_naive     naive's total_s / this total_s, for the same tokens (> 1: faster)
+    cpu_total_s          sum over steps of the slowest rank's CPU-time compute;
+                         cpu_speedup_vs_naive likewise (insensitive to other load; no all-reduce)
+    predicted_speedup_vs_naive   the cost model's: sum over steps of (largest predicted rank
+                         cost + step overhead), naive's / this one's
+    step_s_median, per_step_speedup_vs_naive   the old per-step figure (naive median / this
+                         median), shown beside the same-token one because it can disagree
+    imbalance_measured   mean over steps of max / mean of the ranks' compute (wall; _cpu: CPU)
+    imbalance_predicted  the same from the cost model's rank costs
+    plan_ms_median, exchanged_fraction, deferral_max
+Every rank checks that it ran exactly the planned tokens, and every planner must deliver the
+same total.
 
 The cost model that the planner uses is, by default (`--cost calibrate`), fitted before the run
 on this same model, on this device and with the ranks' thread count, by `streamload.calibrate`
@@ -34,16 +65,35 @@ On CUDA each rank uses cuda:<rank> when there are enough GPUs. With one GPU both
 cuda:0: their kernels then time-slice one device, so per-rank compute times overlap and the
 comparison says little; the run prints a note. The gradients are all-reduced on the CPU (gloo).
 
-    python benchmarks/train_step.py            # ~1-2 min on 2 CPU cores
-    python benchmarks/train_step.py --quick    # ~15 s
+    python benchmarks/train_step.py            # 2 CPU cores: ~2-3 min (~600k tokens per planner)
+    python benchmarks/train_step.py --quick    # ~20 s
+    python benchmarks/train_step.py --planners naive,balanced --tokens 1000000 --repeats 2
     python benchmarks/train_step.py --device cuda
 
-The last line of output is one JSON object with naive_step_s, balanced_step_s and speedup.
+The human table goes to stderr; the last line of stdout is one JSON object:
+  {"device", "ranks", "micro_batches", "capacity", "threads_per_rank", "tokens_requested",
+   "tokens" (delivered, the same for every planner), "ideal_steps", "repeats", "warmup",
+   "model", "cost_model", "fill", "max_age", "lookahead", "step_overhead", "planners",
+   "skipped": {planner: reason},
+   "speedup_vs_naive": {planner: x}, "cpu_speedup_vs_naive": {...} (null off the CPU),
+   "predicted_speedup_vs_naive": {...}, "per_step_speedup_vs_naive": {...},
+   "results": {planner: {"steps", "ideal_steps", "tokens", "fill", "total_s", "total_s_passes",
+                         "tokens_per_s", "speedup_vs_naive", "compute_total_s", "cpu_total_s",
+                         "cpu_speedup_vs_naive", "predicted_cost", "predicted_speedup_vs_naive",
+                         "step_s_median", "per_step_speedup_vs_naive", "imbalance_measured",
+                         "imbalance_measured_cpu", "imbalance_predicted", "tokens_per_step":
+                         {"p1", "p50", "p99"}, "plan_ms_median", "exchanged_fraction",
+                         "deferral_mean", "deferral_max",
+                         "per_step": [{"tokens", "step_s", "compute_s": [per rank],
+                                       "cpu_s": [per rank], "imbalance_predicted"}, ...]}},
+   "wall_s", "loadavg_1m": [before, after], "cpu_count"}
+(per_step values are from the first pass.)
 """
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import socket
 import sys
@@ -55,7 +105,7 @@ import numpy as np
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 from streamload.plan.cost import CostModel  # noqa: E402
-from streamload.plan.planner import Planner  # noqa: E402
+from streamload.plan.planner import METHODS, Planner  # noqa: E402
 from streamload.plan.types import Candidates, Geometry  # noqa: E402
 
 # ------------------------------------------------------------------------------------ data
@@ -65,6 +115,7 @@ SOURCES = (
     ("code", 0.30, 600, 1.1, 0.0),
     ("books", 0.15, 1500, 0.6, 0.25),
 )
+WEIGHTS = np.array([w for _, w, *_ in SOURCES]) / sum(w for _, w, *_ in SOURCES)
 
 
 def sample_lengths(rng: np.random.Generator, source: int, n: int, capacity: int) -> np.ndarray:
@@ -75,29 +126,49 @@ def sample_lengths(rng: np.random.Generator, source: int, n: int, capacity: int)
     return np.clip(np.rint(lengths), 16, capacity).astype(np.int64)
 
 
-class SampleStream:
-    """Every (rank, source) buffer as a FIFO fed by its own seeded generator, so every method
-    sees the same sequence of samples. Each step offers the head window of each buffer (about
-    1.5x the rank's share of the source's target); the samples a plan does not take stay at the
-    head with age + 1 and are offered again, as in the loader."""
+def finite_buffer(seed: int, rank: int, source: int, tokens: float, capacity: int) -> np.ndarray:
+    """The (rank, source) buffer's whole content: its seeded documents up to `tokens` tokens
+    (the one that would cross the total is left out)."""
+    rng = np.random.default_rng([seed, rank, source])
+    parts, have = [], 0
+    while have < tokens:
+        chunk = sample_lengths(rng, source, 64, capacity)
+        parts.append(chunk)
+        have += int(chunk.sum())
+    lengths = np.concatenate(parts) if parts else np.zeros(0, np.int64)
+    return lengths[np.cumsum(lengths) <= tokens]
 
-    def __init__(self, seed: int, geometry: Geometry, targets: np.ndarray):
-        self.geometry, self.targets = geometry, targets
-        R, S = geometry.ranks, len(SOURCES)
-        self.gens = [[np.random.default_rng([seed, r, s]) for s in range(S)] for r in range(R)]
-        self.lengths = [[np.zeros(0, np.int64) for _ in range(S)] for _ in range(R)]
-        self.ages = [[np.zeros(0, np.int32) for _ in range(S)] for _ in range(R)]
+
+class SampleStream:
+    """Every (rank, source) buffer as a finite FIFO (`finite_buffer`), so every planner sees
+    the same samples. Each step offers the head window of each buffer (`depth` steps' worth of
+    the rank's share of the source's target, plus one row); the samples a plan does not take
+    stay at the head with age + 1 and are offered again, as in the loader."""
+
+    def __init__(self, seed: int, geometry: Geometry, tokens: float, depth: float, fill: float):
+        self.geometry, self.depth, self.fill = geometry, depth, fill
+        R, S, C = geometry.ranks, len(SOURCES), geometry.capacity
+        self.lengths = [[finite_buffer(seed, r, s, tokens * WEIGHTS[s] / R, C) for s in range(S)]
+                        for r in range(R)]
+        self.ages = [[np.zeros(x.size, np.int32) for x in row] for row in self.lengths]
         self.window = [[0] * S for _ in range(R)]
 
-    def candidates(self) -> Candidates:
+    @property
+    def tokens_left(self) -> int:
+        return int(sum(x.sum() for row in self.lengths for x in row))
+
+    def targets(self) -> np.ndarray:
+        """This step's tokens per source: the weights, renormalized over the sources with data."""
+        left = np.array([sum(int(self.lengths[r][s].sum()) for r in range(self.geometry.ranks))
+                         for s in range(len(SOURCES))])
+        w = np.where(left > 0, WEIGHTS, 0.0)
+        return w / max(w.sum(), 1e-12) * self.geometry.step_tokens * self.fill
+
+    def candidates(self, targets: np.ndarray) -> Candidates:
         R, C = self.geometry.ranks, self.geometry.capacity
         for r in range(R):
             for s in range(len(SOURCES)):
-                need = 1.5 * self.targets[s] / R + C
-                while self.lengths[r][s].sum() < need:
-                    chunk = sample_lengths(self.gens[r][s], s, 64, C)
-                    self.lengths[r][s] = np.concatenate([self.lengths[r][s], chunk])
-                    self.ages[r][s] = np.concatenate([self.ages[r][s], np.zeros(64, np.int32)])
+                need = self.depth * targets[s] / R + C
                 self.window[r][s] = int(np.searchsorted(np.cumsum(self.lengths[r][s]), need)) + 1
         return Candidates.from_windows(
             [[self.lengths[r][s][:self.window[r][s]] for s in range(len(SOURCES))] for r in range(R)],
@@ -129,29 +200,56 @@ def plan_rows(assignment, candidates: Candidates, geometry: Geometry) -> list[li
     return rows
 
 
-def build_plans(args, geometry: Geometry, cost: CostModel):
-    """Plans for every step (warm-up included), for both methods, from the same sample stream."""
-    weights = np.array([w for _, w, *_ in SOURCES])
-    targets = weights / weights.sum() * geometry.step_tokens * args.fill
-    planners = {name: Planner(geometry, cost, method=name, seed=args.seed, max_age=args.max_age)
-                for name in ("naive", "balanced")}
-    out = {name: {"rows": [], "rank_cost": [], "plan_ms": [], "exchanged": [], "age": []}
-           for name in planners}
-    for name, planner in planners.items():
-        stream = SampleStream(args.seed, geometry, targets)
-        for step in range(args.warmup + args.steps):
-            c = stream.candidates()
-            t0 = time.perf_counter()
-            a = planner.plan(c, targets, step)
-            out[name]["plan_ms"].append((time.perf_counter() - t0) * 1e3)
-            out[name]["rows"].append(plan_rows(a, c, geometry))
-            out[name]["rank_cost"].append(a.rank_cost.tolist())
-            lengths = c.length[a.take]
-            moved = lengths[c.rank[a.take] != a.rank].sum()
-            out[name]["exchanged"].append(float(moved) / max(float(lengths.sum()), 1.0))
-            out[name]["age"].append(c.age[a.take].tolist())
-            stream.consume(c, a.take)
+def make_planner(args, geometry: Geometry, cost: CostModel, name: str) -> Planner:
+    return Planner(geometry, cost, method=name, seed=args.seed, max_age=args.max_age,
+                   lookahead=args.lookahead, step_overhead=args.step_overhead)
+
+
+def build_plans(args, geometry: Geometry, cost: CostModel, name: str) -> dict:
+    """Every step of one planner's epoch: it plans until its stream is empty."""
+    planner = make_planner(args, geometry, cost, name)
+    depth = float(args.lookahead) if name == "lookahead" else 1.5
+    stream = SampleStream(args.seed, geometry, args.tokens, depth, args.fill)
+    total = stream.tokens_left
+    out = {"rows": [], "rank_cost": [], "plan_ms": [], "exchanged": [], "age": [], "tokens": [],
+           "overhead": planner.overhead, "total_tokens": total}
+    limit = 10 * math.ceil(total / geometry.step_tokens) + 100
+    while stream.tokens_left > 0:
+        if len(out["rows"]) >= limit:
+            raise RuntimeError(f"{name}: no end after {limit} steps "
+                               f"({stream.tokens_left} tokens left)")
+        targets = stream.targets()
+        c = stream.candidates(targets)
+        t0 = time.perf_counter()
+        a = planner.plan(c, targets, len(out["rows"]))
+        out["plan_ms"].append((time.perf_counter() - t0) * 1e3)
+        out["rows"].append(plan_rows(a, c, geometry))
+        out["rank_cost"].append(a.rank_cost.tolist())
+        lengths = c.length[a.take]
+        moved = lengths[c.rank[a.take] != a.rank].sum()
+        out["exchanged"].append(float(moved) / max(float(lengths.sum()), 1.0))
+        out["age"].append(c.age[a.take].tolist())
+        out["tokens"].append(int(lengths.sum()))
+        stream.consume(c, a.take)
+    if sum(out["tokens"]) != total:
+        raise AssertionError(f"{name}: delivered {sum(out['tokens'])} of {total} tokens")
     return out
+
+
+def interleave(counts: dict[str, int]) -> list[tuple[str, int]]:
+    """One pass over every planner's steps: always next the step of the planner furthest
+    behind in its own epoch (lowest share of its steps done), ties rotating, so the planners
+    progress at the same rate whatever their step counts."""
+    names = list(counts)
+    done = dict.fromkeys(names, 0)
+    order = []
+    for _ in range(sum(counts.values())):
+        left = [n for n in names if done[n] < counts[n]]
+        pick = min(left, key=lambda n: ((done[n] + 0.5) / counts[n],
+                                        (names.index(n) - done[n]) % len(names)))
+        order.append((pick, done[pick]))
+        done[pick] += 1
+    return order
 
 
 # ------------------------------------------------------------------------------------ workers
@@ -167,7 +265,7 @@ def rank_device(args, rank: int) -> str:
     return f"cuda:{rank}" if torch.cuda.device_count() >= args.ranks else "cuda:0"
 
 
-def worker(rank: int, args, port: int, plans, result_queue) -> None:
+def worker(rank: int, args, port: int, plans, order, result_queue) -> None:
     import torch
     import torch.distributed as dist
     from streamload.calibrate import TinyTransformer, synchronize
@@ -213,18 +311,19 @@ def worker(rank: int, args, port: int, plans, result_queue) -> None:
             t2 = time.perf_counter()
             return t1 - t0, t2 - t0, tokens, c1 - c0
 
-        # Warm up the kernels once on a row of mixed lengths before anything is timed.
+        # Warm up the kernels on rows of mixed lengths before anything is timed.
         warm = [args.capacity // 2, args.capacity // 4, args.capacity // 8, args.capacity // 8]
         for _ in range(2):
             run_step([warm])
+        for name in plans:
+            for step in range(min(args.warmup, len(plans[name]))):
+                run_step(plans[name][step][rank])
 
-        records = {"naive": [], "balanced": []}
-        for step in range(args.warmup + args.steps):
-            order = ("naive", "balanced") if step % 2 == 0 else ("balanced", "naive")
-            for name in order:
-                record = run_step(plans[name][step][rank])
-                if step >= args.warmup:
-                    records[name].append(record)
+        # records[name][pass][step] = (compute_s, step_s, tokens, cpu_s)
+        records = {name: [[None] * len(plans[name]) for _ in range(args.repeats)] for name in plans}
+        for rep in range(args.repeats):
+            for name, step in (order if rep % 2 == 0 else order[::-1]):
+                records[name][rep][step] = run_step(plans[name][step][rank])
         gathered = [None] * args.ranks
         dist.all_gather_object(gathered, records)
         if rank == 0:
@@ -276,45 +375,53 @@ def get_cost_model(args) -> tuple[CostModel, dict]:
                   "calibrate_s": time.perf_counter() - t0}
 
 
-def summarize(name, gathered, plan, ranks):
-    steps = len(gathered[0][name])
-    compute = np.array([[gathered[r][name][i][0] for r in range(ranks)] for i in range(steps)])
-    total = np.array([[gathered[r][name][i][1] for r in range(ranks)] for i in range(steps)])
-    tokens = np.array([[gathered[r][name][i][2] for r in range(ranks)] for i in range(steps)])
-    cpu = np.array([[gathered[r][name][i][3] for r in range(ranks)] for i in range(steps)])
-    step_s = total.max(axis=1)                            # the step ends when the slowest rank does
-    imb = compute.max(axis=1) / compute.mean(axis=1)
-    pred = np.array(plan["rank_cost"][-steps:])
-    pred_imb = pred.max(axis=1) / pred.mean(axis=1)
-    planned = np.array([[sum(map(sum, rows)) for rows in step] for step in plan["rows"][-steps:]])
-    if not np.array_equal(planned, tokens):
+def summarize(name, gathered, plan, geometry: Geometry, repeats: int) -> dict:
+    R = geometry.ranks
+    steps = len(plan["rows"])
+    # [pass, step, rank] arrays
+    rec = np.array([[[gathered[r][name][p][i] for r in range(R)] for i in range(steps)]
+                    for p in range(repeats)], dtype=np.float64)
+    compute, total, tokens, cpu = rec[..., 0], rec[..., 1], rec[..., 2], rec[..., 3]
+    planned = np.array([[sum(map(sum, rows)) for rows in step] for step in plan["rows"]])
+    if not all(np.array_equal(planned, tokens[p].astype(np.int64)) for p in range(repeats)):
         raise AssertionError(f"{name}: the ranks ran other tokens than planned")
-    ages = [a for step in plan["age"][-steps:] for a in step]
+    step_s = total.max(axis=2)                            # the step ends when the slowest rank does
+    totals = step_s.sum(axis=1)                           # per pass
+    total_s = float(np.median(totals))
+    n_tokens = int(planned.sum())
+    imb = compute.max(axis=2) / np.maximum(compute.mean(axis=2), 1e-12)
+    imb_cpu = cpu.max(axis=2) / np.maximum(cpu.mean(axis=2), 1e-12)
+    pred = np.array(plan["rank_cost"])
+    pred_imb = pred.max(axis=1) / np.maximum(pred.mean(axis=1), 1e-300)
+    step_tokens = planned.sum(axis=1)
+    ages = [a for step in plan["age"] for a in step]
     return {
-        "step_s": float(np.median(step_s)),
-        "step_s_mean": float(step_s.mean()),
-        "compute_s_per_rank": [float(x) for x in np.median(compute, axis=0)],
-        "compute_s_max_mean": float(compute.max(axis=1).mean()),
-        "imbalance_measured": float(imb.mean()),
-        "imbalance_predicted": float(pred_imb.mean()),
+        "steps": steps,
+        "ideal_steps": math.ceil(n_tokens / geometry.step_tokens),
+        "tokens": n_tokens,
+        "fill": n_tokens / (steps * geometry.step_tokens),
+        "total_s": total_s,
+        "total_s_passes": [float(x) for x in totals],
+        "tokens_per_s": n_tokens / total_s,
+        "compute_total_s": float(np.median(compute.max(axis=2).sum(axis=1))),
         # CPU time of each rank's compute (its one thread): what the work cost, without the
         # time the rank spent descheduled by other load on the machine. CPU device only.
-        "compute_cpu_s_per_rank": [float(x) for x in np.median(cpu, axis=0)],
-        "compute_cpu_s_max_median": float(np.median(cpu.max(axis=1))),
-        "imbalance_measured_cpu": float((cpu.max(axis=1) / cpu.mean(axis=1)).mean()),
-        "tokens_per_rank": [float(x) for x in tokens.mean(axis=0)],
-        "tokens_per_step": float(tokens.sum(axis=1).mean()),
-        # median over steps of that step's tokens / step time: robust to a step that other
-        # load on the machine stretched
-        "tokens_per_s": float(np.median(tokens.sum(axis=1) / step_s)),
+        "cpu_total_s": float(np.median(cpu.max(axis=2).sum(axis=1))),
+        "predicted_cost": float((pred.max(axis=1) + plan["overhead"]).sum()),
+        "step_s_median": float(np.median(step_s)),
+        "imbalance_measured": float(imb.mean()),
+        "imbalance_measured_cpu": float(imb_cpu.mean()),
+        "imbalance_predicted": float(pred_imb.mean()),
+        "tokens_per_step": {k: float(np.percentile(step_tokens, q))
+                            for k, q in (("p1", 1), ("p50", 50), ("p99", 99))},
         "plan_ms_median": float(np.median(plan["plan_ms"])),
-        "exchanged_fraction": float(np.mean(plan["exchanged"][-steps:])),
+        "exchanged_fraction": float(np.mean(plan["exchanged"])),
         "deferral_mean": float(np.mean(ages)) if ages else 0.0,
         "deferral_max": int(max(ages)) if ages else 0,
-        "steps": steps,
-        "per_step": [{"step_s": float(s), "compute_s": [float(c) for c in cs],
-                      "imbalance_measured": float(i), "imbalance_predicted": float(p)}
-                     for s, cs, i, p in zip(step_s, compute, imb, pred_imb)],
+        "per_step": [{"tokens": int(t), "step_s": float(s), "compute_s": [float(x) for x in cs],
+                      "cpu_s": [float(x) for x in us], "imbalance_predicted": float(p)}
+                     for t, s, cs, us, p in zip(step_tokens, step_s[0], compute[0], cpu[0],
+                                                pred_imb)],
     }
 
 
@@ -325,11 +432,25 @@ def main(argv=None) -> int:
     p.add_argument("--micro-batches", type=int, default=None, help="M rows per rank (default 4, quick 2)")
     p.add_argument("--capacity", type=int, default=None,
                    help="C tokens per row (default 4096, quick 2048; CUDA 16384, quick 8192)")
-    p.add_argument("--fill", type=float, default=0.9, help="step tokens asked for, as a fraction of R*M*C")
+    p.add_argument("--tokens", type=float, default=None,
+                   help="tokens in the finite sample stream every planner delivers (default "
+                        "600k, quick 100k; CUDA 4M, quick 1M); a little less is delivered, as "
+                        "every (rank, source) buffer stops before the document that would cross "
+                        "its share")
+    p.add_argument("--planners", default=",".join(METHODS),
+                   help=f"comma list from {','.join(METHODS)}; naive is always run (the baseline)")
+    p.add_argument("--fill", type=float, default=1.0,
+                   help="step tokens the targets ask for, as a fraction of R*M*C (default 1.0)")
     p.add_argument("--max-age", type=int, default=4,
                    help="planner max_age: a sample offered this many steps is taken first (default 4)")
-    p.add_argument("--steps", type=int, default=None, help="timed steps per method (default 10, quick 4)")
-    p.add_argument("--warmup", type=int, default=None, help="untimed steps per method (default 1)")
+    p.add_argument("--lookahead", type=int, default=4, help="W for the lookahead planner (default 4)")
+    p.add_argument("--step-overhead", type=float, default=Planner.step_overhead,
+                   help="planner step_overhead: per-step cost as a fraction of a rank's full "
+                        f"linear step (default {Planner.step_overhead})")
+    p.add_argument("--repeats", type=int, default=1,
+                   help="interleaved passes over every planner's steps; totals are medians (default 1)")
+    p.add_argument("--warmup", type=int, default=1,
+                   help="each planner's first N steps run once untimed before the pass (default 1)")
     p.add_argument("--d-model", type=int, default=None, help="default 128 (CPU), 1024 (CUDA)")
     p.add_argument("--heads", type=int, default=None, help="default 2 (CPU), 8 (CUDA)")
     p.add_argument("--ffn-mult", type=int, default=4)
@@ -341,7 +462,7 @@ def main(argv=None) -> int:
     p.add_argument("--calib-repeats", type=int, default=2,
                    help="timed passes per calibration row; the minimum is kept (default 2)")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--quick", action="store_true", help="smaller and fewer steps (~20 s on 2 CPU cores)")
+    p.add_argument("--quick", action="store_true", help="smaller rows and stream (~20 s on 2 CPU cores)")
     args = p.parse_args(argv)
     q, gpu = args.quick, args.device == "cuda"
     args.d_model = args.d_model or (1024 if gpu else 128)
@@ -350,9 +471,15 @@ def main(argv=None) -> int:
     args.vocab = args.vocab or (4096 if gpu else 512)
     args.micro_batches = args.micro_batches or (2 if q else 4)
     args.capacity = args.capacity or ((8192 if q else 16384) if gpu else (2048 if q else 4096))
-    args.steps = args.steps or (4 if q else 10)
-    args.warmup = args.warmup if args.warmup is not None else 1
+    args.tokens = int(args.tokens or ((1_000_000 if q else 4_000_000) if gpu
+                                      else (100_000 if q else 600_000)))
     args.cost = args.cost or ("transformer" if q else "calibrate")
+    planners = ["naive"] + [n for n in args.planners.split(",") if n and n != "naive"]
+    unknown = [n for n in planners if n not in METHODS]
+    if unknown or args.repeats < 1 or args.warmup < 0 or args.tokens <= 0:
+        print(f"train_step: bad arguments (unknown planners {unknown}, repeats >= 1, warmup >= 0, "
+              "tokens > 0)", file=sys.stderr)
+        return 2
     if args.device == "cuda":
         import torch
         if not torch.cuda.is_available():
@@ -369,70 +496,102 @@ def main(argv=None) -> int:
     load_before = os.getloadavg()[0]
     geometry = Geometry(ranks=args.ranks, micro_batches=args.micro_batches, capacity=args.capacity)
     cost, cost_info = get_cost_model(args)
-    try:
-        plans = build_plans(args, geometry, cost)
-    except ValueError as e:      # ConfigError: e.g. a planner without the "balanced" method
-        print(f"train_step: cannot plan: {e}", file=sys.stderr)
-        return 2
+    plans, skipped = {}, {}
+    for name in planners:
+        try:
+            plans[name] = build_plans(args, geometry, cost, name)
+        except Exception as e:     # e.g. ConfigError, or a planner that cannot plan this stream
+            if name == "naive":
+                print(f"train_step: cannot plan the baseline: {e!r}", file=sys.stderr)
+                return 2
+            skipped[name] = f"{type(e).__name__}: {e}"
+            print(f"note: {name} skipped, it could not plan this stream: {skipped[name]}",
+                  file=sys.stderr)
+    totals = {plans[n]["total_tokens"] for n in plans}
+    if len(totals) != 1:
+        raise AssertionError(f"the planners' streams hold different tokens: {totals}")
     rows = {name: plans[name]["rows"] for name in plans}
+    order = interleave({name: len(rows[name]) for name in rows})
 
     ctx = mp.get_context("spawn")
     queue = ctx.SimpleQueue()
     port = free_port()
-    mp.spawn(worker, args=(args, port, rows, queue), nprocs=args.ranks, join=True)
+    mp.spawn(worker, args=(args, port, rows, order, queue), nprocs=args.ranks, join=True)
     gathered = queue.get()
 
-    results = {name: summarize(name, gathered, plans[name], args.ranks)
-               for name in ("naive", "balanced")}
-    naive, bal = results["naive"], results["balanced"]
-    speedup = naive["step_s"] / bal["step_s"]
-    # Both methods draw from the same sample stream, but a plan may leave samples for a later
-    # step, so the tokens per step can differ a little: compare throughput (tokens/s) too.
-    throughput_speedup = bal["tokens_per_s"] / naive["tokens_per_s"]
-    cpu_speedup = naive["compute_cpu_s_max_median"] / bal["compute_cpu_s_max_median"]
+    results = {name: summarize(name, gathered, plans[name], geometry, args.repeats)
+               for name in plans}
+    base = results["naive"]
+    for r in results.values():
+        r["speedup_vs_naive"] = base["total_s"] / r["total_s"]
+        r["cpu_speedup_vs_naive"] = base["cpu_total_s"] / r["cpu_total_s"] if not gpu else None
+        r["predicted_speedup_vs_naive"] = base["predicted_cost"] / r["predicted_cost"]
+        r["per_step_speedup_vs_naive"] = base["step_s_median"] / r["step_s_median"]
 
+    err = sys.stderr
+    tokens = base["tokens"]
     print(f"train_step: {args.ranks} gloo ranks on {args.device} ({args.threads} thread(s) each), "
           f"M={args.micro_batches} rows x C={args.capacity} tokens, model d_model={args.d_model} "
-          f"layers={args.layers} heads={args.heads}, {args.steps} timed steps per method")
+          f"layers={args.layers} heads={args.heads}; every planner delivers the same {tokens:,} "
+          f"tokens (ideal {base['ideal_steps']} steps), {args.repeats} interleaved pass(es), "
+          f"step_overhead {args.step_overhead}", file=err)
     print(f"cost model: {cost_info['source']}: a={cost.a:.4g} b={cost.b:.4g} "
           f"(attention = linear at L={cost.crossover_length:.0f})"
           + (f", fit R^2={cost_info['r2']:.4f}, max |rel. residual| "
              f"{cost_info['max_rel_residual']:.1%} in {cost_info['calibrate_s']:.1f} s"
-             if "r2" in cost_info else ""))
-    header = (f"{'method':<10} {'step s (med)':>12} {'compute s per rank (med)':>26} "
-              f"{'imbalance meas.':>16} {'imbalance pred.':>16} {'tokens/step':>12} {'plan ms':>8} "
-              f"{'exchanged':>9} {'defer max':>9}")
-    print(header)
+             if "r2" in cost_info else ""), file=err)
+    header = (f"{'planner':<10}{'steps':>6}{'ideal':>6}{'fill':>7}{'total s':>9}{'tokens/s':>10}"
+              f"{'speedup':>8}{'cpu s':>8}{'cpu spd':>8}{'pred spd':>9}{'step s med':>11}"
+              f"{'step spd':>9}{'imb meas':>9}{'imb cpu':>8}{'imb pred':>9}{'plan ms':>8}"
+              f"{'exch':>6}{'def max':>8}")
+    print(header, file=err)
     for name, r in results.items():
-        per_rank = " ".join(f"{x:.3f}" for x in r["compute_s_per_rank"])
-        print(f"{name:<10} {r['step_s']:>12.3f} {per_rank:>26} {r['imbalance_measured']:>16.3f} "
-              f"{r['imbalance_predicted']:>16.3f} {r['tokens_per_step']:>12.0f} "
-              f"{r['plan_ms_median']:>8.2f} {r['exchanged_fraction']:>9.1%} {r['deferral_max']:>9d}")
-    if abs(bal["tokens_per_step"] / naive["tokens_per_step"] - 1) > 0.02:
-        print(f"note: the methods ran {naive['tokens_per_step']:.0f} and {bal['tokens_per_step']:.0f} "
-              "tokens per step (a plan may leave samples for a later step); compare throughput")
+        cpu_spd = f"{r['cpu_speedup_vs_naive']:>8.3f}" if r["cpu_speedup_vs_naive"] else f"{'-':>8}"
+        print(f"{name:<10}{r['steps']:>6d}{r['ideal_steps']:>6d}{r['fill']:>7.3f}"
+              f"{r['total_s']:>9.2f}{r['tokens_per_s']:>10.0f}{r['speedup_vs_naive']:>8.3f}"
+              f"{r['cpu_total_s']:>8.2f}{cpu_spd}{r['predicted_speedup_vs_naive']:>9.3f}"
+              f"{r['step_s_median']:>11.3f}{r['per_step_speedup_vs_naive']:>9.3f}"
+              f"{r['imbalance_measured']:>9.3f}{r['imbalance_measured_cpu']:>8.3f}"
+              f"{r['imbalance_predicted']:>9.3f}{r['plan_ms_median']:>8.2f}"
+              f"{r['exchanged_fraction']:>6.2f}{r['deferral_max']:>8d}", file=err)
+    print("speedup = naive total s / this total s for the same tokens (> 1: faster); cpu spd the "
+          "same in CPU time of the slowest rank's compute; pred spd the cost model's (with the "
+          "step overhead); step spd = naive median step s / this one (the per-step figure)",
+          file=err)
+    for name, r in results.items():
+        # A planner that takes other step counts than naive can win per step and lose on the
+        # same tokens (or the reverse); with equal step counts the two differ by noise only.
+        if name != "naive" and r["steps"] != base["steps"] and \
+                (r["per_step_speedup_vs_naive"] > 1) != (r["speedup_vs_naive"] > 1):
+            print(f"note: {name} is {'faster' if r['per_step_speedup_vs_naive'] > 1 else 'slower'} "
+                  f"per step ({r['per_step_speedup_vs_naive']:.3f}x) but "
+                  f"{'faster' if r['speedup_vs_naive'] > 1 else 'slower'} for the same tokens "
+                  f"({r['speedup_vs_naive']:.3f}x, {r['steps']} steps against naive's "
+                  f"{base['steps']})", file=err)
     load_after = os.getloadavg()[0]
     if args.device == "cpu" and max(load_before, load_after) > (os.cpu_count() or 1) + 0.5:
         print(f"note: the 1-minute load average was {load_before:.1f} -> {load_after:.1f} on "
-              f"{os.cpu_count()} CPUs: other work shared the cores, so these timings are noisy")
-    print(f"speedup naive/balanced (median step time): {speedup:.3f}x; "
-          f"throughput (tokens/s) balanced/naive: {throughput_speedup:.3f}x")
-    if args.device == "cpu":
-        print(f"by CPU time (immune to other load): imbalance naive "
-              f"{naive['imbalance_measured_cpu']:.3f}, balanced {bal['imbalance_measured_cpu']:.3f}; "
-              f"slowest rank's compute naive/balanced {cpu_speedup:.3f}x")
+              f"{os.cpu_count()} CPUs: other work shared the cores, so wall-clock timings are "
+              "noisy; the CPU-time columns are not", file=err)
 
     out = {
-        "naive_step_s": naive["step_s"], "balanced_step_s": bal["step_s"], "speedup": speedup,
-        "throughput_speedup": throughput_speedup,
-        "compute_cpu_speedup": cpu_speedup if args.device == "cpu" else None,
         "device": args.device, "ranks": args.ranks, "micro_batches": args.micro_batches,
-        "capacity": args.capacity, "threads_per_rank": args.threads, "steps": args.steps,
-        "model": model_config(args), "cost_model": cost_info, "fill": args.fill, "max_age": args.max_age,
-        "naive": naive, "balanced": bal, "wall_s": time.perf_counter() - t_start,
+        "capacity": args.capacity, "threads_per_rank": args.threads,
+        "tokens_requested": args.tokens, "tokens": tokens, "ideal_steps": base["ideal_steps"],
+        "repeats": args.repeats, "warmup": args.warmup, "model": model_config(args),
+        "cost_model": cost_info, "fill": args.fill, "max_age": args.max_age,
+        "lookahead": args.lookahead, "step_overhead": args.step_overhead,
+        "planners": list(results), "skipped": skipped,
+        "speedup_vs_naive": {n: r["speedup_vs_naive"] for n, r in results.items()},
+        "cpu_speedup_vs_naive": {n: r["cpu_speedup_vs_naive"] for n, r in results.items()},
+        "predicted_speedup_vs_naive": {n: r["predicted_speedup_vs_naive"]
+                                       for n, r in results.items()},
+        "per_step_speedup_vs_naive": {n: r["per_step_speedup_vs_naive"]
+                                      for n, r in results.items()},
+        "results": results, "wall_s": time.perf_counter() - t_start,
         # Other work on the machine slows the ranks unevenly; a 1-minute load average well
         # above the ranks' thread count means the timings are noisy.
-        "loadavg_1m": [load_before, os.getloadavg()[0]], "cpu_count": os.cpu_count(),
+        "loadavg_1m": [load_before, load_after], "cpu_count": os.cpu_count(),
     }
     print(json.dumps(out))
     return 0
