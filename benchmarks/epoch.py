@@ -56,10 +56,12 @@ Targets (booleans, with the measured values, per configuration):
   exactly_once       loader: as above (null for sim)
 With R*M >= steps (the simulation at R=64 and 512 with the default sizes) every step is in
 the excluded tail, so `tail` holds trivially there: read low_fill_steps_all instead.
-all_met: every non-null target of every configuration. The exit status is 0 whatever the
-targets say (this is a measurement); 1 on an error (a rank failed or timed out). Ranks that
-disagree on the number of steps are reported (same_steps_all_ranks; exactly_once is then false),
-not raised.
+all_met: every non-null target of every configuration; all_met_cost_aware: the same without
+the baseline `naive` (which packs whole items in arrival order, as token-balanced loaders do,
+and is expected to miss the fill targets where only long documents are left). The exit status
+is 0 whatever the targets say (this is a measurement); 1 on an error (a rank failed or timed
+out). Ranks that disagree on the number of steps are reported (same_steps_all_ranks;
+exactly_once is then false), not raised.
 
 streamload is imported from the checkout this file sits in (its parent directory goes first
 on sys.path, for the spawned ranks too), so a copy of benchmarks/epoch.py and _epoch_corpus.py
@@ -77,7 +79,7 @@ The human table goes to stderr; the last line of stdout is one JSON object:
                 "speedup_vs_naive_no_overhead", "imbalance_mean", "scaling", "wall_s",
                 "exactly_once", "sim_scale", "targets": {name: {"met", ...measured}}, "met"},
                ...],
-   "all_met": bool, "wall_s": float}
+   "all_met": bool, "all_met_cost_aware": bool, "wall_s": float}
 """
 from __future__ import annotations
 
@@ -385,15 +387,16 @@ def metrics(rank_tokens: np.ndarray, rank_cost: np.ndarray, by_source: np.ndarra
     }
 
 
-def check_targets(results: list[dict]) -> bool:
-    """Fill in the naive ratios, scaling and targets; return all_met."""
+def check_targets(results: list[dict]) -> tuple[bool, bool]:
+    """Fill in the naive ratios, scaling and targets; return (all_met, all_met by the
+    cost-aware planners, the baseline `naive` left out)."""
     def find(mode, ranks, planner):
         for r in results:
             if (r["mode"], r["ranks"], r["planner"]) == (mode, ranks, planner):
                 return r
         return None
 
-    all_met = True
+    all_met = cost_aware_met = True
     for r in results:
         naive = find(r["mode"], r["ranks"], "naive")
         for key, field in (("speedup_vs_naive", "compute_with_overhead"),
@@ -420,7 +423,9 @@ def check_targets(results: list[dict]) -> bool:
         r["targets"] = targets
         r["met"] = all(t["met"] is not False for t in targets.values())
         all_met = all_met and r["met"]
-    return all_met
+        if r["planner"] != "naive":
+            cost_aware_met = cost_aware_met and r["met"]
+    return all_met, cost_aware_met
 
 
 def print_table(results: list[dict]) -> None:
@@ -511,11 +516,12 @@ def main(argv=None) -> int:
                 log(f"sim R={world} x{r['sim_scale']} {planner}: {r['steps']} steps (ideal "
                     f"{r['ideal_steps']}), fill {r['fill_mean']:.3f}, compute+oh "
                     f"{r['compute_with_overhead']:,.0f}, {r['wall_s']:.1f}s")
-    all_met = check_targets(results)
+    all_met, cost_aware_met = check_targets(results)
     print(file=sys.stderr)
     print_table(results)
     wall = time.perf_counter() - started
-    print(f"\nall targets met: {all_met}; {wall:.0f}s", file=sys.stderr)
+    print(f"\nall targets met: {all_met}; by balanced and lookahead: {cost_aware_met}; "
+          f"{wall:.0f}s", file=sys.stderr)
     print(json.dumps({
         "corpus": {"root": corpus.root, "scale": corpus.scale, "tokens": corpus.tokens,
                    "documents": corpus.documents, "items": len(expected),
@@ -523,7 +529,8 @@ def main(argv=None) -> int:
         "geometry": {"micro_batch_tokens": C, "micro_batches": M, "cost_a": COST_A,
                      "cost_b": COST_B, "step_overhead": args.step_overhead,
                      "overhead_per_step": args.step_overhead * COST_B * M * C},
-        "results": results, "all_met": all_met, "wall_s": round(wall, 1)}))
+        "results": results, "all_met": all_met, "all_met_cost_aware": cost_aware_met,
+        "wall_s": round(wall, 1)}))
     return 0
 
 

@@ -28,7 +28,7 @@ from .types import Candidates, Geometry
 FULL = 0.99                # a step below this share of its tokens takes what fits, whatever
                            # it costs: the epoch rule trades only the last percent
 MIN_CUT, MIN_CUT_SHARE = 32, 128   # a cut head holds at least max(32, C/128) tokens
-MAX_ATTEMPTS_PER_ROW = 4   # the top-up looks at most this many candidates per row, plus a few
+MAX_ATTEMPTS_PER_ROW = 16   # the top-up looks at most this many candidates per row, plus a few
 MIN_ATTEMPTS = 256
 
 
