@@ -13,10 +13,12 @@ So the epoch gains `Δ − w/R − o·l/(R·M·C)` (`deferral_gain`). At R = 1, 
 left empty never pays. Every rule in the planner that leaves an item out (balance's trim, its
 refinement's drops, the top-up's refusals) asks this one question.
 
-`top_up` runs after a planning method: rows with room take the step's leftovers (selected but
-not placed first, then the rest of the windows in arrival order, interleaved across sources as
-`select` interleaves them), largest gains first, never past a row's capacity. The mixer's carry
-sees what was taken, so the mix stays exact over any window of steps.
+`top_up` runs after a planning method, on a step below FULL: rows with room take the step's
+leftovers (selected but not placed first, then the rest of the windows in arrival order,
+interleaved across sources as `select` interleaves them), never past a row's capacity; then,
+for the cost-aware methods, rows with room left take the head of a piece of a split document,
+cut to fit, its rest staying in its buffer. The mixer's carry sees what was taken, so the mix
+stays exact over any window of steps.
 """
 from __future__ import annotations
 
