@@ -580,6 +580,25 @@ def _refine(bins: _Bins, max_iters: int, neighbours: int = 16, swap_neighbours: 
             members.moved(y, int(bx))
 
 
+def _oldest_that_fit(c: Candidates, selected: np.ndarray, forced: np.ndarray,
+                     geometry: Geometry) -> np.ndarray:
+    """`forced`, cut to the oldest items that take at most half the step (what first-fit
+    decreasing can always place). More overdue items than a step can hold happen when a
+    selection overshoots step after step (a W-deep lookahead window of pieces near C at small
+    R); placing them longest first then served the same long pieces every time, and a source
+    of short documents waited 30 steps and got a fifth of its share. Oldest first, every item
+    gets its turn."""
+    limit = geometry.step_tokens // 2
+    lengths = c.length[selected]
+    if int(lengths[forced].sum()) <= limit:
+        return forced
+    idx = np.flatnonzero(forced)
+    idx = idx[np.lexsort((idx, -c.age[selected[idx]]))]   # oldest first, then candidate order
+    keep = np.zeros_like(forced)
+    keep[idx[np.cumsum(lengths[idx]) <= limit]] = True
+    return keep
+
+
 def assign_balanced(c: Candidates, selected: np.ndarray, geometry: Geometry, cost: CostModel, *,
                     forced: np.ndarray | None = None, refine_iters: int | None = None,
                     light_share: float = LIGHT_SHARE, overhead: float = 0.0
@@ -605,6 +624,7 @@ def assign_balanced(c: Candidates, selected: np.ndarray, geometry: Geometry, cos
     forced = mark[selected] == 2
     if selected.size == 0:
         return np.zeros(0, np.int64), np.zeros(0, np.int32), np.zeros(0, np.int32)
+    forced = _oldest_that_fit(c, selected, forced, geometry)
     length = c.length[selected].astype(np.int64)
     usable = length <= C
     masking = cost.document_masking
