@@ -98,6 +98,7 @@ class Runtime:
         self.resume: Optional[LoaderState] = None   # set by Loader.load_state_dict
         self.trackers: list[SourceTracker] = []
         self.holding: Optional[np.ndarray] = None   # [R, S]: ranks holding data of each source
+        self._budgets_key, self._budgets_now = None, None   # `_budgets`' last answer
         self.listing_crcs: list[int] = []
         self.closing = asyncio.Event()   # set by request_close(), on the loop
         self.started: Optional[float] = None            # when run() began (for rates)
@@ -424,11 +425,18 @@ class Runtime:
                         dtype=bool).reshape(self.comm.world, len(self.sources))
 
     def _budgets(self):
-        """This rank's buffers for the next step, from `holding` and the mix's shares."""
-        return self.memory.for_rank(self.comm.rank,
-                                    self.mixer.shares_at(self.holding.any(axis=0)), self.holding)
+        """This rank's buffers for the next step, from `holding` and the mix's shares (worked
+        out again only when either changed: most steps, neither does)."""
+        shares = self.mixer.shares_at(self.holding.any(axis=0))
+        key = (self.holding.tobytes(), shares.tobytes())
+        if key != self._budgets_key:
+            self._budgets_key = key
+            self._budgets_now = self.memory.for_rank(self.comm.rank, shares, self.holding)
+        return self._budgets_now
 
     def _resize(self, budgets) -> None:
+        if budgets is self.budgets:
+            return
         self.budgets = budgets
         for buffer, gate, budget in zip(self.buffers, self.gates, budgets):
             buffer.resize(budget.capacity_tokens, budget.window_tokens)
@@ -443,8 +451,9 @@ class Runtime:
             entries = np.flatnonzero((holder == me) & (c.source[plan.take] == s))
             positions = c.position[plan.take[entries]]
             order = np.argsort(positions, kind="stable")
-            items = await buffer.take(positions[order], len(self._windows[s][0]),
-                                      lengths[entries[order]])
+            short = lengths[entries] < c.length[plan.take[entries]]   # cut to fill a row
+            cut = dict(zip(positions[short].tolist(), lengths[entries][short].tolist()))
+            items = await buffer.take(positions[order], len(self._windows[s][0]), cut)
             mine.update(zip(entries[order].tolist(), (i.tokens for i in items)))
         entries, tokens = await self._collective(
             lambda: exchange_tokens(self.comm, holder, plan.rank, lengths, mine))

@@ -112,12 +112,11 @@ class SourceBuffer:
         return out, False
 
     async def take(self, positions: np.ndarray, window_size: int,
-                   lengths: Optional[np.ndarray] = None) -> list[Item]:
+                   cut: Optional[dict[int, int]] = None) -> list[Item]:
         """Remove window items at `positions` (ascending), age the rest of the window.
-        `lengths`: tokens to take of each; an item cut short leaves its rest in its place, as
-        the remainder of its piece (`pieces`), aged like the rest of the window."""
-        cut = {} if lengths is None else {
-            int(p): int(n) for p, n in zip(positions, lengths) if n < len(self._entries[int(p)])}
+        `cut`: position -> tokens, for items the plan takes only the head of; the rest stays in
+        its place, as the remainder of its piece (`pieces`), aged like the rest of the window."""
+        cut = cut or {}
         taken_mask = np.zeros(window_size, dtype=bool)
         taken_mask[positions] = True
         head = [self._entries.popleft() for _ in range(window_size)]

@@ -54,7 +54,12 @@ class Planner:
         return epoch_cost(rank_cost, int(length.sum()), self.geometry, self.overhead)
 
     def _fill(self, c: Candidates, selected, take, rank, row):
-        """`top_up` with what the plan left: the step's leftovers, then the windows."""
+        """`top_up` with what the plan left: the step's leftovers, then the windows. A step
+        already FULL is left as it is (and the leftovers, a sort of every candidate, are not
+        worked out)."""
+        length = c.length[take]
+        if length.sum() >= FULL * self.geometry.step_tokens:
+            return take, rank, row, length
         return top_up(c, take, rank, row, self._leftovers(c, selected, take), self.geometry,
                       self.cost, overhead=self.overhead, cost_aware=self.method != "naive")
 
