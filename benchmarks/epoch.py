@@ -498,24 +498,23 @@ def main(argv=None) -> int:
         f"{len(expected):,} items at C={C:,}; M={M}, step overhead "
         f"{args.step_overhead:g} x M x C = {args.step_overhead * M * C:,.0f}")
     results = []
+
+    def record(r: dict, label: str, extra: str = "") -> None:
+        r["micro_batches"] = M
+        results.append(r)
+        log(f"{label}: {r['steps']} steps (ideal {r['ideal_steps']}), fill {r['fill_mean']:.3f}, "
+            f"compute+oh {r['compute_with_overhead']:,.0f}{extra}, {r['wall_s']:.1f}s")
+
     for world in ranks:
         for planner in planners:
             r = loader_config(world, planner, corpus, args, expected)
-            r["micro_batches"] = M
-            results.append(r)
-            log(f"loader R={world} {planner}: {r['steps']} steps (ideal {r['ideal_steps']}), "
-                f"fill {r['fill_mean']:.3f}, compute+oh {r['compute_with_overhead']:,.0f}, "
-                f"exactly_once {r['exactly_once']}, {r['wall_s']:.1f}s")
+            record(r, f"loader R={world} {planner}", f", exactly_once {r['exactly_once']}")
     if sim_ranks:
         scans = scan_corpus(corpus, args)
         for world in sim_ranks:
             for planner in planners:
                 r = sim_config(world, planner, corpus, scans, args)
-                r["micro_batches"] = M
-                results.append(r)
-                log(f"sim R={world} x{r['sim_scale']} {planner}: {r['steps']} steps (ideal "
-                    f"{r['ideal_steps']}), fill {r['fill_mean']:.3f}, compute+oh "
-                    f"{r['compute_with_overhead']:,.0f}, {r['wall_s']:.1f}s")
+                record(r, f"sim R={world} x{r['sim_scale']} {planner}")
     all_met, cost_aware_met = check_targets(results)
     print(file=sys.stderr)
     print_table(results)
