@@ -11,7 +11,7 @@ Layout under `root` (one root per corpus variant, named by its parameters):
 (`src`, the source's name, only lets the benchmark check the mixture each peer delivered.)
 
 Text: paragraphs of Zipf-distributed words (a few non-ASCII) or Python-looking code, from the
-demo's generators (streamload.demo.corpus). Each document is a slice of a few MB of such text at
+demo's generators (streamload.commands.demo.corpus). Each document is a slice of a few MB of such text at
 a random offset, so generating 300 MB takes seconds; lengths are long-tailed (lognormal per
 source, one source with very long "books"). Byte-level tokens: one token per UTF-8 byte.
 """
@@ -118,7 +118,7 @@ _POOLS: dict = {}
 def _pool(kind: str, seed: int) -> str:
     key = (kind, seed)
     if key not in _POOLS:
-        from streamload.demo.corpus import code, prose
+        from streamload.commands.demo.corpus import code, prose
         rng = np.random.default_rng([seed, 7 if kind == "code" else 3])
         text = code(rng, 1_500_000) if kind == "code" else prose(rng, 3_000_000, paragraphs=True)
         _POOLS[key] = text + "\n" + text      # slices up to len(text) never wrap

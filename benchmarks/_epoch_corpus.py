@@ -82,7 +82,7 @@ class EpochCorpus:
     def expected_items(self, capacity: int) -> dict[str, int]:
         """Every item one epoch delivers (long_documents="split": ":k" per piece), with its
         tokens."""
-        from streamload.demo.corpus import expected_items
+        from streamload.commands.demo.corpus import expected_items
         return expected_items(((s["name"], sh["name"], sh["lengths"]) for s in self.sources
                                for sh in s["shards"]), capacity)
 
@@ -113,7 +113,7 @@ def log(msg: str) -> None:
 def _pool(kind: str, seed: int) -> bytes:
     """A few MB of ASCII prose or code (the demo's generators, non-ASCII words dropped), twice
     over so that any slice up to its length fits."""
-    from streamload.demo.corpus import code, prose
+    from streamload.commands.demo.corpus import code, prose
     rng = np.random.default_rng([seed, 7 if kind == "code" else 3])
     text = code(rng, 1_500_000) if kind == "code" else prose(rng, 2_000_000, paragraphs=True)
     data = text.encode("ascii", errors="ignore")

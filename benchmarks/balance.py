@@ -34,7 +34,7 @@ the Planner's, 0.05): the per-step cost o = step_overhead x b x M x C
 Per-step metrics per (dist, ranks, micro_batches, method), over the steady run's measured steps:
   imbalance          max per-rank cost / mean per-rank cost, per step (mean and p99)
   bound_single       max(total / R, largest single item cost) / mean, per step (mean)
-  planner_ms         wall time of Planner.plan, pinned to one core (median and p99); also
+  planner_ms         wall time of Planner.assign, pinned to one core (median and p99); also
                      planner_cpu_ms (the thread's CPU time), which is what a dedicated core
                      would see when other processes share the machine
   deferral_max/mean  age (steps offered and not taken) of the items when taken
@@ -216,7 +216,7 @@ def run_config(dist: str, ranks: int, micro_batches: int, method: str, steps: in
     for step in range(warmup + steps):
         c = coord.candidates()
         t0, c0 = time.perf_counter(), time.thread_time()
-        a = planner.plan(c, coord.targets, step)
+        a = planner.assign(c, coord.targets, step)
         elapsed, cpu = time.perf_counter() - t0, time.thread_time() - c0
         if step >= warmup:
             mean = float(a.rank_cost.mean())
@@ -277,7 +277,7 @@ def run_epoch(dist: str, ranks: int, micro_batches: int, method: str, epoch_step
         coord.refill()
         c = coord.candidates()
         t0 = time.perf_counter()
-        a = planner.plan(c, targets, len(tokens))
+        a = planner.assign(c, targets, len(tokens))
         plan_s += time.perf_counter() - t0
         tokens.append(int(c.length[a.take].sum()))
         items += len(a)

@@ -17,7 +17,7 @@ tokens) and measures what the epoch cost:
            come back through a multiprocessing queue and must have the same length on every
            rank. exactly_once: no sample id twice across ranks, and the ids are exactly the
            corpus's (every document, ":k" for each piece of a split one).
-  sim      `streamload.dryrun.simulate` (the loader's planning loop on lengths, no processes) on
+  sim      `streamload.commands.dryrun.simulate` (the loader's planning loop on lengths, no processes) on
            the same corpus, scanned with `dryrun.scan`, at R in --sim-ranks. So that a step of
            R x M x C tokens still leaves >= --sim-min-steps steps per epoch at large R, the
            scanned data is replicated k times (`sim_scale`; default: the smallest k that gives
@@ -241,7 +241,7 @@ def loader_config(world: int, planner: str, corpus, args, expected_ids: dict) ->
     by_source = np.zeros((steps, len(corpus.names)))
     for r in ranks:
         by_source[:len(r["by_source"])] += np.array(r["by_source"]).reshape(-1, len(corpus.names))
-    from streamload.demo.corpus import check_delivery
+    from streamload.commands.demo.corpus import check_delivery
     parts = [tuple(i) for r in ranks for i in r["ids"]]
     check = check_delivery(parts, expected_ids)
     out = metrics(rank_tokens, rank_cost, by_source, world, args, corpus.names)
@@ -267,7 +267,7 @@ def loader_config(world: int, planner: str, corpus, args, expected_ids: dict) ->
 # -- simulation ---------------------------------------------------------------------------------
 def scan_corpus(corpus, args):
     from streamload.configfile import LoaderSpec
-    from streamload.dryrun import scan
+    from streamload.commands.dryrun import scan
     spec = LoaderSpec("benchmarks/epoch.py", make_sources(corpus), job_options(args, "balanced"),
                       make_mixture(corpus.tokens))
     started = time.perf_counter()
@@ -301,7 +301,7 @@ def replicate(scans, k: int, deal: str):
 
 def sim_config(world: int, planner: str, corpus, scans, args) -> dict:
     from streamload.configfile import LoaderSpec
-    from streamload.dryrun import simulate
+    from streamload.commands.dryrun import simulate
     k = sim_scale_for(world, corpus, args)
     data = replicate(scans, k, args.sim_deal)
     total = corpus.tokens * k

@@ -54,9 +54,9 @@ import numpy as np  # noqa: E402
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-from streamload.plan.mixing import QuotaMixer  # noqa: E402
+from streamload.plan.quota_mixer import QuotaMixer  # noqa: E402
 from _windows import BODY, FifoWindows, SourceSpec, split_at_capacity  # noqa: E402
-from streamload.plan.mixture import LengthQuota, MixPoint, Mixture  # noqa: E402
+from streamload.plan.mix_spec import LengthQuota, MixPoint, Mixture  # noqa: E402
 from streamload.plan.select import arrival_order, select  # noqa: E402
 from streamload.plan.types import Candidates, Geometry  # noqa: E402
 
@@ -186,7 +186,7 @@ def run_scenario(name: str, specs, mixture: Mixture, steps: int, seed: int) -> l
             c = coord.candidates()
             if len(c) == 0:
                 break
-            q = mixer.plan(c, GEOMETRY.step_tokens, step)
+            q = mixer.quota(c, GEOMETRY.step_tokens, step)
             if ran_out is None and not q.active.all():
                 ran_out = step
             if method == "quota":

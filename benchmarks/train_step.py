@@ -19,7 +19,7 @@ same `step_overhead` (the per-step cost the top-up weighs empty slots against; `
 Planning happens before the ranks start; every planner runs until its stream is empty.
 
 Measurement. Two processes (gloo, 127.0.0.1 only) each run forward plus backward of a small
-transformer (real SDPA attention with document masking, see `streamload.calibrate.doc_attention`)
+transformer (real SDPA attention with document masking, see `streamload.commands.calibrate.doc_attention`)
 over their own M packed micro-batches of the step, then all-reduce the gradients as one flat
 buffer, as data-parallel training does. Rows are not padded: a row of n tokens is an [n]-token
 tensor, like varlen packing. The planners' steps are interleaved in one run, each planner's
@@ -56,7 +56,7 @@ Every rank checks that it ran exactly the planned tokens, and every planner must
 same total.
 
 The cost model that the planner uses is, by default (`--cost calibrate`), fitted before the run
-on this same model, on this device and with the ranks' thread count, by `streamload.calibrate`
+on this same model, on this device and with the ranks' thread count, by `streamload.commands.calibrate`
 (rows of C, C/2 and C/4 tokens with different document mixes; CPU time on the CPU).
 `--cost transformer` uses `CostModel.transformer()` of the model's dimensions (FLOPs) instead,
 and `--cost FILE` loads a `streamload calibrate --output FILE` result.
@@ -221,7 +221,7 @@ def build_plans(args, geometry: Geometry, cost: CostModel, name: str) -> dict:
         targets = stream.targets()
         c = stream.candidates(targets)
         t0 = time.perf_counter()
-        a = planner.plan(c, targets, len(out["rows"]))
+        a = planner.assign(c, targets, len(out["rows"]))
         out["plan_ms"].append((time.perf_counter() - t0) * 1e3)
         out["rows"].append(plan_rows(a, c, geometry))
         out["rank_cost"].append(a.rank_cost.tolist())
@@ -268,7 +268,7 @@ def rank_device(args, rank: int) -> str:
 def worker(rank: int, args, port: int, plans, order, result_queue) -> None:
     import torch
     import torch.distributed as dist
-    from streamload.calibrate import TinyTransformer, synchronize
+    from streamload.commands.calibrate import TinyTransformer, synchronize
 
     torch.set_num_threads(args.threads)
     torch.set_num_interop_threads(1)
@@ -341,7 +341,7 @@ def free_port() -> int:
 # ------------------------------------------------------------------------------------ main
 def get_cost_model(args) -> tuple[CostModel, dict]:
     import torch
-    from streamload.calibrate import TinyTransformer, calibration_rows, fit_rows, time_rows
+    from streamload.commands.calibrate import TinyTransformer, calibration_rows, fit_rows, time_rows
     torch.manual_seed(args.seed)
     model = TinyTransformer(**model_config(args))
     flops = model.cost_model()

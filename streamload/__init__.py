@@ -5,8 +5,8 @@ from .errors import ConfigError, DataError, DistributedError, StorageError, Stre
 from .loader import Loader
 from .configfile import LoaderSpec, load_config
 from .plan.cost import CostModel
-from .plan.mixing import MixtureState
-from .plan.mixture import LengthQuota, Mixture, MixPoint
+from .plan.quota_mixer import MixtureState
+from .plan.mix_spec import LengthQuota, Mixture, MixPoint
 from .storage.retry import RetryPolicy
 from .tokenizer import HFTokenizer
 

@@ -33,7 +33,7 @@ import msgspec
 
 from .config import LoaderConfig, Source, make_config
 from .errors import ConfigError
-from .plan.mixture import LengthQuota, MixPoint, Mixture
+from .plan.mix_spec import LengthQuota, MixPoint, Mixture
 from .plan.planner import METHODS
 from .storage.retry import RetryPolicy
 from .tokenizer import as_tokenizer

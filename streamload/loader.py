@@ -18,9 +18,9 @@ import msgspec
 
 from .batch import Batch
 from .configfile import load_config
-from .plan.mixture import Mixture
+from .plan.mix_spec import Mixture
 from .config import LoaderConfig, Source, make_config
-from .dist.comm import Comm, connect
+from .collective.comm import Comm, connect
 from .errors import ConfigError
 from .runtime import Runtime
 from .state import decode_state, encode_state

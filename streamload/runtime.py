@@ -19,11 +19,11 @@ from . import pieces
 from .batch import Batch, MicroBatch
 from .config import LoaderConfig, Source
 from .errors import ConfigError
-from .dist.comm import Comm, collective_thread
-from .dist.coordinator import (OUTCOMES, SourceWindow, StopStepping, check_statuses, decode_plan,
+from .collective.comm import Comm, collective_thread
+from .collective.coordinator import (OUTCOMES, SourceWindow, StopStepping, check_statuses, decode_plan,
                                decode_summaries, encode_closing, encode_failure, encode_plan,
                                encode_summary, encode_waiting, plan_size)
-from .dist.exchange import exchange_tokens
+from .collective.exchange import exchange_tokens
 from .metrics import SourceMetrics, StepMetrics
 from .pipeline.autoscale import Autoscaler, Knobs, MemoryGate, MemoryPlan
 from .pipeline.buffer import SourceBuffer
@@ -32,8 +32,8 @@ from .pipeline.recycle import ArrayRecycler
 from .pipeline.supervisor import Supervisor
 from .pipeline.workers import DaemonExecutor, run_detached
 from .plan.cost import CostModel
-from .plan.mixing import QuotaMixer
-from .plan.mixture import Mixture
+from .plan.quota_mixer import QuotaMixer
+from .plan.mix_spec import Mixture
 from .plan.packing import pack_rows
 from .plan.planner import Planner
 from .plan.types import Geometry
@@ -379,8 +379,8 @@ class Runtime:
                 outcome = self.mixer.outcome(has_data, exhausted)
                 assignment = None
                 if outcome == "continue":
-                    quota = self.mixer.plan(candidates, step_tokens, self.step)
-                    assignment = self.planner.plan_quota(quota, self.step)
+                    quota = self.mixer.quota(candidates, step_tokens, self.step)
+                    assignment = self.planner.assign_quota(quota, self.step)
                 self.step_metrics.plan_ms.append((time.perf_counter() - started) * 1e3)
                 message = encode_plan(assignment, OUTCOMES.index(outcome))
             else:
@@ -403,7 +403,7 @@ class Runtime:
                 self._resize(self._budgets())
                 continue
             if quota is None:   # every rank keeps the mixer's state (the schedule's position)
-                quota = self.mixer.plan(candidates, step_tokens, self.step)
+                quota = self.mixer.quota(candidates, step_tokens, self.step)
             self.mixer.update(quota, plan.take, plan.length)
             whole = plan.length == candidates.length[plan.take]   # a cut item's rest stays
             self.holding = MemoryPlan.holding_after(candidates, plan.take[whole], exhausted)

@@ -32,7 +32,7 @@ import numpy as np
 
 from . import pieces
 from .errors import ConfigError
-from .plan.mixing import MixtureState
+from .plan.quota_mixer import MixtureState
 
 STATE_VERSION = 3
 _END = (2**62, 2**62)   # skip_through for "only the extras"

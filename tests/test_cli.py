@@ -12,7 +12,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from streamload.cli import main
+from streamload.commands.cli import main
 from streamload.formats import write_jsonl, write_token_shard
 
 REPO = Path(__file__).resolve().parents[1]
@@ -113,9 +113,9 @@ def test_inspect_s3(tmp_path, s3_bucket, capsys):
 
 def test_calibrate_is_handed_its_arguments(monkeypatch):
     seen = []
-    fake = types.ModuleType("streamload.calibrate")
+    fake = types.ModuleType("streamload.commands.calibrate")
     fake.calibrate_main = lambda argv: seen.append(argv) or 7
-    monkeypatch.setitem(sys.modules, "streamload.calibrate", fake)
+    monkeypatch.setitem(sys.modules, "streamload.commands.calibrate", fake)
     assert main(["calibrate", "--device", "cpu", "--help-me"]) == 7
     assert seen == [["--device", "cpu", "--help-me"]]
 
@@ -133,7 +133,7 @@ def test_help_and_no_command(capsys):
 def _run_demo(cwd: Path, *args: str, timeout: float = 100) -> tuple[subprocess.CompletedProcess, dict]:
     env = {k: v for k, v in os.environ.items() if not k.startswith("AWS_")}   # no fixture leakage
     env["PYTHONPATH"] = str(REPO) + os.pathsep + env.get("PYTHONPATH", "")
-    proc = subprocess.run([sys.executable, "-m", "streamload.cli", "demo", *args], cwd=cwd,
+    proc = subprocess.run([sys.executable, "-m", "streamload.commands.cli", "demo", *args], cwd=cwd,
                           env=env, capture_output=True, text=True, timeout=timeout)
     lines = [line for line in proc.stdout.splitlines() if line.startswith("{")]
     summary = json.loads(lines[-1]) if lines else {}
@@ -175,7 +175,7 @@ def test_demo_stops_after_steps_and_reports_rank_failures(tmp_path):
 
 @pytest.mark.timeout(60)
 def test_demo_corpus_matches_inspect(tmp_path, capsys):
-    from streamload.demo.corpus import generate
+    from streamload.commands.demo.corpus import generate
 
     corpus = generate(tmp_path / "corpus", small=True, capacity=4096)
     books = corpus.source("books")

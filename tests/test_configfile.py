@@ -12,7 +12,7 @@ import pytest
 from streamload.config import LoaderConfig, Source
 from streamload.configfile import LoaderSpec, load_config, parse_config
 from streamload.errors import ConfigError
-from streamload.plan.mixture import LengthQuota, MixPoint
+from streamload.plan.mix_spec import LengthQuota, MixPoint
 from streamload.storage.retry import RetryPolicy
 
 FULL = """

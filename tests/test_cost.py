@@ -123,7 +123,7 @@ def test_from_fit_clips_tiny_negatives():
 
 # ------------------------------------------------------------------------------ fitting
 def _rows():
-    from streamload.calibrate import calibration_rows
+    from streamload.commands.calibrate import calibration_rows
     return calibration_rows([4096, 2048, 1024], 64)
 
 
@@ -138,7 +138,7 @@ def test_calibration_rows_cover_equal_totals_with_different_mixes():
 
 @pytest.mark.parametrize("constant", [True, False])
 def test_fit_recovers_exact_coefficients(constant):
-    from streamload.calibrate import fit_rows
+    from streamload.commands.calibrate import fit_rows
     a, b, c = 2e-8, 4e-5, (3e-3 if constant else 0.0)
     rows = _rows()
     times = [a * sum(L * L for L in r) + b * sum(r) + c for r in rows]
@@ -152,7 +152,7 @@ def test_fit_recovers_exact_coefficients(constant):
 
 
 def test_fit_with_noise_and_nonnegativity():
-    from streamload.calibrate import fit_cost
+    from streamload.commands.calibrate import fit_cost
     rng = np.random.default_rng(1)
     rows = _rows()
     sq = np.array([sum(L * L for L in r) for r in rows], float)
@@ -169,7 +169,7 @@ def test_fit_with_noise_and_nonnegativity():
 
 
 def test_fit_rejects_bad_input():
-    from streamload.calibrate import fit_cost
+    from streamload.commands.calibrate import fit_cost
     with pytest.raises(ValueError):
         fit_cost([1.0], [1.0], [0.0])
     with pytest.raises(ValueError):
@@ -179,7 +179,7 @@ def test_fit_rejects_bad_input():
 # ------------------------------------------------------------------------------ torch parts
 def test_doc_attention_matches_block_diagonal_mask():
     torch = pytest.importorskip("torch")
-    from streamload.calibrate import doc_attention, document_mask
+    from streamload.commands.calibrate import doc_attention, document_mask
     torch.manual_seed(0)
     F = torch.nn.functional
     for lengths, max_calls in [([7, 7, 7], 32), ([5, 9, 9, 3, 5, 1], 32), ([5, 9, 9, 3, 5, 1], 1),
@@ -199,7 +199,7 @@ def test_doc_attention_matches_block_diagonal_mask():
 
 def test_tiny_transformer_cost_model_and_step():
     torch = pytest.importorskip("torch")
-    from streamload.calibrate import TinyTransformer
+    from streamload.commands.calibrate import TinyTransformer
     model = TinyTransformer(vocab=64, d_model=32, heads=2, ffn_mult=4, n_layers=2)
     # per block: qkv 3d^2 + proj d^2 + mlp 8d^2 + 2 layernorms (4d); final ln 2d; head d*V
     d = 32
@@ -215,7 +215,7 @@ def test_tiny_transformer_cost_model_and_step():
 
 def test_calibrate_tiny_run_is_sane(tmp_path, capsys):
     pytest.importorskip("torch")
-    from streamload.calibrate import calibrate_main
+    from streamload.commands.calibrate import calibrate_main
     out = tmp_path / "cost.json"
     t0 = time.perf_counter()
     import torch
@@ -238,13 +238,13 @@ def test_calibrate_tiny_run_is_sane(tmp_path, capsys):
 
 
 def _rows_for(totals, min_doc):
-    from streamload.calibrate import calibration_rows
+    from streamload.commands.calibrate import calibration_rows
     return calibration_rows(totals, min_doc)
 
 
 def test_cpu_clock_needs_one_thread():
     torch = pytest.importorskip("torch")
-    from streamload.calibrate import Blocks, time_rows
+    from streamload.commands.calibrate import Blocks, time_rows
     model = Blocks(32, 2, 4, 1, "cpu", torch.float32)
     threads = torch.get_num_threads()
     try:

@@ -1,4 +1,4 @@
-"""`streamload plan CONFIG.toml`: the dry run of a configuration's plan (streamload/dryrun.py)."""
+"""`streamload plan CONFIG.toml`: the dry run of a configuration's plan (streamload/commands/dryrun)."""
 from __future__ import annotations
 
 import asyncio
@@ -8,9 +8,9 @@ import numpy as np
 import pytest
 from corpus import write_jsonl_source, write_token_source
 
-from streamload.cli import main
+from streamload.commands.cli import main
 from streamload.configfile import load_config
-from streamload.dryrun import (_Window, items_from_documents, scan, scan_lengths,
+from streamload.commands.dryrun import (_Window, items_from_documents, scan, scan_lengths,
                                simulate, summarize)
 from streamload.formats.base import RawRecord
 from streamload.pipeline.buffer import Item, SourceBuffer

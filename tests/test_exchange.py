@@ -21,8 +21,8 @@ def plan(world):
 
 
 def exchange_job(rank, world):
-    from streamload.dist.comm import connect
-    from streamload.dist.exchange import exchange_tokens
+    from streamload.collective.comm import connect
+    from streamload.collective.exchange import exchange_tokens
     holder, dest, tokens = plan(world)
     lengths = np.array([t.shape[0] for t in tokens])
     mine = {e: tokens[e] for e in np.flatnonzero(holder == rank).tolist()}
@@ -42,7 +42,7 @@ GATHER_SIZES = [3, 0, 5000, 700, 20000, 1, 1, 2500]   # per call; rank r sends s
 
 
 def gather_job(rank, world):
-    from streamload.dist.comm import connect
+    from streamload.collective.comm import connect
     comm = connect(30.0)
     results, capacities = [], []
     for call, size in enumerate(GATHER_SIZES):

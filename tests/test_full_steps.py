@@ -12,7 +12,7 @@ import pytest
 import streamload as sl
 from corpus import base_ids, write_jsonl_source
 from distributed import run_ranks
-from streamload.plan.mixing import QuotaMixer, balanced_clip
+from streamload.plan.quota_mixer import QuotaMixer, balanced_clip
 from streamload.plan.types import Candidates
 
 pytestmark = pytest.mark.timeout(240)
@@ -101,7 +101,7 @@ def test_carries_keep_summing_to_zero_while_sources_run_short_and_leave():
             n = 0 if left[s] <= 0 else int(max(1, min(supply, left[s]) // 512))
             windows.append(rng.integers(1, 1024, n))
         c = Candidates.from_windows([windows])
-        quota = mixer.plan(c, T, step)
+        quota = mixer.quota(c, T, step)
         if quota.active.any() and c.length.sum() >= 2 * T:
             assert quota.source_targets.sum() >= T - 1e-6, step
         # Take each source's target in arrival order (what select does, without the planner).
@@ -158,7 +158,7 @@ def test_cut_pieces_fill_the_steps_and_tile_their_documents(long_only):
     """A cost-aware planner cuts pieces of long documents to fill rows: steps are full, and the
     parts of every piece (":k", ":k+offset") put its tokens back together exactly once."""
     import json
-    from streamload.demo.corpus import check_delivery
+    from streamload.commands.demo.corpus import check_delivery
     for planner in ("balanced", "lookahead"):
         with long_loader(long_only, planner=planner) as loader:
             batches = list(loader)
@@ -219,7 +219,7 @@ def test_elastic_resume_with_cut_pieces_delivers_every_token_once(long_only):
     """Stopped while pieces are cut (their rest pending, with an offset in the state), resumed
     at another world size: every piece is still tiled exactly once."""
     import msgspec
-    from streamload.demo.corpus import check_delivery
+    from streamload.commands.demo.corpus import check_delivery
     first = run_ranks(elastic_job, 2, str(long_only), 5, None)
     state = {"streamload": msgspec.json.encode(first[0][1]).decode()}
     cut_pending = any(c >= 0 and c & 0xFFFFFFFF for *_, c, _ in first[0][1]["ages"])

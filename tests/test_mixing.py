@@ -1,7 +1,7 @@
 """Mixing: the Mixture spec, schedules, length quotas, exactness bounds, exhaustion and state.
 
 The step loop is simulated the way the runtime runs it, without processes: FIFO windows per
-(rank, source) topped up from seeded length streams, `QuotaMixer.plan` -> `select` -> a
+(rank, source) topped up from seeded length streams, `QuotaMixer.quota` -> `select` -> a
 capacity check -> `QuotaMixer.update`.
 """
 from __future__ import annotations
@@ -13,10 +13,10 @@ import pytest
 from streamload.config import Source
 from streamload.errors import ConfigError
 from streamload.plan.cost import CostModel
-from streamload.plan.mixing import MixtureState, QuotaMixer
-from streamload.plan.mixture import LengthQuota, MixPoint, Mixture, Schedule
+from streamload.plan.quota_mixer import MixtureState, QuotaMixer
+from streamload.plan.mix_spec import LengthQuota, MixPoint, Mixture, Schedule
 from streamload.plan.planner import Planner
-from streamload.plan.quotas import Buckets, water_fill
+from streamload.plan.length_buckets import Buckets, water_fill
 from streamload.plan.select import select
 from streamload.plan.types import Candidates, Geometry
 
@@ -96,7 +96,7 @@ def run(mixer: QuotaMixer, sim: Sim, steps: int, *, fit=True, start=0):
         c = sim.candidates()
         if len(c) == 0:
             break
-        q = mixer.plan(c, T, step)
+        q = mixer.quota(c, T, step)
         selected = select(q.candidates, q.targets, counts=q.counts)
         take = selected[capacity_check(c.length[selected])] if fit else selected
         units = mixer.update(q, take)
@@ -175,7 +175,7 @@ def test_sample_token_targets_pick_the_same_items_as_counts():
     mixer = make(Mixture(by="samples"))
     sim = Sim(MEDIANS, [0.4, 0.4, 0.4])
     c = sim.candidates()
-    q = mixer.plan(c, T, 0)
+    q = mixer.quota(c, T, 0)
     by_counts = select(q.candidates, q.targets, counts=q.counts)
     by_tokens = select(q.candidates, q.token_targets)
     assert sorted(by_counts.tolist()) == sorted(by_tokens.tolist())
@@ -184,7 +184,7 @@ def test_sample_token_targets_pick_the_same_items_as_counts():
 def test_by_samples_stays_exact_when_overdue_items_jump_the_queue():
     """Overdue (long) items move to the front of their source's queue; token targets derived
     from arrival order then buy fewer samples. Selecting by counts keeps the count, and
-    `Planner.plan_quota` selects by counts for a mixture by samples."""
+    `Planner.assign_quota` selects by counts for a mixture by samples."""
     mixer = make(Mixture(by="samples", weights={"web": 0.5, "code": 0.5, "books": 0.0}))
     rng = np.random.default_rng(3)
     lengths = [[rng.integers(20, 60, 300), rng.integers(20, 60, 300), np.zeros(0, np.int64)]
@@ -195,7 +195,7 @@ def test_by_samples_stays_exact_when_overdue_items_jump_the_queue():
         lengths[r][0][-3:] = 1500
         ages[r][0][-3:] = 8
     c = Candidates.from_windows(lengths, ages)
-    q = mixer.plan(c, T, 0)
+    q = mixer.quota(c, T, 0)
 
     def counts(selected):
         return [int((c.source[selected] == s).sum()) for s in (0, 1)]
@@ -204,7 +204,7 @@ def test_by_samples_stays_exact_when_overdue_items_jump_the_queue():
     web, code = counts(select(q.candidates, q.token_targets, max_age=8))
     assert code - web > 10, (web, code)      # what planning by tokens would do
     planner = Planner(GEOMETRY, CostModel(1e-9, 1e-6), method="naive", max_age=8)
-    web, code = counts(planner.plan_quota(q, 0).take)
+    web, code = counts(planner.assign_quota(q, 0).take)
     assert abs(web - code) <= 2, (web, code)   # + what did not fit the rows
 
 
@@ -264,7 +264,7 @@ def test_schedule_is_a_function_of_step_and_tokens_only():
     sim = Sim(MEDIANS, a.max_shares())
     for step in range(40):
         c = sim.candidates()
-        qa, qb = a.plan(c, T, step), b.plan(c, T, step)
+        qa, qb = a.quota(c, T, step), b.quota(c, T, step)
         assert np.array_equal(qa.targets, qb.targets)
         take = select(qa.candidates, qa.targets)
         a.update(qa, take)
@@ -408,7 +408,7 @@ def test_relabelled_candidates_keep_items_and_order():
     mixer = make(Mixture(quotas=[LengthQuota(min_length=1024, max_length=2048, fraction=0.1),
                                  LengthQuota(source="web", min_length=2048, fraction=0.05)]))
     c = Sim(MEDIANS, [0.5] * 3).candidates()
-    q = mixer.plan(c, T, 0)
+    q = mixer.quota(c, T, 0)
     v = q.candidates
     assert np.array_equal(v.length, c.length) and np.array_equal(v.rank, c.rank)
     assert np.array_equal(q.virtual_source[v.source], c.source)
@@ -429,8 +429,8 @@ def test_planner_takes_relabelled_candidates():
     for method in ("naive", "balanced", "lookahead"):
         planner = Planner(GEOMETRY, CostModel(), method=method)
         c = sim.candidates()
-        q = mixer.plan(c, T, 0)
-        a = planner.plan(q.candidates, q.token_targets, 0)
+        q = mixer.quota(c, T, 0)
+        a = planner.assign(q.candidates, q.token_targets, 0)
         assert len(a) > 0 and c.length[a.take].sum() <= T
 
 
@@ -486,7 +486,7 @@ def test_state_round_trip_resumes_exactly():
     b.load_state(state)
     for step in range(30, 60):
         c = sim.candidates()
-        qa, qb = a.plan(c, T, step), b.plan(c, T, step)
+        qa, qb = a.quota(c, T, step), b.quota(c, T, step)
         assert np.array_equal(qa.targets, qb.targets) and np.array_equal(qa.shares, qb.shares)
         take = select(qa.candidates, qa.targets)
         a.update(qa, take)

@@ -30,8 +30,8 @@ def test_balanced_is_much_better_than_naive_when_long_documents_arrive_together(
     geometry, c = long_docs_first()
     cost = CostModel(a=1.0 / 256)
     targets = np.array([float(c.length.sum())])
-    naive = Planner(geometry, cost, method="naive").plan(c, targets, 0)
-    balanced = Planner(geometry, cost, method="balanced").plan(c, targets, 0)
+    naive = Planner(geometry, cost, method="naive").assign(c, targets, 0)
+    balanced = Planner(geometry, cost, method="balanced").assign(c, targets, 0)
     assert len(balanced) == len(naive) == len(c)
     # Token-balanced filling gives the first rank two long documents; cost balancing gives
     # every rank one of them.
@@ -49,7 +49,7 @@ def test_identical_windows_need_no_exchange():
     R, M, C = 8, 4, 1024
     c = Candidates.from_windows([[window.copy()] for _ in range(R)])
     geometry = Geometry(R, M, C)
-    a = Planner(geometry, CostModel(), method="balanced").plan(
+    a = Planner(geometry, CostModel(), method="balanced").assign(
         c, np.array([float(geometry.step_tokens)]), 0)
     assert imbalance(a) < 1.01
     # (Shuffling by cost alone would move about 1 - 1/R of the tokens.)
@@ -91,8 +91,8 @@ def test_plain_causal_attention_evens_out_rows():
     c = Candidates.from_windows([[np.sort(rng.integers(20, 1500, 8))[::-1]] for _ in range(R)])
     cost = CostModel(a=1.0 / 1024, document_masking=False)
     targets = np.array([float(c.length.sum())])
-    naive = Planner(geometry, cost, method="naive").plan(c, targets, 0)
-    balanced = Planner(geometry, cost, method="balanced").plan(c, targets, 0)
+    naive = Planner(geometry, cost, method="naive").assign(c, targets, 0)
+    balanced = Planner(geometry, cost, method="balanced").assign(c, targets, 0)
     assert len(balanced) == len(c)
     assert balanced.rank_cost.max() <= naive.rank_cost.max()
     rows = np.bincount(balanced.rank * M + balanced.row, weights=c.length[balanced.take])
@@ -108,7 +108,7 @@ def _run(method: str, windows_per_step, geometry, cost, targets, steps, window=4
     for step in range(steps):
         c = Candidates.from_windows([[np.array(x, np.int64) for x in rank] for rank in corpus],
                                     [[np.array(x) for x in rank] for rank in ages])
-        a = planner.plan(c, targets, step)
+        a = planner.assign(c, targets, step)
         plans.append((c, a))
         gone = set(a.take.tolist())
         i = 0
@@ -179,7 +179,7 @@ def test_lookahead_takes_every_overdue_item_whatever_the_quota():
     windows = [[np.full(6, 40)], [np.full(6, 40)]]
     ages = [[np.array([4, 4, 4, 0, 0, 0])], [np.array([4, 0, 0, 0, 0, 0])]]
     c = Candidates.from_windows(windows, ages)
-    a = Planner(geometry, CostModel(), method="lookahead", lookahead=4).plan(
+    a = Planner(geometry, CostModel(), method="lookahead", lookahead=4).assign(
         c, np.array([40.0]), 0)                     # a quota of one item
     assert np.isin(np.flatnonzero(c.age >= 4), a.take).all()
 

@@ -83,10 +83,10 @@ def check_plan(c: Candidates, geometry: Geometry, cost: CostModel, a) -> None:
 def test_plan_invariants_and_determinism(problem, method, max_age):
     geometry, cost, c, targets = problem
     planner = Planner(geometry, cost, method=method, max_age=max_age, lookahead=3)
-    a = planner.plan(c, targets, step=7)
+    a = planner.assign(c, targets, step=7)
     check_plan(c, geometry, cost, a)
     # Same inputs (fresh copies), same step: the identical plan.
-    b = Planner(geometry, cost, method=method, max_age=max_age, lookahead=3).plan(
+    b = Planner(geometry, cost, method=method, max_age=max_age, lookahead=3).assign(
         copy.deepcopy(c), targets.copy(), step=7)
     for x, y in ((a.take, b.take), (a.rank, b.rank), (a.row, b.row), (a.rank_cost, b.rank_cost)):
         assert np.array_equal(x, y)
@@ -119,7 +119,7 @@ def test_overdue_items_are_always_taken(problem, method, seed):
     geometry, cost, c, targets = problem
     planner = Planner(geometry, cost, method=method, max_age=2, lookahead=3)
     c = _with_overdue(c, geometry, targets, planner.force_age, np.random.default_rng(seed))
-    a = planner.plan(c, targets, step=0)
+    a = planner.assign(c, targets, step=0)
     check_plan(c, geometry, cost, a)
     overdue = np.flatnonzero(c.age >= planner.force_age)
     assert np.isin(overdue, a.take).all(), "an overdue item was left out"
@@ -148,8 +148,8 @@ def skewed(draw):
 def test_balanced_beats_naive_on_skewed_input(problem):
     geometry, c, targets = problem
     cost = CostModel(a=1.0 / 64, b=1.0)
-    naive = Planner(geometry, cost, method="naive").plan(c, targets, 0)
-    balanced = Planner(geometry, cost, method="balanced").plan(c, targets, 0)
+    naive = Planner(geometry, cost, method="naive").assign(c, targets, 0)
+    balanced = Planner(geometry, cost, method="balanced").assign(c, targets, 0)
     check_plan(c, geometry, cost, balanced)
     if len(naive) == len(balanced) == len(c):
         # LPT with refinement is a heuristic, not an optimum: on rare inputs it ended above the
@@ -196,7 +196,7 @@ def _run_epoch(method: str, R: int, M: int, S: int, depth: int, seed: int,
         targets = np.bincount(c.source, weights=c.length, minlength=S)
         if method == "lookahead":
             targets = targets / window
-        a = planner.plan(c, targets, step)
+        a = planner.assign(c, targets, step)
         check_plan(c, geometry, cost, a)
         taken += flat_ids[a.take].tolist()
         taken_ages += c.age[a.take].tolist()
@@ -230,7 +230,7 @@ def test_every_item_once_per_epoch_with_bounded_deferral(method, R, M, S, depth,
 def test_empty_candidates(method):
     geometry = Geometry(3, 2, 64)
     c = Candidates.from_windows([[np.zeros(0, np.int64)] for _ in range(3)])
-    a = Planner(geometry, CostModel(), method=method).plan(c, np.array([384.0]), 0)
+    a = Planner(geometry, CostModel(), method=method).assign(c, np.array([384.0]), 0)
     assert len(a) == 0 and a.rank_cost.shape == (3,)
 
 
@@ -263,7 +263,7 @@ def test_balanced_is_not_worse_than_naive_on_the_case_hypothesis_found():
     c = Candidates(length, np.zeros(n, np.int32), rank, position, np.zeros(n, np.int32),
                    np.zeros(n), 1, 4)
     geometry, cost, targets = Geometry(4, 2, 256), CostModel(a=1.0 / 64, b=1.0), np.array([1780.0])
-    naive = Planner(geometry, cost, method="naive").plan(c, targets, 0)
-    balanced = Planner(geometry, cost, method="balanced").plan(c, targets, 0)
+    naive = Planner(geometry, cost, method="naive").assign(c, targets, 0)
+    balanced = Planner(geometry, cost, method="balanced").assign(c, targets, 0)
     assert len(naive) == len(balanced) == n
     assert balanced.rank_cost.max() <= naive.rank_cost.max()

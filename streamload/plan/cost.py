@@ -16,7 +16,7 @@ Where a and b come from
       mask, so 2·L²·d per layer; backward is twice forward. So a = 6·n_layers·d_model.
       Bidirectional attention (`causal=False`) does the full square: a = 12·n_layers·d_model.
       Units are FLOPs; the planner only uses ratios, so the units do not matter.
-    * `streamload calibrate` (streamload/calibrate.py) measures a and b in seconds on the
+    * `streamload calibrate` (streamload/commands/calibrate.py) measures a and b in seconds on the
       actual device and writes a JSON file that `CostModel.load(path)` reads.
     * `CostModel.from_fit(...)` builds one from fitted coefficients (clipped at 0).
 

@@ -29,7 +29,7 @@ import numpy as np
 
 from .balance import item_costs
 from .cost import CostModel
-from .quotas import water_fill
+from .length_buckets import water_fill
 from .types import Candidates, Geometry
 
 HEAVY_SHARE = 0.25   # a document is heavy from this fraction of a rank's fair cost per step

@@ -81,15 +81,15 @@ class Planner:
             return self.lookahead if self.max_age is None else min(self.max_age, self.lookahead)
         return self.max_age
 
-    def plan_quota(self, quota, step: int) -> Assignment:
+    def assign_quota(self, quota, step: int) -> Assignment:
         """Plan a `QuotaMixer` step (a `StepQuota`). A mixture by samples is selected by sample
         counts, so it stays exact when overdue items jump their source's queue; the lookahead
         method plans in tokens (the quota's token targets)."""
         if quota.counts is not None and self.method != "lookahead":
-            return self.plan(quota.candidates, quota.targets, step, counts=quota.counts)
-        return self.plan(quota.candidates, quota.token_targets, step)
+            return self.assign(quota.candidates, quota.targets, step, counts=quota.counts)
+        return self.assign(quota.candidates, quota.token_targets, step)
 
-    def plan(self, c: Candidates, targets: np.ndarray, step: int,
+    def assign(self, c: Candidates, targets: np.ndarray, step: int,
              counts: np.ndarray | None = None) -> Assignment:
         """`targets[s]`: tokens of source s this step; with `counts` (what each candidate counts
         toward its source's target, as in `select`), targets in that unit (naive, balanced)."""

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from .quotas import water_fill
+from .length_buckets import water_fill
 from .types import Candidates
 
 

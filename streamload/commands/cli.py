@@ -57,7 +57,7 @@ def _calibrate(argv: Sequence[str]) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from . import __version__
+    from .. import __version__
 
     parser = argparse.ArgumentParser(
         prog="streamload",

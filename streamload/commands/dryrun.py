@@ -29,8 +29,8 @@ The simulated loop (the loader's `Runtime._step_loop`, on lengths)
     * Every (rank, source) has a FIFO head window of `window_tokens` tokens, sized by
       `plan_memory` as the loader sizes it (about window_factor x share x M x C + C): the shortest
       prefix holding that many tokens, or everything left in the epoch.
-    * Every step: the windows become `Candidates`; `QuotaMixer.plan` sets the quotas,
-      `Planner.plan` selects and places items, `QuotaMixer.update` carries the deficits. Taken
+    * Every step: the windows become `Candidates`; `QuotaMixer.quota` sets the quotas,
+      `Planner.assign` selects and places items, `QuotaMixer.update` carries the deficits. Taken
       items leave their windows; the rest stay in order and age by one step.
     * When sources run out, `QuotaMixer.outcome` decides: the others go on, the epoch ends (the
       carried deficits reset, shards are dealt again, up to `epochs`), or a `stop` source ends
@@ -50,19 +50,19 @@ from typing import Callable, Optional, Sequence, Union
 
 import numpy as np
 
-from .configfile import LoaderSpec, load_config
-from .errors import ConfigError, DataError, StorageError, StreamloadError
-from .formats.tokens import (_BadShard, _check_offsets, _offsets_what, _read_offsets,
+from ..configfile import LoaderSpec, load_config
+from ..errors import ConfigError, DataError, StorageError, StreamloadError
+from ..formats.tokens import (_BadShard, _check_offsets, _offsets_what, _read_offsets,
                              offsets_uri)
-from .pipeline.autoscale import MemoryPlan
-from .pipeline.fetch import Shard, list_shards
-from .plan.cost import CostModel
-from .plan.mixing import QuotaMixer
-from .plan.planner import Planner
-from .plan.types import Candidates, Geometry
-from .state import deal, deal_epoch
-from .storage import open_store
-from .tokenizer import TokenizerError
+from ..pipeline.autoscale import MemoryPlan
+from ..pipeline.fetch import Shard, list_shards
+from ..plan.cost import CostModel
+from ..plan.quota_mixer import QuotaMixer
+from ..plan.planner import Planner
+from ..plan.types import Candidates, Geometry
+from ..state import deal, deal_epoch
+from ..storage import open_store
+from ..tokenizer import TokenizerError
 
 DEFAULT_RANKS = 8
 DEFAULT_STEPS = 100
@@ -556,8 +556,8 @@ def simulate(spec: LoaderSpec, lengths: Sequence[Union[SourceScan, np.ndarray]],
                                     [[windows[r][s].divisible for s in range(S)] for r in range(R)])
         if len(c) == 0:
             break
-        quota = mixer.plan(c, step_tokens, step)
-        assignment = planner.plan_quota(quota, step)
+        quota = mixer.quota(c, step_tokens, step)
+        assignment = planner.assign_quota(quota, step)
         take = np.asarray(assignment.take, dtype=np.int64)
         units = mixer.update(quota, take, assignment.length)
         whole = assignment.length == c.length[take]   # a cut item's rest stays

@@ -6,15 +6,15 @@ the gathered summaries and get the same answer, so the schedule changes at step 
 identically everywhere. Each step:
 
     mixer = QuotaMixer.from_sources(mixture, sources)          # once
-    quota = mixer.plan(candidates, step_tokens, step)           # every step
-    assignment = planner.plan_quota(quota, step)
+    quota = mixer.quota(candidates, step_tokens, step)           # every step
+    assignment = planner.assign_quota(quota, step)
     mixer.update(quota, assignment.take)                        # every step
     mixer.new_epoch()                                           # at an epoch boundary
     mixer.outcome(has_data, exhausted)                          # "continue" | "end_epoch" | "stop"
     state = mixer.to_state(); mixer.load_state(state)           # resumption
 
 `quota.candidates` are the same items in the same order as `candidates`, with `source`
-renumbered to virtual sources (length buckets, see `quotas.py`), so `assignment.take` indexes
+renumbered to virtual sources (length buckets, see `length_buckets.py`), so `assignment.take` indexes
 both. `quota.targets` are in the mixture's unit (tokens, or samples with `counts=quota.counts`
 for `select`); `quota.token_targets` are the same targets in tokens, for planners that count
 tokens only.
@@ -24,7 +24,7 @@ How a step's targets are made (unit U = tokens, or samples when `by="samples"`):
   sources that have data, normalized.
 - T: the step's size in U: `step_tokens`, or for samples `step_tokens` divided by the mean item
   length the mix would give (from the windows).
-- target_s = max(p_s * T + carry_s, 0), made feasible against the windows (`quotas.py`).
+- target_s = max(p_s * T + carry_s, 0), made feasible against the windows (`length_buckets.py`).
 After the step, with N the realized total and r_s the realized part of source s:
     carry_s += p_s * N - r_s        (clipped to one step's worth, T)
 so carry_s is exactly the cumulative shortfall of source s against its share of what was
@@ -55,8 +55,8 @@ import msgspec
 import numpy as np
 
 from ..errors import ConfigError
-from .mixture import Mixture, Schedule
-from .quotas import Buckets, bucket_targets, token_targets, water_fill
+from .mix_spec import Mixture, Schedule
+from .length_buckets import Buckets, bucket_targets, token_targets, water_fill
 from .types import Candidates
 
 ON_EXHAUSTED = ("renormalize", "stop", "restart")
@@ -76,7 +76,7 @@ class MixtureState(msgspec.Struct, frozen=True, kw_only=True):
 
 @dataclass(frozen=True)
 class StepQuota:
-    """One step's answer from `QuotaMixer.plan`."""
+    """One step's answer from `QuotaMixer.quota`."""
     step: int
     candidates: Candidates         # the same items; source = virtual source id
     targets: np.ndarray            # float64 [V], in the mixture's unit, feasible
@@ -189,7 +189,7 @@ class QuotaMixer:
         return active / active.sum() if active.any() else np.zeros(active.shape)
 
     # -- each step ---------------------------------------------------------------------------
-    def plan(self, c: Candidates, step_tokens: int, step: Optional[int] = None) -> StepQuota:
+    def quota(self, c: Candidates, step_tokens: int, step: Optional[int] = None) -> StepQuota:
         """This step's targets. `step` is the runtime's step counter (the schedule's position
         when schedule_unit="steps"); it must match the mixer's own after a resume."""
         S = self.num_sources

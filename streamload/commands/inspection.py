@@ -14,9 +14,9 @@ from typing import Optional
 
 import numpy as np
 
-from .config import Source
-from .pipeline.fetch import Shard, list_shards
-from .storage import ObjectStore, open_store
+from ..config import Source
+from ..pipeline.fetch import Shard, list_shards
+from ..storage import ObjectStore, open_store
 
 
 @dataclass
@@ -234,7 +234,7 @@ def run(args) -> int:
     import json
     import sys
 
-    from .errors import StreamloadError
+    from ..errors import StreamloadError
 
     try:
         options = parse_storage_options(args.storage_option, args.endpoint_url)

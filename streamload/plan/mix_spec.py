@@ -1,6 +1,6 @@
 """The declarative mixture: weights, schedules and length quotas, validated once.
 
-A `Mixture` says *what* the mix should be; `streamload.plan.mixing.QuotaMixer` makes each step
+A `Mixture` says *what* the mix should be; `streamload.plan.quota_mixer.QuotaMixer` makes each step
 follow it. Nothing here touches data: the structs are plain msgspec values (they round-trip
 through JSON and TOML), and the schedule is a pure function of (step, tokens consumed).
 

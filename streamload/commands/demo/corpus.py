@@ -27,7 +27,7 @@ from pathlib import Path
 
 import numpy as np
 
-from ..formats.writers import write_jsonl, write_token_shard
+from ...formats.writers import write_jsonl, write_token_shard
 
 _WORDS = """
 the of and to in a is that for it as was with be by on not he this are or his from at which

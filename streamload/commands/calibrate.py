@@ -48,7 +48,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from .plan.cost import CostModel
+from ..plan.cost import CostModel
 
 
 # ----------------------------------------------------------------------------------- fitting
