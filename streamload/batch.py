@@ -29,7 +29,6 @@ class Batch:
     rank_tokens: np.ndarray = field(repr=False)  # tokens planned for each rank this step
     rank_cost: np.ndarray = field(repr=False)    # predicted cost of each rank this step
     max_deferral: int = 0      # steps the longest-waiting sample of this step was deferred
-    state_snapshot: object = field(default=None, repr=False, compare=False)  # for state_dict()
 
     @property
     def num_tokens(self) -> int:

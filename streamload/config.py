@@ -1,18 +1,60 @@
 """Configuration: msgspec structs, validated once at the boundary. Errors name the key."""
 from __future__ import annotations
 
+import functools
 import math
 import re
-from typing import Literal, Optional
+import typing
+from typing import Any, Literal, Optional
 
 import msgspec
 
 from .errors import ConfigError
+from .plan.planner import PlannerMethod
 from .storage.retry import RetryPolicy
 
 OnError = Literal["raise", "skip"]
 LongDocuments = Literal["split", "truncate", "drop"]
+OnExhausted = Literal["renormalize", "stop", "restart"]
 _GLOB = re.compile(r"[*?\[]")
+
+
+def convert(value: Any, type_: Any, key: str, *, where: str = "") -> Any:
+    """`value` as `type_` the msgspec way (no bool for numbers, ints accepted for floats, a
+    table for a struct), or a ConfigError keyed `key`. A Literal's error lists the choices."""
+    if isinstance(value, (int, float)) and type(value) not in (int, float, bool):
+        value = float(value) if isinstance(value, float) else int(value)   # numpy.float64, ...
+    try:
+        return msgspec.convert(value, type_)
+    except msgspec.ValidationError as exc:
+        cause = exc.__cause__
+        if isinstance(cause, ConfigError):   # a struct's own check, e.g. RetryPolicy's
+            raise ConfigError.at(f"{key}.{cause.key}" if cause.key else key, cause.problem,
+                                 where=where) from None
+        choices = _literal_choices(type_)
+        if choices is not None:
+            problem = f"must be one of {', '.join(map(repr, choices))}, got {value!r}"
+        else:
+            problem = str(exc).replace("`", "")
+            if repr(value) not in problem:
+                problem = f"{problem} ({value!r})"
+        raise ConfigError.at(key, problem, where=where) from None
+
+
+def _literal_choices(type_: Any) -> Optional[tuple]:
+    """The values of a Literal type, or of an Optional Literal; None for any other type."""
+    if typing.get_origin(type_) is Literal:
+        return typing.get_args(type_)
+    args = [a for a in typing.get_args(type_) if a is not type(None)]
+    if len(args) == 1 and typing.get_origin(args[0]) is Literal:
+        return typing.get_args(args[0])
+    return None
+
+
+@functools.cache
+def field_types(struct: type) -> dict[str, Any]:
+    """{field name: type} of a msgspec struct class (subclasses' own fields included)."""
+    return {f.name: f.type for f in msgspec.structs.fields(struct)}
 
 
 def default_source_name(uri: str) -> str:
@@ -40,30 +82,32 @@ class Source(msgspec.Struct):
     # When this source runs out in an epoch: the others go on by their weights ("renormalize"),
     # the whole run stops ("stop"), or it never runs out: it starts its next shuffled pass and
     # keeps its weight, while the other sources end the epoch ("restart").
-    on_exhausted: Literal["renormalize", "stop", "restart"] = "renormalize"
+    on_exhausted: OnExhausted = "renormalize"
     repeat: int = 1                       # passes over this source per epoch (upsampling)
 
     def __post_init__(self):
-        if not isinstance(self.uri, str) or not self.uri:
-            raise ConfigError(f"source uri: must be a non-empty string, got {self.uri!r}")
+        """Every field converted to its type and checked; a ConfigError's `key` is the field."""
+        self.uri = convert(self.uri, str, "uri", where="source ")
+        if not self.uri:
+            raise ConfigError.at("uri", "must not be empty", where="source ")
+        self.name = convert(self.name, Optional[str], "name", where=f"source ({self.uri}): ")
         if self.name is None:
             self.name = default_source_name(self.uri)
+        where = f"source {self.name!r} ({self.uri}): "
         if "/" in self.name or not self.name:
-            raise ConfigError(f"source {self.name!r} ({self.uri}): name must be non-empty and contain no '/'")
-        if isinstance(self.weight, bool) or not isinstance(self.weight, (int, float)) \
-                or not math.isfinite(self.weight) or self.weight <= 0:
-            raise ConfigError(f"source {self.name!r} ({self.uri}): weight must be a positive number, "
-                              f"got {self.weight!r}")
-        self.weight = float(self.weight)
-        if isinstance(self.repeat, bool) or not isinstance(self.repeat, int) or self.repeat < 1:
-            raise ConfigError(f"source {self.name!r} ({self.uri}): repeat must be an integer >= 1, "
-                              f"got {self.repeat!r}")
-        if self.on_exhausted not in ("renormalize", "stop", "restart"):
-            raise ConfigError(f"source {self.name!r} ({self.uri}): on_exhausted must be "
-                              f"'renormalize', 'stop' or 'restart', got {self.on_exhausted!r}")
+            raise ConfigError.at("name", "must be non-empty and contain no '/'", where=where)
+        for key, type_ in field_types(type(self)).items():
+            if key not in ("uri", "name"):
+                setattr(self, key, convert(getattr(self, key), type_, key, where=where))
+        if not (math.isfinite(self.weight) and self.weight > 0):
+            raise ConfigError.at("weight", f"must be a finite number > 0, got {self.weight!r}",
+                                 where=where)
+        if self.repeat < 1:
+            raise ConfigError.at("repeat", f"must be an integer >= 1, got {self.repeat!r}",
+                                 where=where)
         if self.format not in (None, "jsonl", "tokens"):
-            raise ConfigError(f"source {self.name!r} ({self.uri}): format must be 'jsonl' or 'tokens', "
-                              f"got {self.format!r}")
+            raise ConfigError.at("format", f"must be 'jsonl' or 'tokens', got {self.format!r}",
+                                 where=where)
 
 
 class LoaderConfig(msgspec.Struct, kw_only=True):
@@ -74,7 +118,7 @@ class LoaderConfig(msgspec.Struct, kw_only=True):
     epochs: Optional[int] = None            # None: infinite, reshuffled every epoch
     on_error: OnError = "raise"
     long_documents: LongDocuments = "split"
-    planner: str = "balanced"               # "naive" | "balanced" | "lookahead"
+    planner: PlannerMethod = "balanced"     # "naive" | "balanced" | "lookahead"
     lookahead: int = 4                      # W for planner="lookahead" (also its max deferral)
     max_deferral: Optional[int] = 8         # a sample offered this many steps is taken first
     step_overhead: float = 0.05             # per-step cost the planner weighs against an empty
@@ -101,47 +145,48 @@ class LoaderConfig(msgspec.Struct, kw_only=True):
     document_masking: bool = True
 
     def __post_init__(self):
+        """The one validation of the loader's options, whether the config comes from keyword
+        options (`make_config`, the Loader) or a file (`configfile`): every field converted to
+        its type (a Literal lists its choices), then the ranges. A ConfigError's `key` is the
+        option."""
+        for key, type_ in field_types(type(self)).items():
+            setattr(self, key, convert(getattr(self, key), type_, key))
+
+        def fail(key, problem):
+            raise ConfigError.at(key, problem)
+
         def positive_int(key):
             value = getattr(self, key)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ConfigError(f"{key}: must be an integer >= 1, got {value!r}")
+            if value < 1:
+                fail(key, f"must be an integer >= 1, got {value!r}")
         for key in ("micro_batch_tokens", "micro_batches", "prefetch_steps", "shard_prefetch",
                     "range_readahead", "chunk_bytes", "max_concurrency", "transform_workers",
                     "lookahead", "max_shard_prefetch", "max_range_readahead",
                     "tokenizer_processes"):
             positive_int(key)
-        if self.epochs is not None:
-            positive_int("epochs")
-        if self.max_deferral is not None:
-            positive_int("max_deferral")
-        if self.memory_budget is not None:
-            positive_int("memory_budget")
-        if self.buffer_tokens is not None:
-            positive_int("buffer_tokens")
-            if self.buffer_tokens < self.micro_batch_tokens:
-                raise ConfigError(f"buffer_tokens: must be >= micro_batch_tokens "
-                                  f"({self.micro_batch_tokens}), got {self.buffer_tokens}")
+        for key in ("epochs", "max_deferral", "memory_budget", "buffer_tokens"):
+            if getattr(self, key) is not None:
+                positive_int(key)
+        if self.buffer_tokens is not None and self.buffer_tokens < self.micro_batch_tokens:
+            fail("buffer_tokens", f"must be >= micro_batch_tokens ({self.micro_batch_tokens}), "
+                                  f"got {self.buffer_tokens}")
         if not (self.window_factor > 0 and math.isfinite(self.window_factor)):
-            raise ConfigError(f"window_factor: must be a positive number, got {self.window_factor!r}")
-        if isinstance(self.step_overhead, bool) or not isinstance(self.step_overhead, (int, float)) \
-                or not (math.isfinite(self.step_overhead) and self.step_overhead >= 0):
-            raise ConfigError(f"step_overhead: must be a number >= 0, got {self.step_overhead!r}")
+            fail("window_factor", f"must be a positive number, got {self.window_factor!r}")
+        if not (math.isfinite(self.step_overhead) and self.step_overhead >= 0):
+            fail("step_overhead", f"must be a number >= 0, got {self.step_overhead!r}")
         if not self.collective_timeout_s > 0:
-            raise ConfigError(f"collective_timeout_s: must be > 0, got {self.collective_timeout_s!r}")
-        if self.on_error not in ("raise", "skip"):
-            raise ConfigError(f"on_error: must be 'raise' or 'skip', got {self.on_error!r}")
-        if self.long_documents not in ("split", "truncate", "drop"):
-            raise ConfigError(f"long_documents: must be 'split', 'truncate' or 'drop', "
-                              f"got {self.long_documents!r}")
+            fail("collective_timeout_s", f"must be > 0, got {self.collective_timeout_s!r}")
+        for key in ("cost_a", "cost_b"):
+            if not (math.isfinite(getattr(self, key)) and getattr(self, key) >= 0):
+                fail(key, f"must be a finite number >= 0, got {getattr(self, key)!r}")
 
 
 def make_config(**options) -> LoaderConfig:
-    """Build a LoaderConfig from keyword options; unknown keys and wrong types are ConfigErrors."""
+    """Build a LoaderConfig from keyword options; unknown keys, wrong types and values out of
+    range are ConfigErrors whose `key` is the option."""
     known = set(LoaderConfig.__struct_fields__)
     unknown = sorted(set(options) - known)
     if unknown:
-        raise ConfigError(f"unknown option(s) {', '.join(unknown)}; known: {', '.join(sorted(known))}")
-    try:
-        return msgspec.convert(options, LoaderConfig)
-    except msgspec.ValidationError as exc:
-        raise ConfigError(str(exc)) from None
+        raise ConfigError(f"unknown option(s) {', '.join(unknown)}; known: {', '.join(sorted(known))}",
+                          key=unknown[0])
+    return LoaderConfig(**options)

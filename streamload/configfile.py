@@ -23,18 +23,15 @@ together. Every problem raises ConfigError naming the file, the key path (`sourc
 from __future__ import annotations
 
 import importlib
-import math
 import os
-import typing
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
 import msgspec
 
-from .config import LoaderConfig, Source, make_config
+from .config import LoaderConfig, Source, convert, field_types, make_config
 from .errors import ConfigError
 from .plan.mix_spec import LengthQuota, MixPoint, Mixture
-from .plan.planner import METHODS
 from .storage.retry import RetryPolicy
 from .tokenizer import as_tokenizer
 
@@ -75,23 +72,30 @@ class LoaderSpec:
             for part in attr.split("."):
                 target = getattr(target, part)
         except (ImportError, AttributeError) as exc:
-            raise ConfigError(f"{self.path}: loader.tokenizer: cannot import "
-                              f"{self.tokenizer!r}: {exc}") from None
+            _Errors(self.path).fail("loader.tokenizer", f"cannot import {self.tokenizer!r}: {exc}")
         try:
             return as_tokenizer(target)
         except ConfigError as exc:
-            raise ConfigError(f"{self.path}: loader.tokenizer: {self.tokenizer!r}: "
-                              f"{exc}") from None
+            _Errors(self.path).fail("loader.tokenizer", f"{self.tokenizer!r}: {exc.problem}")
 
 
 class _Errors:
-    """Raises ConfigError as '<file>: <key path>: <problem>'."""
+    """Raises ConfigError as '<file>: <key path>: <problem>', with `key` the key path."""
 
     def __init__(self, path: str):
         self.path = path
 
     def fail(self, key: str, problem: str):
-        raise ConfigError(f"{self.path}: {key}: {problem}" if key else f"{self.path}: {problem}")
+        if not key:
+            raise ConfigError(f"{self.path}: {problem}", problem=problem) from None
+        raise ConfigError.at(key, problem, where=f"{self.path}: ") from None
+
+    def relabel(self, exc: ConfigError, prefix: str, paths: Optional[dict] = None):
+        """`exc` (a struct's error, keyed by the struct's field) raised again at its key path in
+        the file: `paths[exc.key]` if listed, else '<prefix>.<exc.key>' ('<prefix>' unkeyed)."""
+        if exc.key is None:
+            self.fail(prefix, exc.problem)
+        self.fail((paths or {}).get(exc.key) or f"{prefix}.{exc.key}", exc.problem)
 
     def table(self, value: Any, key: str) -> dict:
         if not isinstance(value, dict):
@@ -105,39 +109,13 @@ class _Errors:
                       f"unknown key; known: {', '.join(known)}")
 
     def typed(self, value: Any, type_, key: str) -> Any:
-        """`value` converted to `type_` the msgspec way (no bool for numbers, ints for floats)."""
-        try:
-            return msgspec.convert(value, type_)
-        except msgspec.ValidationError as exc:
-            choices = [a for a in typing.get_args(type_) if a is not type(None)]
-            if typing.get_origin(type_) is typing.Literal or (
-                    len(choices) == 1 and typing.get_origin(choices[0]) is typing.Literal):
-                allowed = typing.get_args(type_ if typing.get_origin(type_) is typing.Literal
-                                          else choices[0])
-                self.fail(key, f"must be one of {', '.join(map(repr, allowed))}, got {value!r}")
-            problem = str(exc).split(" - at `", 1)[0].replace("`", "")
-            self.fail(key, problem if repr(value) in problem else f"{problem} ({value!r})")
+        """`value` converted to `type_` (`config.convert`), its error keyed by `key`."""
+        return convert(value, type_, key, where=f"{self.path}: ")
 
 
 def _kind(value: Any) -> str:
     return {dict: "a table", list: "an array", str: "a string", bool: "a boolean",
             int: "an integer", float: "a float"}.get(type(value), type(value).__name__)
-
-
-def _fields(struct) -> dict:
-    return {f.name: f.type for f in msgspec.structs.fields(struct)}
-
-
-def _struct_error(errors: _Errors, prefix: str, exc: Exception, paths: dict[str, str]) -> None:
-    """A ConfigError from a struct's own checks, re-labelled with the file's key path. Their
-    messages start with the option's name ("micro_batches: must be ...", "retry.max_attempts
-    must be ..."); `paths` maps option name -> key path in the file."""
-    text = str(exc).split(" - at `", 1)[0]
-    for option, key in paths.items():
-        for sep in (":", " "):
-            if text.startswith(option + sep):
-                errors.fail(key, text[len(option) + 1:].strip())
-    errors.fail(prefix, text)
 
 
 def load_config(path: str | os.PathLike) -> LoaderSpec:
@@ -180,9 +158,10 @@ def _fields_default(struct, name: str):
 
 
 def _loader_options(errors: _Errors, doc: dict) -> tuple[dict, Optional[str]]:
-    types = _fields(LoaderConfig)
+    """[loader], [cost] and [retry] as keyword options, validated by `make_config` (the one
+    validation of loader options); its errors are re-keyed to the file's key paths."""
     reserved = {"retry": "[retry]", **{v: f"[cost] {k}" for k, v in COST_KEYS.items()}}
-    loader_keys = [k for k in types if k not in reserved] + ["tokenizer"]
+    loader_keys = [k for k in field_types(LoaderConfig) if k not in reserved] + ["tokenizer"]
     loader = dict(doc.get("loader", {}))
     for key in loader:
         if key in reserved:
@@ -191,67 +170,69 @@ def _loader_options(errors: _Errors, doc: dict) -> tuple[dict, Optional[str]]:
     tokenizer = loader.pop("tokenizer", None)
     if tokenizer is not None and (not isinstance(tokenizer, str) or ":" not in tokenizer):
         errors.fail("loader.tokenizer", f"must be a string 'module:attribute', got {tokenizer!r}")
-    options = {key: errors.typed(value, types[key], f"loader.{key}")
-               for key, value in loader.items()}
-    if options.get("planner", METHODS[0]) not in METHODS:
-        errors.fail("loader.planner", f"must be one of {', '.join(map(repr, METHODS))}, "
-                                      f"got {options['planner']!r}")
+    options = dict(loader)
     paths = {key: f"loader.{key}" for key in options}
 
     cost = doc.get("cost", {})
     errors.keys(cost, "cost", list(COST_KEYS))
     for key, value in cost.items():
-        option = COST_KEYS[key]
-        options[option] = errors.typed(value, types[option], f"cost.{key}")
-        paths[option] = f"cost.{key}"
-    for key in ("cost_a", "cost_b"):
-        if key in options and not (math.isfinite(options[key]) and options[key] >= 0):
-            errors.fail(paths[key], f"must be a finite number >= 0, got {options[key]!r}")
+        options[COST_KEYS[key]] = value
+        paths[COST_KEYS[key]] = f"cost.{key}"
 
     if "retry" in doc:
         retry = doc["retry"]
-        retry_types = _fields(RetryPolicy)
+        retry_types = field_types(RetryPolicy)
         errors.keys(retry, "retry", list(retry_types))
         values = {k: errors.typed(v, retry_types[k], f"retry.{k}") for k, v in retry.items()}
         try:
             options["retry"] = RetryPolicy(**values)
         except ConfigError as exc:
-            _struct_error(errors, "retry", exc, {f"retry.{k}": f"retry.{k}" for k in values})
+            if exc.key is None:
+                exc = _keyed_retry_error(exc, values)
+            errors.relabel(exc, "retry")
+        paths["retry"] = "retry"
 
     try:
-        make_config(**options)
+        config = make_config(**options)
     except ConfigError as exc:
-        _struct_error(errors, "loader", exc, paths)
-    return options, tokenizer
+        errors.relabel(exc, "loader", paths)
+    return {key: getattr(config, key) for key in options}, tokenizer
+
+
+def _keyed_retry_error(exc: ConfigError, values: dict) -> ConfigError:
+    """`exc` keyed by the RetryPolicy field at fault: the one that fails on its own.
+    (storage/retry.py raises its ConfigErrors without a `key` yet.)"""
+    for key, value in values.items():
+        try:
+            RetryPolicy(**{key: value})
+        except ConfigError:
+            return ConfigError(str(exc), key=key, problem=exc.problem)
+    return exc
 
 
 def _sources(errors: _Errors, raw: Any, base_dir: str) -> list[Source]:
+    """The [[source]] tables as Sources; `Source` validates every field (the one validation of
+    a source), its errors re-keyed to `source[i].<field>`."""
     if raw is None:
         errors.fail("source", "no sources: add at least one [[source]] table with a uri")
     if not isinstance(raw, list):
         errors.fail("source", "must be an array of tables ([[source]]), not a single table")
-    types = _fields(Source)
+    fields = list(field_types(Source))
     sources, seen = [], {}
     for i, table in enumerate(raw):
         key = f"source[{i}]"
         errors.table(table, key)
-        errors.keys(table, key, list(types))
+        errors.keys(table, key, fields)
         if "uri" not in table:
             errors.fail(f"{key}.uri", "missing; every source needs a uri")
-        values = {k: errors.typed(v, types[k], f"{key}.{k}") for k, v in table.items()}
-        if not values["uri"]:
-            errors.fail(f"{key}.uri", "must not be empty")
-        if "://" not in values["uri"] and not os.path.isabs(values["uri"]):
-            values["uri"] = _relative(base_dir, values["uri"])
-        weight = values.get("weight", 1.0)
-        if not (math.isfinite(weight) and weight > 0):
-            errors.fail(f"{key}.weight", f"must be a finite number > 0, got {weight!r}")
+        values = dict(table)
+        uri = values["uri"]
+        if isinstance(uri, str) and uri and "://" not in uri and not os.path.isabs(uri):
+            values["uri"] = _relative(base_dir, uri)
         try:
             source = Source(**values)
         except ConfigError as exc:
-            problem = str(exc).split(": ", 1)[-1]
-            field_name = next((f for f in types if problem.startswith(f + " ")), None)
-            errors.fail(f"{key}.{field_name}" if field_name else key, problem)
+            errors.relabel(exc, key)
         if source.name in seen:
             errors.fail(f"{key}.name", f"duplicate source name {source.name!r} (also "
                                        f"source[{seen[source.name]}]); names must be unique")
@@ -300,11 +281,11 @@ def _mixture(errors: _Errors, raw: dict, sources: list[Source], capacity: int) -
         mixture = Mixture(schedule=points, quotas=quotas, **values)
         mixture.check([s.name for s in sources], [s.weight for s in sources], capacity=capacity)
     except ConfigError as exc:
-        key = getattr(exc, "key", None)
-        if key is None:
-            raise ConfigError(f"{errors.path}: mixture: {exc}") from None
-        key = key.replace("quotas[", "quota[").replace("quotas", "quota")
-        errors.fail(f"mixture.{key}", exc.problem)
+        # Mixture's field `quotas` is the file's [[mixture.quota]] array.
+        if exc.key is not None and (exc.key == "quotas" or exc.key.startswith("quotas[")):
+            exc = ConfigError(str(exc), key="quota" + exc.key[len("quotas"):],
+                              problem=exc.problem)
+        errors.relabel(exc, "mixture")
     return mixture
 
 
@@ -315,19 +296,13 @@ def _array(errors: _Errors, value: Any, key: str) -> list:
 
 
 def _weights(errors: _Errors, value: Any, key: str) -> dict[str, float]:
+    """A weights table as floats; MixPoint and Mixture check the values."""
     errors.table(value, key)
-    out = {}
-    for name, w in value.items():
-        w = errors.typed(w, float, f"{key}.{name}")
-        if not (math.isfinite(w) and w >= 0):
-            errors.fail(f"{key}.{name}", f"must be a finite number >= 0, got {w!r}")
-        out[name] = w
-    return out
+    return {name: errors.typed(w, float, f"{key}.{name}") for name, w in value.items()}
 
 
 def _build(errors: _Errors, key: str, cls, **values):
     try:
         return cls(**values)
     except ConfigError as exc:
-        errors.fail(f"{key}.{getattr(exc, 'key', '')}".rstrip("."),
-                    getattr(exc, "problem", str(exc)))
+        errors.relabel(exc, key)

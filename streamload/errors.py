@@ -8,7 +8,26 @@ class StreamloadError(Exception):
 
 
 class ConfigError(StreamloadError, ValueError):
-    """A bad argument or configuration value. The message names the key."""
+    """A bad argument or configuration value. The message names the key.
+
+    `key` is what is wrong: an option ("planner"), a field of the struct that raised the error
+    ("weight" for a Source, "quotas[1].fraction" for a Mixture) or, from a configuration file,
+    the key path in the file ("loader.planner", "source[1].weight"); None where no one key is
+    at fault. `problem` is what is wrong with it, without the key or any context (the whole
+    message when there is no key). Code that adds context, a file name or a key path prefix,
+    builds a new error from these two fields (`ConfigError.at`), never from the message text.
+    """
+
+    def __init__(self, message: str, *, key: str | None = None, problem: str | None = None):
+        super().__init__(message)
+        self.key = key
+        self.problem = message if problem is None else problem
+
+    @classmethod
+    def at(cls, key: str, problem: str, *, where: str = "") -> "ConfigError":
+        """The error '<where><key>: <problem>', e.g. ConfigError.at("epochs", "must be ...") or,
+        with context, ConfigError.at("source[1].weight", "must be ...", where="train.toml: ")."""
+        return cls(f"{where}{key}: {problem}", key=key, problem=problem)
 
 
 class StorageError(StreamloadError, OSError):

@@ -3,16 +3,23 @@
 One background thread runs an asyncio loop that does all I/O and collectives (`Runtime`).
 The trainer iterates a plain iterator over a thread-safe queue. The queue is bounded by an
 asyncio semaphore that the consumer releases, so the loop never blocks a thread to wait.
+
+Ownership: the Runtime and everything under it belong to the loop's thread. The trainer's thread
+gets batches and immutable step snapshots through the queue, and reaches the Runtime only
+through `_Background.call`, which runs a function on the loop (or directly, once the loop has
+ended) and waits for its answer: `state_dict()` and `stats()` read a consistent Runtime however
+far ahead the loop runs.
 """
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import queue
 import signal
 import threading
 import time
 import weakref
-from typing import Any, Iterable, Iterator, Optional
+from typing import Any, Callable, Iterable, Iterator, Optional, TypeVar
 
 import msgspec
 
@@ -22,9 +29,13 @@ from .plan.mix_spec import Mixture
 from .config import LoaderConfig, Source, make_config
 from .collective.comm import Comm, connect
 from .errors import ConfigError
+from .progress import StepSnapshot
 from .runtime import Runtime
 from .state import decode_state, encode_state
 from .tokenizer import as_tokenizer
+
+
+T = TypeVar("T")
 
 
 class _End:
@@ -40,9 +51,11 @@ class _Background:
 
     def __init__(self, runtime: Runtime, prefetch_steps: int):
         self.runtime = runtime
-        # SimpleQueue: a put costs the step loop far less than Queue's condition variables. Its
-        # get() without a timeout cannot be interrupted by Ctrl-C, so `get` waits in slices.
+        # SimpleQueue: a put costs the step loop far less than Queue's condition variables, and
+        # its get() is interrupted by Ctrl-C (tests/test_interrupt.py).
         self.queue: "queue.SimpleQueue" = queue.SimpleQueue()
+        self._serving = True   # the loop still runs callbacks (`call`); under `_serving_lock`
+        self._serving_lock = threading.Lock()
         self.loop = asyncio.new_event_loop()
         self.slots = None
         self.prefetch_steps = prefetch_steps
@@ -59,6 +72,9 @@ class _Background:
         asyncio.set_event_loop(self.loop)
         try:
             self.loop.run_until_complete(self._main())
+            with self._serving_lock:   # from now on `call` runs its function itself
+                self._serving = False
+            # Runs the calls scheduled before that, too (they sit in the loop's ready queue).
             self.loop.run_until_complete(self.loop.shutdown_asyncgens())
         finally:
             self.loop.close()
@@ -78,22 +94,38 @@ class _Background:
         """Wait for room for one more batch (the trainer frees it in `get`)."""
         await self.slots.acquire()
 
-    def put(self, batch: Batch) -> None:
-        self.queue.put(batch)
+    def put(self, batch: Batch, snapshot: StepSnapshot) -> None:
+        self.queue.put((batch, snapshot))
 
     def get(self):
-        while True:
-            try:
-                item = self.queue.get(timeout=0.25)
-                break
-            except queue.Empty:
-                continue
+        """(batch, snapshot), or an `_End`."""
+        item = self.queue.get()
         if not isinstance(item, _End) and not self.loop.is_closed():
             try:
                 self.loop.call_soon_threadsafe(self.slots.release)
             except RuntimeError:  # the loop closed meanwhile
                 pass
         return item
+
+    def call(self, fn: Callable[[], T]) -> T:
+        """fn() on the loop's thread, between its steps, and its answer; fn() here once the loop
+        has ended (nothing else runs then)."""
+        future: "concurrent.futures.Future[T]" = concurrent.futures.Future()
+
+        def run() -> None:
+            if future.set_running_or_notify_cancel():
+                try:
+                    future.set_result(fn())
+                except BaseException as exc:   # re-raised on the caller's thread
+                    future.set_exception(exc)
+
+        with self._serving_lock:
+            serving = self._serving
+            if serving:
+                self.loop.call_soon_threadsafe(run)
+        if not serving:
+            return fn()
+        return future.result()
 
     def stop(self, timeout: float) -> None:
         """Ask the step loop to stop at its next all-gather (so peers are told, and no rank is
@@ -146,7 +178,8 @@ class Loader:
         self._background: Optional[_Background] = None
         self._finished = False
         self._finalizer = None
-        self._last_snapshot = None
+        self._last_snapshot: Optional[StepSnapshot] = None   # of the last batch returned
+        self._stall_s = 0.0   # time the trainer waited in next()
 
     @classmethod
     def from_config(cls, path, *, tokenizer: Any = None, **overrides) -> "Loader":
@@ -179,15 +212,15 @@ class Loader:
             iter(self)
         started = time.perf_counter()
         item = self._background.get()
-        self._runtime.step_metrics.stall_s += time.perf_counter() - started
+        self._stall_s += time.perf_counter() - started
         if isinstance(item, _End):
             self._finished = True
             self._finalizer()
             if item.error is not None:
                 raise item.error
             raise StopIteration
-        self._last_snapshot = item.state_snapshot
-        return item
+        batch, self._last_snapshot = item
+        return batch
 
     def state_dict(self) -> dict:
         """Where this job is, as of the last batch `next()` returned: small, plain data.
@@ -195,7 +228,8 @@ class Loader:
         Every rank returns the same state (each tracks the whole job), so any rank's copy
         resumes the job, at this world size or another. Works as a
         torch.distributed.checkpoint Stateful. The value is JSON text written by msgspec."""
-        state = self._runtime.state(self._last_snapshot)
+        snapshot = self._last_snapshot
+        state = self._on_loop(lambda: self._runtime.state(snapshot))
         return {"streamload": encode_state(state).decode()}
 
     def load_state_dict(self, state_dict) -> None:
@@ -206,12 +240,18 @@ class Loader:
         if payload is None:
             raise ConfigError("loader state: expected the dict returned by Loader.state_dict()")
         state = decode_state(payload.encode() if isinstance(payload, str) else payload)
-        self._runtime.resume = state
+        self._runtime.load_state(state)
         self._last_snapshot = None
 
     def stats(self) -> dict:
         """Counters for this rank: per source, per step, skipped records, retries."""
-        return self._runtime.stats()
+        return {**self._on_loop(self._runtime.stats), "stall_s": self._stall_s}
+
+    def _on_loop(self, fn: Callable[[], T]) -> T:
+        """fn() where the Runtime lives: on its loop while it runs, else here."""
+        if self._background is None:   # not started: nothing runs on the Runtime yet
+            return fn()
+        return self._background.call(fn)
 
     def close(self) -> None:
         """Stop fetching and release everything. Safe to call twice."""

@@ -1,6 +1,7 @@
 """Counters the loader keeps and `Loader.stats()` reports. Updated on the loop thread only."""
 from __future__ import annotations
 
+import time
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -56,7 +57,6 @@ class StepMetrics:
     deferral_max: int = 0       # most steps any delivered sample waited in a window
     deferral_sum: int = 0
     delivered: int = 0
-    stall_s: float = 0.0        # time the trainer waited in next()
     step_tokens: int = 0        # R·M·C: the tokens a full step holds
     delivered_tokens: int = 0   # over every rank, all steps
     # Steps by fill (the job's tokens over R·M·C) in 0.1% bins: exact enough percentiles of
@@ -100,7 +100,35 @@ class StepMetrics:
             "imbalance": self.last_imbalance,
             "imbalance_mean": self.imbalance_sum / self.steps if self.steps else None,
             "plan_ms_median": float(np.median(plan)) if plan.size else None,
-            "exchanged_tokens": self.exchanged_tokens, "stall_s": self.stall_s,
+            "exchanged_tokens": self.exchanged_tokens,
             "deferral_max": self.deferral_max,
             "deferral_mean": self.deferral_sum / self.delivered if self.delivered else None,
         }
+
+
+def rank_stats(runtime) -> dict:
+    """`Loader.stats()`: this rank's counters, per step and per source (a `Runtime`'s, read on
+    its loop or after it ended)."""
+    elapsed = time.perf_counter() - runtime.started if runtime.started is not None else 0.0
+    sources = {}
+    for s, source in enumerate(runtime.sources):
+        metrics = runtime.source_metrics[s]
+        counters = runtime.fetchers[s].store.counters if runtime.fetchers else None
+        buffer = runtime.buffers[s] if runtime.buffers else None
+        gate = runtime.gates[s] if runtime.gates else None
+        knobs = runtime.knobs[s]
+        out = metrics.snapshot(counters, buffer)
+        out.update(
+            samples_per_s=metrics.delivered_samples / elapsed if elapsed > 0 else 0.0,
+            tokens_per_s=metrics.delivered_tokens / elapsed if elapsed > 0 else 0.0,
+            shard_concurrency=knobs.shards, range_readahead=knobs.readahead,
+            autoscale_changes=[list(h) for h in knobs.history[-8:]],
+            inflight_bytes=gate.used if gate else 0,
+            inflight_bytes_peak=gate.peak if gate else 0,
+            inflight_over_budget_peak_bytes=gate.excess_peak if gate else 0,
+            inflight_budget_bytes=runtime.budgets[s].inflight_bytes,
+            decoded_per_raw_byte=gate.expansion if gate else None,
+            buffer_blocked_s=buffer.blocked_s if buffer is not None else 0.0)
+        sources[source.name] = out
+    return {"rank": runtime.comm.rank, "world_size": runtime.comm.world,
+            **runtime.step_metrics.snapshot(), "sources": sources}

@@ -88,15 +88,17 @@ def test_truncated_gzip_is_not_silently_short(tmp_path):
 
 @pytest.mark.parametrize("weight", [0, -1, float("nan"), float("inf"), "heavy"])
 def test_bad_weight(weight):
-    with pytest.raises(sl.ConfigError, match=r"source 'web'.*weight"):
+    with pytest.raises(sl.ConfigError, match=r"source 'web'.*weight") as info:
         sl.Source("s3://bucket/web/", weight=weight)
+    assert info.value.key == "weight"
 
 
 @pytest.mark.parametrize("key,value", [("micro_batch_tokens", 0), ("micro_batch_tokens", -5),
                                        ("micro_batches", 0), ("epochs", 0)])
 def test_bad_geometry(key, value):
-    with pytest.raises(sl.ConfigError, match=key):
+    with pytest.raises(sl.ConfigError, match=key) as info:
         sl.Loader([sl.Source("/tmp/x")], **{key: value})
+    assert info.value.key == key
 
 
 def test_unknown_option_and_bad_choice():

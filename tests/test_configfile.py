@@ -285,6 +285,45 @@ def test_errors_name_file_key_and_problem(tmp_path, text, key, problem):
     message = str(info.value)
     assert message.startswith(f"{path}: {key}: "), message
     assert problem in message, message
+    assert info.value.key == key                      # carried, not parsed from the message
+    assert problem in info.value.problem and not info.value.problem.startswith(f"{key}:")
+
+
+@pytest.mark.parametrize("text, key", [
+    ('[loader]\nplanner = "bogus"\n' + MINIMAL, "loader.planner"),
+    ("[loader]\nlookahead = 0\n" + MINIMAL, "loader.lookahead"),
+    ("[cost]\nb = -1.0\n" + MINIMAL, "cost.b"),
+    (replace(SOURCES_2, 'name = "books"', 'name = "books"\nweight = 0'), "source[1].weight"),
+    (SOURCES_2 + "[[mixture.quota]]\nfraction = 0.7\n[[mixture.quota]]\nsource = \"web\"\n"
+                 "max_length = 10\nfraction = 0.1\n", "mixture.quota[1]"),
+])
+def test_config_error_carries_the_key_path(tmp_path, text, key):
+    """The file's key path is the error's `key`; the option's own check supplies the problem
+    (one rule, one message: the same as for keyword options, under another key)."""
+    with pytest.raises(ConfigError) as info:
+        load_config(write(tmp_path, text))
+    assert info.value.key == key
+    assert str(info.value).endswith(f"{key}: {info.value.problem}")
+
+
+def test_keyword_options_and_the_file_share_one_check(tmp_path):
+    import streamload as sl
+    from streamload.config import make_config
+
+    with pytest.raises(ConfigError) as info:
+        sl.Loader([sl.Source("/tmp/x")], planner="bogus")
+    assert info.value.key == "planner"
+    assert str(info.value) == "planner: must be one of 'naive', 'balanced', 'lookahead', got 'bogus'"
+    with pytest.raises(ConfigError) as from_file:
+        load_config(write(tmp_path, '[loader]\nplanner = "bogus"\n' + MINIMAL))
+    assert from_file.value.problem == info.value.problem
+    for option, value in (("lookahead", 0), ("cost_a", float("nan")), ("planner", 3)):
+        with pytest.raises(ConfigError) as info:
+            make_config(**{option: value})
+        assert info.value.key == option
+    with pytest.raises(ConfigError) as info:
+        Source("s3://b/web/", weight=-1)
+    assert info.value.key == "weight" and info.value.problem == "must be a finite number > 0, got -1.0"
 
 
 def test_parse_config_without_a_file():

@@ -10,9 +10,10 @@ from corpus import write_jsonl_source, write_token_source
 
 from streamload.commands.cli import main
 from streamload.configfile import load_config
-from streamload.commands.dryrun import (_Window, items_from_documents, scan, scan_lengths,
-                               simulate, summarize)
+from streamload.commands.dryrun import scan, scan_lengths, simulate, summarize
+from streamload.commands.dryrun.simulate import _Window
 from streamload.formats.base import RawRecord
+from streamload.pieces import cut_documents
 from streamload.pipeline.buffer import Item, SourceBuffer
 from streamload.pipeline.transform import records_to_items
 
@@ -164,14 +165,14 @@ def test_shards_dealt_like_the_loader(corpus):
 
 
 @pytest.mark.parametrize("mode", ["split", "truncate", "drop"])
-def test_items_from_documents_matches_the_loader(mode):
+def test_cut_documents_matches_the_loader(mode):
     rng = np.random.default_rng(0)
     docs = np.concatenate([[0, 1, 64, 65, 128, 129, 300], rng.integers(0, 400, 200)])
     records = [RawRecord(i, np.zeros(n, np.int32)) for i, n in enumerate(docs)]
     items, _ = records_to_items(records, 0, 64, mode)
-    lengths, counts = items_from_documents(docs, 64, mode)
-    np.testing.assert_array_equal(lengths, [len(i) for i in items])
-    assert counts["empty"] == int((docs == 0).sum())
+    cuts = cut_documents(docs, 64, mode)
+    np.testing.assert_array_equal(cuts.lengths, [len(i) for i in items])
+    assert cuts.empty == int((docs == 0).sum())
 
 
 def test_window_matches_source_buffer():
@@ -183,7 +184,7 @@ def test_window_matches_source_buffer():
     async def run():
         buffer = SourceBuffer(10 ** 9, W)
         await buffer.put(Item(0, i, -1, np.zeros(n, np.int32)) for i, n in enumerate(lengths))
-        await buffer.end_epoch(0)
+        buffer.end_epoch(0)
         window = _Window(lengths)
         for _ in range(200):
             items, done = buffer.window()
@@ -194,7 +195,7 @@ def test_window_matches_source_buffer():
             if not items:
                 break
             positions = np.flatnonzero(rng.random(len(items)) < 0.5)
-            await buffer.take(positions, len(items))
+            buffer.take(positions, len(items))
             window.commit(positions, sim, ages)
         assert done
 

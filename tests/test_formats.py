@@ -14,8 +14,12 @@ import zstandard
 from streamload.errors import ConfigError, DataError
 from streamload.formats import (FORMATS, JsonlFormat, RawRecord, TokensFormat, format_for,
                                 write_jsonl, write_token_shard)
+from streamload import pieces
 from streamload.formats.tokens import plan_groups
+from streamload.pieces import cut_documents
+from streamload.pipeline.transform import records_to_items, to_tokens
 from streamload.storage.base import ObjectInfo, StoreCounters
+from streamload.tokenizer import PerDocument
 
 
 class FileStore:
@@ -519,3 +523,187 @@ async def test_reading_a_directory_through_the_local_store(tmp_path):
     assert [r.payload for r in read["a.jsonl.zst"]] == TEXTS
     assert [r.payload for r in read["b.jsonl.gz"]] == ["b0", "b1"]
     assert [r.payload.tolist() for r in read["c.tokens.npy"]] == [d.tolist() for d in docs]
+
+
+# ---------------------------------------------------------------- document_lengths
+
+
+def words(text: str) -> np.ndarray:
+    """A tokenizer: one id per word."""
+    return np.array([len(w) for w in text.split()], dtype=np.int64)
+
+
+async def fetched_lengths(fmt, path: Path, tokenizer=None, on_skip=None) -> list[int]:
+    """Token counts of the records the fetch path makes of a shard: read as the fetcher
+    reads, texts tokenized as `SourceFetcher._tokenize` does (UTF-8 bytes without a
+    tokenizer), then `to_tokens` as `records_to_items` applies it."""
+    records = await read_shard(fmt, path, chunk_bytes=64, on_skip=on_skip)
+    if tokenizer is not None:
+        texts = [r.payload for r in records if isinstance(r.payload, str)]
+        ids = iter(tokenizer.encode_texts(texts))
+        records = [RawRecord(r.index, np.asarray(next(ids))) if isinstance(r.payload, str)
+                   else r for r in records]
+        records = [RawRecord(r.index, r.payload.astype(np.int64))   # as fetch.py does
+                   if r.payload.dtype == np.int32 else r for r in records]
+    return [int(to_tokens(r.payload).shape[0]) for r in records]
+
+
+async def test_document_lengths_of_a_token_shard_from_the_index_alone(tmp_path):
+    docs = make_docs(np.random.default_rng(7), 2**16, n=300)
+    tokens_path, offsets_path = write_token_shard(tmp_path / "s", docs, dtype=np.uint16)
+    store = FileStore()
+    lengths = await TokensFormat().document_lengths(store, info(tokens_path), source="src",
+                                                    shard_name="s", on_skip=None)
+    assert lengths.dtype == np.int64
+    assert lengths.tolist() == [len(d) for d in docs]
+    assert lengths.tolist() == await fetched_lengths(TokensFormat(), tokens_path)
+    assert {uri for uri, _, _ in store.reads} == {str(offsets_path)}   # never the token file
+
+    store = FileStore()
+    first = await TokensFormat().document_lengths(store, info(tokens_path), source="src",
+                                                  shard_name="s", on_skip=None, limit=10)
+    assert first.tolist() == lengths[:10].tolist()
+    assert max(end for _, _, end in store.reads) < offsets_path.stat().st_size
+
+
+@pytest.mark.parametrize("name", ["a.jsonl", "a.jsonl.zst"])
+@pytest.mark.parametrize("tokenizer", [None, PerDocument(words)])
+async def test_document_lengths_of_a_jsonl_shard_as_fetched(tmp_path, name, tokenizer):
+    rng = np.random.default_rng(3)
+    texts = TEXTS + [" ".join("wörd" for _ in range(int(n))) for n in rng.integers(0, 400, 200)]
+    path = write_jsonl(tmp_path / name, texts)
+    fmt = JsonlFormat()
+    lengths = await fmt.document_lengths(FileStore(), info(path), source="src",
+                                         shard_name=name, on_skip=None, tokenizer=tokenizer,
+                                         chunk_bytes=100)
+    assert lengths.dtype == np.int64
+    assert lengths.tolist() == await fetched_lengths(fmt, path, tokenizer)
+    if tokenizer is None:
+        assert lengths.tolist() == [len(t.encode("utf-8")) for t in texts]
+    for limit in (0, 1, 7, len(texts), len(texts) + 5):
+        cut = await fmt.document_lengths(FileStore(), info(path), source="src", shard_name=name,
+                                         on_skip=None, tokenizer=tokenizer, limit=limit,
+                                         chunk_bytes=100)
+        assert cut.tolist() == lengths[:limit].tolist()
+
+
+async def test_document_lengths_match_what_the_loader_delivers(tmp_path):
+    """The whole Loader, one epoch: every delivered document (its pieces summed) has the
+    length `document_lengths` gives it, token shard and JSONL shard alike."""
+    import streamload as sl
+
+    rng = np.random.default_rng(11)
+    docs = [rng.integers(0, 2**16, int(n)) for n in rng.integers(0, 900, 60)]
+    write_token_shard(tmp_path / "src" / "t", docs, dtype=np.uint16)
+    texts = ["".join(chr(97 + k % 26) for k in range(int(n))) + " ü" * int(n % 7)
+             for n in rng.integers(0, 700, 80)]
+    write_jsonl(tmp_path / "src" / "j.jsonl.gz", texts)
+    with sl.Loader([sl.Source(str(tmp_path / "src"))], micro_batch_tokens=256,
+                   micro_batches=2, epochs=1, chunk_bytes=128) as loader:
+        delivered: dict[str, int] = {}
+        for batch in loader:
+            for mb in batch.micro_batches:
+                for sid, n in zip(mb.sample_ids, np.diff(mb.cu_seqlens.numpy())):
+                    doc = pieces.parse(sid)[0]
+                    delivered[doc] = delivered.get(doc, 0) + int(n)
+    store = FileStore()
+    expected = {}
+    for shard in ("t.tokens.npy", "j.jsonl.gz"):
+        path = tmp_path / "src" / shard
+        lengths = await format_for(str(path)).document_lengths(
+            store, info(path), source="src", shard_name=shard, on_skip=None)
+        expected.update({f"src/{shard}/{d}": int(n) for d, n in enumerate(lengths) if n})
+    assert delivered == expected
+
+
+async def test_document_lengths_skip_and_raise(tmp_path):
+    path = tmp_path / "bad.jsonl"
+    path.write_bytes(b'{"text": "ok"}\n{"text": 3}\nnot json\n\n{"text": "boom here"}\n'
+                     b'{"text": ""}\n')
+
+    def fragile(text: str) -> list[int]:
+        if "boom" in text:
+            raise RuntimeError("no")
+        return [1] * len(text)
+
+    fmt = JsonlFormat()
+    with pytest.raises(DataError, match=r"source 'src', shard 'bad.jsonl', record 1"):
+        await fmt.document_lengths(FileStore(), info(path), source="src", shard_name="bad.jsonl",
+                                   on_skip=None)
+    skips = Skips()
+    lengths = await fmt.document_lengths(FileStore(), info(path), source="src",
+                                         shard_name="bad.jsonl", on_skip=skips,
+                                         tokenizer=PerDocument(fragile))
+    assert lengths.tolist() == [2, 0]
+    assert [i for i, _ in skips.calls] == [1, 2, 4]      # the tokenizer's failure names record 4
+    lengths = await fmt.document_lengths(FileStore(), info(path), source="src",
+                                         shard_name="bad.jsonl", on_skip=Skips(),
+                                         tokenizer=PerDocument(fragile), limit=2, chunk_bytes=5)
+    assert lengths.tolist() == [2, 0]                    # the limit counts documents, not skips
+    clean = write_jsonl(tmp_path / "clean.jsonl", ["ok", "boom", "fine"])
+    with pytest.raises(DataError, match=r"shard 'clean.jsonl', record 1: tokenizer failed"):
+        await fmt.document_lengths(FileStore(), info(clean), source="src",
+                                   shard_name="clean.jsonl", on_skip=None,
+                                   tokenizer=PerDocument(fragile))
+
+    tokens_path, offsets_path = write_token_shard(tmp_path / "t", [np.arange(5), np.arange(3)])
+    np.save(offsets_path, np.array([0, 5, 2], dtype=np.int64))
+    with pytest.raises(DataError, match=r"source 'src', shard 't'.*decreases at document 1"):
+        await TokensFormat().document_lengths(FileStore(), info(tokens_path), source="src",
+                                              shard_name="t", on_skip=None)
+    skips = Skips()
+    lengths = await TokensFormat().document_lengths(FileStore(), info(tokens_path),
+                                                    source="src", shard_name="t", on_skip=skips)
+    assert lengths.size == 0 and skips.calls[0][0] is None
+
+
+# ---------------------------------------------------------------- cut_documents
+
+
+@pytest.mark.parametrize("mode", ["split", "truncate", "drop"])
+def test_cut_documents_matches_records_to_items(mode):
+    """Lengths from 10 to 100k tokens, C=4096: the items records_to_items makes (lengths,
+    chunk ids, tokens, counts) are the ones cut_documents describes."""
+    C = 4096
+    rng = np.random.default_rng(4)
+    lengths = np.concatenate([
+        np.geomspace(10, 100_000, 120).astype(np.int64), rng.integers(10, 100_001, 120),
+        [0, 10, C - 1, C, C + 1, 2 * C, 2 * C + 1, 100_000, 0]])
+    rng.shuffle(lengths)
+    records = [RawRecord(3 * i + 1, np.arange(n, dtype=np.int32)) for i, n in enumerate(lengths)]
+    items, counts = records_to_items(records, 5, C, mode)
+    cuts = cut_documents(lengths, C, mode)
+    assert [len(i) for i in items] == cuts.lengths.tolist()
+    assert [i.chunk for i in items] == cuts.chunks().tolist()
+    assert [i.record for i in items] == [records[d].index for d in cuts.document.tolist()]
+    for item, start in zip(items, cuts.start.tolist()):
+        assert item.tokens[0] == start                  # the document's tokens from `start`
+    assert [i.chunk >= 0 for i in items] == cuts.divisible.tolist()
+    assert (counts.empty, counts.truncated, counts.dropped) == \
+        (cuts.empty, cuts.truncated, cuts.dropped) == (2, *(
+            [int((lengths > C).sum()), 0] if mode == "truncate" else
+            [0, int((lengths > C).sum())] if mode == "drop" else [0, 0]))
+    assert cuts.split == (int((lengths > C).sum()) if mode == "split" else 0)
+    if mode == "split":
+        assert all(pieces.split(c) == (s // C, 0) for c, s in
+                   zip(cuts.chunks().tolist(), cuts.start.tolist()) if c >= 0)
+        assert int(cuts.lengths.sum()) == int(lengths.sum())
+
+
+def test_cut_documents_edges():
+    cuts = cut_documents([], 8, "split")
+    assert cuts.lengths.size == cuts.document.size == 0 and cuts.lengths.dtype == np.int64
+    cuts = cut_documents([3, 0, 8, 9, 17], 8, "split")
+    assert cuts.lengths.tolist() == [3, 8, 8, 1, 8, 8, 1]
+    assert cuts.document.tolist() == [0, 2, 3, 3, 4, 4, 4]
+    assert cuts.start.tolist() == [0, 0, 0, 8, 0, 8, 16]
+    assert cuts.divisible.tolist() == [False, False, True, True, True, True, True]
+    assert cuts.chunks().tolist() == [-1, -1, pieces.piece(0), pieces.piece(1),
+                                      pieces.piece(0), pieces.piece(1), pieces.piece(2)]
+    assert cuts.counts() == {"empty": 1, "split": 2, "truncated": 0, "dropped": 0}
+    assert cut_documents([3, 0, 8, 9, 17], 8, "truncate").lengths.tolist() == [3, 8, 8, 8]
+    assert cut_documents([3, 0, 8, 9, 17], 8, "drop").lengths.tolist() == [3, 8]
+    with pytest.raises(ValueError, match="long_documents"):
+        cut_documents([1], 8, "squash")
+    with pytest.raises(ValueError, match=">= 0"):
+        cut_documents([-1], 8, "split")

@@ -101,7 +101,7 @@ def test_batches_the_trainer_keeps_are_never_written_again(tmp_path):
                 # Alternate: keep the micro-batch, or only a tensor slice of its tokens.
                 kept.append((mb.sample_ids, mb.cu_seqlens.numpy().copy(),
                              mb.tokens if step % 2 else mb.tokens[:]))
-        recycler = loader._runtime._row_memory
+        recycler = loader._runtime.delivery._row_memory
     assert len(kept) > 2 * (recycler.keep + 1)    # more steps than arrays the recycler keeps
     got = {}
     for ids, cu, tokens in kept:
@@ -117,5 +117,5 @@ def test_batches_the_trainer_drops_are_written_again(tmp_path):
     with sl.Loader([sl.Source(str(tmp_path / "a.jsonl"))], micro_batch_tokens=64,
                    micro_batches=2, epochs=1, prefetch_steps=1) as loader:
         steps = sum(1 for _ in loader)
-        recycler = loader._runtime._row_memory
+        recycler = loader._runtime.delivery._row_memory
     assert steps > 100 and recycler.allocated <= recycler.keep + 1, (steps, recycler.allocated)

@@ -191,11 +191,13 @@ def test_step_quotas_move_a_shortfall_to_the_other_sources():
     assert quota[2] / quota[1] == pytest.approx(2.0)
 
 
-def test_planner_validates_its_configuration():
-    with pytest.raises(ConfigError, match="planner.method"):
-        Planner(Geometry(2, 2, 64), CostModel(), method="greedy")
-    with pytest.raises(ConfigError, match="planner.lookahead"):
-        Planner(Geometry(2, 2, 64), CostModel(), method="lookahead", lookahead=0)
+def test_the_planner_configuration_is_validated_once_at_the_boundary():
+    from streamload.config import make_config
+    with pytest.raises(ConfigError, match="planner: must be one of") as info:
+        make_config(planner="greedy")
+    assert info.value.key == "planner"
+    with pytest.raises(ConfigError, match="lookahead: must be an integer >= 1"):
+        make_config(planner="lookahead", lookahead=0)
     assert Planner(Geometry(2, 2, 64), CostModel(), method="lookahead").force_age == 4
     assert Planner(Geometry(2, 2, 64), CostModel(), method="lookahead", max_age=2).force_age == 2
     assert Planner(Geometry(2, 2, 64), CostModel(), method="balanced").force_age is None

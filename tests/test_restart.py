@@ -207,7 +207,7 @@ def test_a_long_run_keeps_the_endless_tracker_small_and_resumes_exactly(tmp_path
     write_jsonl_source(tmp_path, "long", shards=4, per_shard=400, median=200, seed=6)
     with long_run_loader(tmp_path) as loader:
         steps = sum(1 for _ in loader)
-        tracker = loader._runtime.trackers[0]
+        tracker = loader._runtime.progress.trackers[0]
         units_read = tracker.offsets[0] + len(tracker.unit_lists[0])
     # Hundreds of passes, but the tracker holds only the recent ones.
     # (What it keeps: about the units of the last 64 steps, plus up to 256 waiting to go.)

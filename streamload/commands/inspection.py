@@ -1,9 +1,11 @@
 """`streamload inspect URI`: a source's shards, record counts and document-length histogram.
 
 It reads the source with the loader's own code: `list_shards` picks the shards (and leaves out
-companion files), each shard's format plans the byte ranges, the store reads them, the format
-decodes them. Lengths are in tokens: UTF-8 bytes for text (the loader's default tokenizer), ids
-for pre-tokenized shards. Bad records are counted and shown, not raised.
+companion files), and each shard's format measures its documents (`document_lengths`, as the
+dry run does): JSONL records are decoded and measured in UTF-8 bytes (the loader's default
+tokenizer); pre-tokenized shards are measured from their offsets index alone, in token ids (the
+token arrays are not read, so a bad token file or negative ids do not show here). Bad records
+are counted and shown, not raised.
 """
 from __future__ import annotations
 
@@ -15,6 +17,7 @@ from typing import Optional
 import numpy as np
 
 from ..config import Source
+from ..formats import LENGTHS_CHUNK_BYTES
 from ..pipeline.fetch import Shard, list_shards
 from ..storage import ObjectStore, open_store
 
@@ -89,7 +92,7 @@ def histogram(lengths: np.ndarray) -> list[dict]:
 
 
 async def _read_shard(store: ObjectStore, source: Source, shard: Shard, chunk_bytes: int,
-                      report: ShardReport, problems: list[str]) -> list[int]:
+                      report: ShardReport, problems: list[str]) -> np.ndarray:
     def on_skip(record, reason):
         if record is None:
             report.error = reason
@@ -99,27 +102,18 @@ async def _read_shard(store: ObjectStore, source: Source, shard: Shard, chunk_by
             where = f"{shard.name}" + (f" record {record}" if record is not None else "")
             problems.append(f"{where}: {reason}")
 
-    lengths: list[int] = []
-
-    def add(records) -> None:
-        for r in records:
-            n = len(r.payload.encode("utf-8")) if isinstance(r.payload, str) else int(len(r.payload))
-            lengths.append(n)
-
-    stream = await shard.format.open(store, shard.info, source=source.name or "source",
-                                     shard_name=shard.name, on_skip=on_skip,
-                                     chunk_bytes=chunk_bytes)
-    for start, end in stream.ranges():
-        add(stream.decode(await store.read_range(shard.info.uri, start, end)))
-    add(stream.finish())
-    report.records = len(lengths)
-    report.tokens = int(sum(lengths))
+    lengths = await shard.format.document_lengths(
+        store, shard.info, source=source.name or "source", shard_name=shard.name,
+        on_skip=on_skip, chunk_bytes=chunk_bytes)
+    report.records = int(lengths.size)
+    report.tokens = int(lengths.sum())
     return lengths
 
 
 async def inspect_source(uri: str, *, format: Optional[str] = None, text_field: str = "text",
                          storage_options: Optional[dict] = None, max_shards: Optional[int] = None,
-                         chunk_bytes: int = 4 << 20, concurrency: int = 8) -> SourceReport:
+                         chunk_bytes: int = LENGTHS_CHUNK_BYTES, concurrency: int = 8
+                         ) -> SourceReport:
     """Read every shard of `uri` (the first `max_shards` only, if given) and measure it."""
     source = Source(uri, format=format, text_field=text_field)
     store = open_store(uri, storage_options or None)
@@ -131,7 +125,7 @@ async def inspect_source(uri: str, *, format: Optional[str] = None, text_field: 
         report.shards = [ShardReport(s.name, s.info.size) for s in chosen]
         slots = asyncio.Semaphore(concurrency)
 
-        async def one(shard: Shard, shard_report: ShardReport) -> list[int]:
+        async def one(shard: Shard, shard_report: ShardReport) -> np.ndarray:
             async with slots:
                 try:
                     return await _read_shard(store, source, shard, chunk_bytes, shard_report,
@@ -139,10 +133,10 @@ async def inspect_source(uri: str, *, format: Optional[str] = None, text_field: 
                 except Exception as exc:   # an unreadable shard is reported, not fatal
                     shard_report.error = f"{type(exc).__name__}: {exc}"
                     report.problems.append(f"{shard.name}: {shard_report.error}")
-                    return []
+                    return np.zeros(0, np.int64)
 
         per_shard = await asyncio.gather(*(one(s, r) for s, r in zip(chosen, report.shards)))
-        report.lengths = np.array([n for lengths in per_shard for n in lengths], dtype=np.int64)
+        report.lengths = np.concatenate([np.zeros(0, np.int64), *per_shard])
         return report
     finally:
         await store.aclose()

@@ -9,7 +9,7 @@ from __future__ import annotations
 from functools import lru_cache
 
 from ..errors import ConfigError
-from .base import RawRecord, ShardFormat, ShardStream, SkipCallback
+from .base import LENGTHS_CHUNK_BYTES, RawRecord, ShardFormat, ShardStream, SkipCallback
 from .jsonl import JsonlFormat
 from .tokens import TokensFormat
 from .writers import write_jsonl, write_token_shard
@@ -50,6 +50,6 @@ def format_for(uri: str, *, format_name: str | None = None,
 
 
 __all__ = [
-    "FORMATS", "JsonlFormat", "RawRecord", "ShardFormat", "ShardStream", "SkipCallback",
-    "TokensFormat", "format_for", "write_jsonl", "write_token_shard",
+    "FORMATS", "JsonlFormat", "LENGTHS_CHUNK_BYTES", "RawRecord", "ShardFormat", "ShardStream",
+    "SkipCallback", "TokensFormat", "format_for", "write_jsonl", "write_token_shard",
 ]

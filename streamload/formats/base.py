@@ -12,6 +12,11 @@ I/O stays on the event loop and CPU work stays off it:
 
 `decode` and `finish` return `RawRecord`s: a record index (stable: the line number for JSONL, the
 document number for token shards) and either text (to be tokenized) or a token array.
+
+`await fmt.document_lengths(store, shard, ...)` measures a shard's documents without keeping
+their tokens, as the loader would count them (the dry run and `streamload inspect` use it): a
+token shard from its offsets index alone, a record shard by decoding it and measuring each text
+with the tokenizer (UTF-8 bytes without one). Both follow the skip policy of `open`.
 """
 from __future__ import annotations
 
@@ -21,10 +26,14 @@ from typing import Callable, Protocol, Sequence, Union
 import numpy as np
 
 from ..storage.base import ObjectInfo, ObjectStore
+from ..tokenizer import TextTokenizer
 
 # on_error="skip" passes a callback (record_index or None for the whole shard, reason);
 # on_error="raise" passes None and the stream raises DataError.
 SkipCallback = Callable[[Union[int, None], str], None]
+
+# Bytes per ranged read when measuring documents (`ShardFormat.document_lengths`).
+LENGTHS_CHUNK_BYTES = 4 << 20
 
 
 @dataclass(frozen=True)
@@ -41,9 +50,23 @@ class ShardStream(Protocol):
 
 class ShardFormat(Protocol):
     name: str
+    # How `document_lengths` measures: "index" (a length index, no records read) or "scan"
+    # (the records decoded and measured).
+    length_method: str
 
     def matches(self, uri: str) -> bool:
         """True when this format reads `uri` (by its name). Companion files (indexes) return False."""
 
     async def open(self, store: ObjectStore, shard: ObjectInfo, *, source: str, shard_name: str,
                    on_skip: SkipCallback | None, chunk_bytes: int) -> ShardStream: ...
+
+    async def document_lengths(self, store: ObjectStore, shard: ObjectInfo, *, source: str,
+                               shard_name: str, on_skip: SkipCallback | None,
+                               tokenizer: TextTokenizer | None = None, limit: int | None = None,
+                               chunk_bytes: int = LENGTHS_CHUNK_BYTES) -> np.ndarray:
+        """int64 [documents]: the length in tokens of each of the shard's documents, in record
+        order, as the loader would measure it (empty documents included, as 0; records that
+        are skipped left out). `tokenizer` measures texts (None: UTF-8 bytes, the loader's
+        default); `limit` stops after that many documents (at most `limit` come back). Errors
+        are DataErrors naming `source`, `shard_name` and the record where there is one, or
+        with `on_skip` given (on_error="skip") go to it, as in `open`."""

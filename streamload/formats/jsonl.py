@@ -12,11 +12,14 @@ from functools import lru_cache
 from typing import Callable
 
 import msgspec
+import numpy as np
 import zstandard
 
 from ..errors import DataError
 from ..storage.base import ObjectInfo, ObjectStore
-from .base import RawRecord, SkipCallback
+from ..tokenizer import TextTokenizer
+from .base import LENGTHS_CHUNK_BYTES, RawRecord, SkipCallback
+from .lengths import stream_lengths
 
 _BOM = b"\xef\xbb\xbf"
 _STEMS = (".jsonl", ".ndjson")
@@ -187,6 +190,7 @@ class JsonlFormat:
     as in C4-style dumps."""
 
     name = "jsonl"
+    length_method = "scan"
 
     def __init__(self, text_field: str = "text", *, named: bool = False):
         if not text_field:
@@ -207,3 +211,13 @@ class JsonlFormat:
                            chunk_bytes=chunk_bytes,
                            compression=compression if compression is not False else None,
                            text_field=self.text_field)
+
+    async def document_lengths(self, store: ObjectStore, shard: ObjectInfo, *, source: str,
+                               shard_name: str, on_skip: SkipCallback | None,
+                               tokenizer: TextTokenizer | None = None, limit: int | None = None,
+                               chunk_bytes: int = LENGTHS_CHUNK_BYTES) -> np.ndarray:
+        """Each document's length in tokens (`ShardFormat.document_lengths`): the records
+        decoded and each text measured with `tokenizer`, UTF-8 bytes without one."""
+        return await stream_lengths(self, store, shard, source=source, shard_name=shard_name,
+                                    on_skip=on_skip, tokenizer=tokenizer, limit=limit,
+                                    chunk_bytes=chunk_bytes)

@@ -7,6 +7,7 @@ offsets[-1] == len(tokens). Document d is tokens[offsets[d]:offsets[d + 1]]; d i
 
 `open` reads the token header and the whole offsets file (small), then plans byte ranges of the
 token array that each hold whole consecutive documents, about `chunk_bytes` each.
+`document_lengths` reads the offsets file alone (np.diff(offsets)); the token file is not read.
 """
 from __future__ import annotations
 
@@ -19,7 +20,8 @@ import numpy as np
 
 from ..errors import DataError
 from ..storage.base import ObjectInfo, ObjectStore
-from .base import RawRecord, SkipCallback
+from ..tokenizer import TextTokenizer
+from .base import LENGTHS_CHUNK_BYTES, RawRecord, SkipCallback
 
 TOKENS_SUFFIX = ".tokens.npy"
 OFFSETS_SUFFIX = ".offsets.npy"
@@ -97,8 +99,10 @@ async def _read_token_header(store: ObjectStore, shard: ObjectInfo) -> tuple[np.
     return dtype, n_tokens, total
 
 
-async def _read_offsets(store: ObjectStore, uri: str) -> np.ndarray:
-    """The offsets array, unchecked. Up to three small reads: its size comes from its header."""
+async def _read_offsets(store: ObjectStore, uri: str,
+                        max_documents: Optional[int] = None) -> np.ndarray:
+    """The offsets array, unchecked. Up to three small reads: its size comes from its header.
+    With `max_documents`, only the offsets of the first that many documents are read."""
     what = _offsets_what(uri)
     head = await _read_exact(store, uri, 0, _MIN_NPY, what)
     total = _header_length(head, what)
@@ -109,6 +113,8 @@ async def _read_offsets(store: ObjectStore, uri: str) -> np.ndarray:
         raise _BadShard(f"{what} must hold little-endian int64, found {dtype.str!r}")
     if n < 1:
         raise _BadShard(f"{what} is empty; it needs n_docs + 1 entries starting with 0")
+    if max_documents is not None:
+        n = min(n, max_documents + 1)
     return np.frombuffer(await _read_exact(store, uri, total, total + 8 * n, what), _OFFSET_DTYPE)
 
 
@@ -237,6 +243,7 @@ class TokensFormat:
     """`*.tokens.npy` shards with their `*.offsets.npy` companions."""
 
     name = "tokens"
+    length_method = "index"
 
     def matches(self, uri: str) -> bool:
         return uri.endswith(TOKENS_SUFFIX) and len(uri.rsplit("/", 1)[-1]) > len(TOKENS_SUFFIX)
@@ -254,3 +261,26 @@ class TokensFormat:
             return _EmptyStream()
         return TokensStream(source=source, shard_name=shard_name, on_skip=on_skip, dtype=dtype,
                             data_start=data_start, offsets=offsets, chunk_bytes=chunk_bytes)
+
+    async def document_lengths(self, store: ObjectStore, shard: ObjectInfo, *, source: str,
+                               shard_name: str, on_skip: SkipCallback | None,
+                               tokenizer: TextTokenizer | None = None, limit: int | None = None,
+                               chunk_bytes: int = LENGTHS_CHUNK_BYTES) -> np.ndarray:
+        """Each document's length in tokens (`ShardFormat.document_lengths`), from the shard's
+        offsets index alone: np.diff(offsets). The token file is not read, so what only it can
+        show (a truncated file, negative ids) goes unnoticed here; the offsets are checked (they
+        start at 0 and never decrease). With `limit`, only the offsets needed are read.
+        `tokenizer` and `chunk_bytes` are not used: the documents are token ids already."""
+        if limit is not None and limit < 0:
+            raise ValueError(f"limit must be >= 0, got {limit}")
+        companion = offsets_uri(shard.uri)
+        what = _offsets_what(companion)
+        try:
+            offsets = await _read_offsets(store, companion, limit)
+            _check_offsets(offsets, None, what)   # the token count is in the unread token file
+        except _BadShard as exc:
+            if on_skip is None:
+                raise DataError(str(exc), source=source, shard=shard_name) from None
+            on_skip(None, str(exc))
+            return np.zeros(0, np.int64)
+        return np.diff(offsets).astype(np.int64, copy=False)

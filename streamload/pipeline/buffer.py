@@ -73,7 +73,7 @@ class SourceBuffer:
                 self._head_tokens += len(item)
         self._changes.notify()
 
-    async def end_epoch(self, epoch: int) -> None:
+    def end_epoch(self, epoch: int) -> None:
         self._entries.append(EndOfEpoch(epoch))
         self._markers += 1
         self._changes.notify()
@@ -111,7 +111,7 @@ class SourceBuffer:
             tokens += len(entry)
         return out, False
 
-    async def take(self, positions: np.ndarray, window_size: int,
+    def take(self, positions: np.ndarray, window_size: int,
                    cut: Optional[dict[int, int]] = None) -> list[Item]:
         """Remove window items at `positions` (ascending), age the rest of the window.
         `cut`: position -> tokens, for items the plan takes only the head of; the rest stays in
@@ -141,7 +141,7 @@ class SourceBuffer:
         self._changes.notify()
         return [out[int(p)] for p in positions]
 
-    async def next_epoch(self) -> None:
+    def next_epoch(self) -> None:
         """Drop the end-of-epoch marker at the head (the window before it must be empty)."""
         marker = self._entries.popleft()
         assert isinstance(marker, EndOfEpoch), "epoch ended with items still buffered"

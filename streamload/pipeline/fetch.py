@@ -78,7 +78,7 @@ class SourceFetcher:
             layout = self.layout_for(epoch)
             # An endless layout (on_exhausted="restart") streams pass after pass: never returns.
             await self._read_units(layout.stream(self.rank), endless=layout.endless)
-            await self.buffer.end_epoch(epoch)
+            self.buffer.end_epoch(epoch)
             self.ages = None   # restored ages apply to the resumed epoch only
             epoch += 1
 
@@ -95,13 +95,13 @@ class SourceFetcher:
 
         empty_in_a_row: set[int] = set()   # listed shards read whole, in a row, without items
         async for unit, queue in ordered_prefetch(units, start, lambda: self.knobs.shards):
-            await self.gate.set_head(unit.shard)
+            self.gate.set_head(unit.shard)
             produced = 0
             while (entry := await queue.get()) is not None:
                 items, held = entry
                 produced += len(items)
                 await self.buffer.put(items)
-                await self.gate.release(held, unit.shard)
+                self.gate.release(held, unit.shard)
             if not endless:
                 continue
             if produced or unit.skip_through is not None:
@@ -154,7 +154,7 @@ class SourceFetcher:
             self._record_skips(shard, skips)
             held = sum(item.tokens.nbytes for item in items) + ITEM_OVERHEAD_BYTES * len(items)
             held = held if items else 0
-            await self.gate.settle(reserved, raw_bytes, held, virtual)
+            self.gate.settle(reserved, raw_bytes, held, virtual)
             if items:
                 await queue.put((items, held))
 

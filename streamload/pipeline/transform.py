@@ -98,8 +98,9 @@ def records_to_items(records: list[RawRecord], shard: int, capacity: int, long_d
     restores deferral ages.
     A record whose token ids batches cannot carry raises a DataError naming it (`where`: the
     source and shard names), or goes to `on_skip(record, reason)` when given."""
-    items: list[Item] = []
     counts = TransformCounts(records=len(records))
+    indexes: list[int] = []
+    arrays: list[np.ndarray] = []
     for record in records:
         try:
             tokens = to_tokens(record.payload)
@@ -109,21 +110,20 @@ def records_to_items(records: list[RawRecord], shard: int, capacity: int, long_d
                                 record=record.index) from None
             on_skip(record.index, str(exc))
             continue
-        n = tokens.shape[0]
-        if n == 0:
-            counts.empty += 1          # nothing to train on; counted, never silently lost
-            continue
-        if n <= capacity:
-            items.append(Item(shard, record.index, -1, tokens))
-        elif long_documents == "split":
-            for k, start in enumerate(range(0, n, capacity)):
-                items.append(Item(shard, record.index, pieces.piece(k),
-                                  tokens[start:start + capacity]))
-        elif long_documents == "truncate":
-            counts.truncated += 1
-            items.append(Item(shard, record.index, -1, tokens[:capacity]))
-        else:
-            counts.dropped += 1
+        indexes.append(record.index)
+        arrays.append(tokens)
+    # Which items, cut where: the rule the dry run applies to lengths (pieces.cut_documents).
+    cuts = pieces.cut_documents([t.shape[0] for t in arrays], capacity, long_documents)
+    counts.empty, counts.truncated, counts.dropped = cuts.empty, cuts.truncated, cuts.dropped
+    items: list[Item] = []
+    if not (cuts.split or cuts.truncated):   # every item a whole document
+        items = [Item(shard, indexes[d], -1, arrays[d]) for d in cuts.document.tolist()]
+    else:
+        for d, chunk, start, n in zip(cuts.document.tolist(), cuts.chunks().tolist(),
+                                      cuts.start.tolist(), cuts.lengths.tolist()):
+            tokens = arrays[d]
+            items.append(Item(shard, indexes[d], chunk,
+                              tokens if n == tokens.shape[0] else tokens[start:start + n]))
     if keep is not None:
         kept = []
         for item in items:

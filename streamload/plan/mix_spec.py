@@ -41,10 +41,9 @@ INTERPOLATIONS = ("linear", "step")
 
 
 def fail(key: str, problem: str, *, where: str = "") -> None:
-    """Raise a ConfigError whose `key` and `problem` a caller may re-prefix (TOML key paths)."""
-    err = ConfigError(f"{where}{key}: {problem}")
-    err.key, err.problem = key, problem
-    raise err
+    """Raise a ConfigError keyed by the struct's own field path (`quotas[1].fraction`), which a
+    caller re-prefixes through the error's `key` and `problem` (TOML key paths)."""
+    raise ConfigError.at(key, problem, where=where)
 
 
 def _number(value: Any) -> bool:
@@ -140,7 +139,7 @@ def _coerce(items: Any, cls, key: str) -> tuple:
         except TypeError as exc:
             fail(f"{key}[{i}]", str(exc), where="mixture.")
         except ConfigError as exc:
-            fail(f"{key}[{i}].{getattr(exc, 'key', '')}", getattr(exc, "problem", str(exc)),
+            fail(f"{key}[{i}].{exc.key}" if exc.key else f"{key}[{i}]", exc.problem,
                  where="mixture.")
     return tuple(out)
 

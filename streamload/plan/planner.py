@@ -10,7 +10,9 @@ Methods:
 """
 from __future__ import annotations
 
+import typing
 from dataclasses import dataclass
+from typing import Literal
 
 import numpy as np
 
@@ -22,7 +24,10 @@ from .naive import assign_naive, finish
 from .select import interleaved, select
 from .types import Assignment, Candidates, Geometry
 
-METHODS = ("naive", "balanced", "lookahead")
+# The planning methods: the one list of them. `LoaderConfig.planner` has this type and is
+# validated there, once; the planner trusts it.
+PlannerMethod = Literal["naive", "balanced", "lookahead"]
+METHODS: tuple[str, ...] = typing.get_args(PlannerMethod)
 NAIVE_CHECK_ITEMS = 64   # up to this many items, a cost-aware plan is never worse than naive
 
 
@@ -37,13 +42,7 @@ class Planner:
     step_overhead: float = 0.05  # per-step overhead, as a fraction of a rank's full linear step
 
     def __post_init__(self):
-        if self.method not in METHODS:
-            from ..errors import ConfigError
-            raise ConfigError(f"planner.method: unknown planning method {self.method!r}; "
-                              f"choose from {METHODS}")
-        if self.lookahead < 1:
-            from ..errors import ConfigError
-            raise ConfigError(f"planner.lookahead: must be >= 1 steps, got {self.lookahead}")
+        # `method` and `lookahead` come validated from LoaderConfig (config.py).
         self.overhead = step_overhead_cost(self.step_overhead, self.geometry, self.cost)
 
     def _max_cost(self, c: Candidates, take, rank, row) -> float:
@@ -103,13 +102,11 @@ class Planner:
             forced = None if self.max_age is None else c.age[selected] >= self.max_age
             take, rank, row = assign_balanced(c, selected, self.geometry, self.cost, forced=forced,
                                               overhead=self.overhead)
-        elif self.method == "lookahead":
+        else:   # "lookahead" (LoaderConfig.planner is one of METHODS)
             selected, forced = select_lookahead(c, targets, self.geometry, self.cost,
                                                 window=self.lookahead, force_age=self.force_age)
             take, rank, row = assign_balanced(c, selected, self.geometry, self.cost, forced=forced,
                                               overhead=self.overhead)
-        else:
-            raise ValueError(f"unknown planning method {self.method!r}; choose from {METHODS}")
         if self.method != "naive" and 0 < len(take) == len(selected) <= NAIVE_CHECK_ITEMS:
             # The cost-aware heuristics can, rarely, end a little above the plain arrival-order
             # fill (hypothesis found 2014 against 1949 with 22 items). For a few dozen items

@@ -62,31 +62,41 @@ class Candidates:
         flags alike, optional)."""
         num_ranks = len(windows)
         num_sources = len(windows[0]) if windows else 0
-        parts: dict[str, list[np.ndarray]] = {k: [] for k in
-                                              ("length", "source", "rank", "position", "age", "extra",
-                                               "divisible")}
-        for s in range(num_sources):
-            for r in range(num_ranks):
-                lengths = np.asarray(windows[r][s], dtype=np.int64)
-                n = lengths.shape[0]
-                parts["length"].append(lengths)
-                parts["source"].append(np.full(n, s, np.int32))
-                parts["rank"].append(np.full(n, r, np.int32))
-                parts["position"].append(np.arange(n, dtype=np.int32))
-                parts["age"].append(np.zeros(n, np.int32) if ages is None
-                                    else np.asarray(ages[r][s], dtype=np.int32))
-                parts["extra"].append(np.zeros(n, np.float64) if extra_costs is None
-                                      else np.asarray(extra_costs[r][s], dtype=np.float64))
-                parts["divisible"].append(np.zeros(n, bool) if divisible is None
-                                          else np.asarray(divisible[r][s], dtype=bool))
+        sizes = [[len(w) for w in per_rank] for per_rank in windows]
 
-        def cat(key, dtype):
-            return np.concatenate(parts[key]).astype(dtype, copy=False) if parts[key] \
-                else np.zeros(0, dtype)
+        def field(per_window, dtype, fill=0):
+            if per_window is None:
+                return np.full(sum(map(sum, sizes)), fill, dtype=dtype)
+            return flatten_windows(per_window, dtype)
 
-        return Candidates(cat("length", np.int64), cat("source", np.int32), cat("rank", np.int32),
-                          cat("position", np.int32), cat("age", np.int32), cat("extra", np.float64),
-                          num_sources, num_ranks, cat("divisible", bool))
+        return Candidates(
+            flatten_windows(windows, np.int64),
+            flatten_windows([[np.full(n, s, np.int32) for s, n in enumerate(row)] for row in sizes],
+                            np.int32),
+            flatten_windows([[np.full(n, r, np.int32) for n in row] for r, row in enumerate(sizes)],
+                            np.int32),
+            flatten_windows([[np.arange(n, dtype=np.int32) for n in row] for row in sizes],
+                            np.int32),
+            field(ages, np.int32), field(extra_costs, np.float64), num_sources, num_ranks,
+            field(divisible, bool, False))
+
+    def windows(self):
+        """((source, rank), slice) of every non-empty window, in candidate order."""
+        key = self.source.astype(np.int64) * self.num_ranks + self.rank
+        bounds = np.searchsorted(key, np.arange(self.num_sources * self.num_ranks + 1))
+        for k in np.flatnonzero(np.diff(bounds)).tolist():
+            yield divmod(k, self.num_ranks), slice(int(bounds[k]), int(bounds[k + 1]))
+
+
+def flatten_windows(per_window: list[list[np.ndarray]], dtype) -> np.ndarray:
+    """per_window[rank][source] arrays (their first axis runs over the window's items) laid
+    out in the candidates' order: by source, then rank, then position. The one place that
+    order is made; `Candidates.windows` is its inverse."""
+    num_ranks = len(per_window)
+    num_sources = len(per_window[0]) if per_window else 0
+    parts = [np.asarray(per_window[r][s], dtype=dtype)
+             for s in range(num_sources) for r in range(num_ranks)]
+    return np.concatenate(parts) if parts else np.zeros(0, dtype)
 
 
 @dataclass(frozen=True)

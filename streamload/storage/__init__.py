@@ -14,7 +14,18 @@ from streamload.storage.retry import RetryPolicy
 
 __all__ = [
     "ObjectInfo", "ObjectStore", "RetryPolicy", "StoreCounters", "open_store", "relative_name",
+    "source_store_options",
 ]
+
+
+def source_store_options(uri: str, shared_options: dict[str, Any] | None,
+                         own_options: dict[str, Any] | None) -> dict[str, Any]:
+    """The storage options a source's store gets: the options shared by every source (the
+    loader's `storage_options`, e.g. an S3 endpoint) when `uri` is remote, since local paths
+    take none, overridden key by key by the source's own `storage_options`. `{}` when there are
+    none. The local test is `open_store`'s: a plain path or file:// (scheme_of)."""
+    shared = shared_options if shared_options and scheme_of(uri) not in ("", "file") else {}
+    return {**shared, **(own_options or {})}
 
 
 def open_store(uri: str, storage_options: dict[str, Any] | None = None, *,

@@ -40,9 +40,8 @@ The simulated loop (the loader's `Runtime._step_loop`, on lengths)
     run shows the plan, not I/O stalls.
 """
 from .report import DEFAULT_STEPS, format_summary, format_table, run, summarize
-from .scan import SourceScan, divisible_items, items_from_documents, scan, scan_lengths
-from .simulate import DEFAULT_RANKS, StepReport, _Window, simulate
+from .scan import SourceScan, scan, scan_lengths
+from .simulate import DEFAULT_RANKS, StepReport, simulate
 
-__all__ = ["DEFAULT_RANKS", "DEFAULT_STEPS", "SourceScan", "StepReport", "divisible_items",
-           "format_summary", "format_table", "items_from_documents", "run", "scan",
-           "scan_lengths", "simulate", "summarize"]
+__all__ = ["DEFAULT_RANKS", "DEFAULT_STEPS", "SourceScan", "StepReport", "format_summary",
+           "format_table", "run", "scan", "scan_lengths", "simulate", "summarize"]

@@ -10,10 +10,10 @@ import numpy as np
 
 from ...configfile import LoaderSpec, load_config
 from ...errors import ConfigError, StreamloadError
-from ...plan.quota_mixer import QuotaMixer
 
 from .scan import scan
-from .simulate import StepReport, _memory_plan, simulate
+from ...plan.stepper import Stepper
+from .simulate import StepReport, simulate
 
 DEFAULT_STEPS = 100
 
@@ -120,9 +120,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         spec = load_config(args.config)
         config = spec.config()
-        mixer = QuotaMixer.from_sources(spec.mixture, spec.sources,
-                                        capacity=config.micro_batch_tokens)
-        _memory_plan(spec, config, mixer, args.ranks)   # memory_budget problems too
+        Stepper.build(config, spec.sources, spec.mixture, args.ranks)   # memory_budget too
     except ConfigError as exc:
         return fail(str(exc), 2)
     try:

@@ -8,10 +8,7 @@ import numpy as np
 
 from ...configfile import LoaderSpec
 from ...errors import ConfigError
-from ...pipeline.autoscale import MemoryPlan
-from ...plan.cost import CostModel
-from ...plan.quota_mixer import QuotaMixer
-from ...plan.planner import Planner
+from ...plan.stepper import Stepper
 from ...plan.types import Candidates, Geometry
 from ...state import deal, deal_epoch
 
@@ -192,119 +189,80 @@ class _SourceFeed:
         return _Window(first, coded=True)
 
 
-def _memory_plan(spec: LoaderSpec, config, mixer: QuotaMixer, ranks: int) -> MemoryPlan:
-    return MemoryPlan(config, mixer.max_shares(), [s.name for s in spec.sources], ranks)
-
-
-def _window_tokens(memory: MemoryPlan, mixer: QuotaMixer, holding: np.ndarray) -> np.ndarray:
-    """[R, S] head windows, as the loader's Runtime sizes them (`MemoryPlan.for_rank`): ranks
-    holding the same sources get the same windows, so each distinct row is sized once."""
-    shares = mixer.shares_at(holding.any(axis=0))
-    holders = holding.sum(axis=0)
-    rows, inverse = np.unique(holding, axis=0, return_inverse=True)
-    sized = np.array([[b.window_tokens for b in memory.budgets(shares, holders, held)]
-                      for held in rows], dtype=np.int64)
-    return sized[np.asarray(inverse).reshape(-1)]
-
-
 def simulate(spec: LoaderSpec, lengths: Sequence[Union[SourceScan, np.ndarray]], steps: int,
              ranks: int = DEFAULT_RANKS) -> list[StepReport]:
-    """Run the loader's planning loop for `steps` steps on `ranks` ranks, on item lengths only.
+    """Run the loader's step machine (`plan.stepper.Stepper`) for `steps` steps on `ranks`
+    ranks, on item lengths only.
 
     `lengths`: per source, a `SourceScan` (from `scan`: shards are dealt to ranks like the
     loader deals them) or an array of item lengths in 1..C (dealt round-robin). Returns one
     report per planned step; fewer than `steps` when the data ends (`epochs`, or a source with
     on_exhausted="stop")."""
     if isinstance(steps, bool) or not isinstance(steps, (int, np.integer)) or steps < 0:
-        raise ConfigError(f"steps: must be >= 0, got {steps!r}")
+        raise ConfigError(f"steps: must be >= 0, got {steps!r}", key="steps")
     if isinstance(ranks, bool) or not isinstance(ranks, (int, np.integer)) or ranks < 1:
-        raise ConfigError(f"ranks: must be an integer >= 1, got {ranks!r}")
+        raise ConfigError(f"ranks: must be an integer >= 1, got {ranks!r}", key="ranks")
     S = len(spec.sources)
     if len(lengths) != S:
         raise ValueError(f"lengths for {len(lengths)} sources, the configuration has {S}")
     config = spec.config()
-    C, M, R = config.micro_batch_tokens, config.micro_batches, ranks
+    C, R = config.micro_batch_tokens, ranks
     for s, data in enumerate(lengths):
         arr = data.lengths if isinstance(data, SourceScan) else np.asarray(data)
         if arr.size and arr.max() > C:
             raise ValueError(f"source {spec.sources[s].name!r}: item of {int(arr.max())} tokens "
                              f"> micro_batch_tokens ({C}); split long documents first")
-    geometry = Geometry(R, M, C)
-    cost = CostModel(config.cost_a, config.cost_b, config.document_masking)
-    planner = Planner(geometry, cost, method=config.planner, seed=config.seed,
-                      max_age=config.max_deferral, lookahead=config.lookahead,
-                      step_overhead=config.step_overhead)
-    mixer = QuotaMixer.from_sources(spec.mixture, spec.sources, capacity=C)
-    memory = _memory_plan(spec, config, mixer, R)
+    stepper = Stepper.build(config, spec.sources, spec.mixture, R)
+    restartable = [p == "restart" for p in stepper.mixer.on_exhausted]
     feeds = [_SourceFeed(data, s, config.seed, R) for s, data in enumerate(lengths)]
-    passes = [0] * S
-    windows = [[None] * S for _ in range(R)]   # windows[rank][source]
-    restartable = [p == "restart" for p in mixer.on_exhausted]
-    for s, feed in enumerate(feeds):
-        for r in range(R):
-            windows[r][s] = feed.window(r, restartable[s])
+    windows = [[feeds[s].window(r, restartable[s]) for s in range(S)] for r in range(R)]
 
     def holding_now() -> np.ndarray:   # an epoch's start: the ranks dealt items of a source
         return np.array([[windows[r][s].has_items for s in range(S)] for r in range(R)],
                         dtype=bool).reshape(R, S)
 
-    window_tokens = _window_tokens(memory, mixer, holding_now())
-
+    stepper.start_epoch(holding_now())
     reports: list[StepReport] = []
-    epoch, step = 0, 0
-    step_tokens = geometry.step_tokens
+    passes = [0] * S
     empty_epochs = 0
-    while step < steps:
+    while len(reports) < steps:
+        window_tokens = stepper.window_tokens()
         views = [[windows[r][s].window(window_tokens[r, s]) for s in range(S)] for r in range(R)]
-        has_data = np.array([any(views[r][s][0].size for r in range(R)) for s in range(S)])
         exhausted = np.array([[views[r][s][2] for s in range(S)] for r in range(R)])
-        outcome = mixer.outcome(has_data, exhausted)
-        if outcome == "stop":
+        c = Candidates.from_windows(
+            [[views[r][s][0] for s in range(S)] for r in range(R)],
+            [[views[r][s][1] for s in range(S)] for r in range(R)], None,
+            [[windows[r][s].divisible for s in range(S)] for r in range(R)])
+        step = stepper.begin(c, exhausted)
+        if step.outcome == "stop":
             break
-        if outcome == "end_epoch":
-            epoch += 1
-            if config.epochs is not None and epoch >= config.epochs:
-                break
+        if step.outcome == "end_epoch":
+            stepper.end_epoch()
             empty_epochs += 1
-            if empty_epochs > 1:   # an epoch without a single step: there is no data
+            if stepper.finished or empty_epochs > 1:   # an epoch without a step: no data
                 break
-            mixer.new_epoch()
             for s in range(S):
                 if not restartable[s]:   # `restart` sources go on where they are
                     passes[s] += 1
                     for r, items in enumerate(feeds[s].rank_items(passes[s])):
                         windows[r][s].restart(items)
-            window_tokens = _window_tokens(memory, mixer, holding_now())
+            stepper.start_epoch(holding_now())
             continue
         empty_epochs = 0
-
-        win_lengths = [[views[r][s][0] for s in range(S)] for r in range(R)]
-        win_ages = [[views[r][s][1] for s in range(S)] for r in range(R)]
-        c = Candidates.from_windows(win_lengths, win_ages, None,
-                                    [[windows[r][s].divisible for s in range(S)] for r in range(R)])
         if len(c) == 0:
             break
-        quota = mixer.quota(c, step_tokens, step)
-        assignment = planner.assign_quota(quota, step)
+        assignment = stepper.assign(step)
         take = np.asarray(assignment.take, dtype=np.int64)
-        units = mixer.update(quota, take, assignment.length)
-        whole = assignment.length == c.length[take]   # a cut item's rest stays
-        window_tokens = _window_tokens(memory, mixer,
-                                       MemoryPlan.holding_after(c, take[whole], exhausted))
-        reports.append(_report(step, epoch, c, quota, assignment, take, units, geometry, S))
-
-        # Taken items leave their windows; the others age. Candidates are (source, rank, pos).
+        units = stepper.commit(step, take, assignment.length)
+        reports.append(_report(step.index, stepper.epoch, c, step.quota, assignment, take, units,
+                               stepper.geometry, S))
+        # Taken items leave their windows; the others age.
         taken = np.zeros(len(c), dtype=np.int64)   # tokens taken of each candidate
         taken[take] = assignment.length
-        at = 0
-        for s in range(S):
-            for r in range(R):
-                n = win_lengths[r][s].size
-                positions = np.flatnonzero(taken[at:at + n])
-                windows[r][s].commit(positions, win_lengths[r][s], win_ages[r][s],
-                                     taken[at:at + n][positions])
-                at += n
-        step += 1
+        for (s, r), window in c.windows():
+            positions = np.flatnonzero(taken[window])
+            windows[r][s].commit(positions, c.length[window], c.age[window].astype(np.int64),
+                                 taken[window][positions])
     return reports
 
 

@@ -5,8 +5,8 @@
   the lengths and ages; every rank learns every id, so each can track the whole job's progress
   (resumable state) and receive exchanged samples without sending ids again.
 * A *plan* is the assignment rank 0 broadcasts.
-* Both start with a status word, so a rank that failed can still take part in the collective
-  and tell every other rank why, instead of leaving them waiting until a timeout.
+* Both start with a status word (`protocol.py`), so a rank that failed can still take part in
+  the collective and tell every other rank why, instead of leaving them waiting until a timeout.
 """
 from __future__ import annotations
 
@@ -15,52 +15,8 @@ from typing import Optional
 
 import numpy as np
 
-from ..errors import DistributedError
-from ..plan.types import Assignment, Candidates
-
-OK, FAILED, CLOSING, WAITING = 0, 1, 2, 3
-
-
-class StopStepping(Exception):
-    """Every rank agreed to stop: this rank is closing and so is at least one other (or all)."""
-
-
-def encode_closing() -> np.ndarray:
-    return np.array([CLOSING], dtype=np.int64)
-
-
-def encode_waiting() -> np.ndarray:
-    """A heartbeat: this rank is alive but not ready (its trainer has not taken the last batch,
-    or its buffers are still filling). Everyone gathers again, so no collective waits on a
-    busy rank for longer than the heartbeat period."""
-    return np.array([WAITING], dtype=np.int64)
-
-
-def encode_failure(error: BaseException) -> np.ndarray:
-    message = f"{type(error).__name__}: {error}".encode("utf-8", "replace")[:4000]
-    return np.concatenate([[FAILED], np.frombuffer(message, dtype=np.uint8).astype(np.int64)])
-
-
-def check_statuses(gathered: list[np.ndarray], rank: int, local_error: Optional[BaseException],
-                   closing: bool) -> bool:
-    """Every rank raises if any rank failed: its own error if it failed, else a named one.
-    Raises StopStepping if this rank is closing; a peer closing alone is an error here.
-    Returns False if some rank is still waiting (gather again), True when all are ready."""
-    if local_error is not None:
-        raise local_error
-    for other, array in enumerate(gathered):
-        if array.shape[0] and array[0] == FAILED:
-            message = bytes(array[1:].astype(np.uint8)).decode("utf-8", "replace")
-            raise DistributedError(f"rank {other} failed, so rank {rank} stops too: {message}")
-    if closing:
-        raise StopStepping()
-    for other, array in enumerate(gathered):
-        if array.shape[0] and array[0] == CLOSING:
-            raise DistributedError(
-                f"rank {other} closed its loader while rank {rank} was still iterating; "
-                f"every rank must stop at the same step")
-    return not any(array.shape[0] and array[0] == WAITING for array in gathered)
-
+from ..plan.types import Assignment, Candidates, flatten_windows
+from .protocol import OK
 
 ID_FIELDS = 3   # shard, record, chunk (-1 for a whole document; else see `pieces`)
 
@@ -111,12 +67,10 @@ def decode_summaries(gathered: list[np.ndarray], num_sources: int) -> Summaries:
                 array[at + (2 + ID_FIELDS) * n:at + (3 + ID_FIELDS) * n]).view(np.float64)
             exhausted[r, s] = done
             at += (3 + ID_FIELDS) * n
-    # Candidates are ordered source-major, then rank: lay the ids out the same way.
-    flat_ids = [ids[r][s] for s in range(num_sources) for r in range(len(gathered))]
     # A piece of a split document (chunk >= 0, `pieces`) may be cut to fill a row.
     divisible = [[i[:, 2] >= 0 for i in per_rank] for per_rank in ids]
     return Summaries(Candidates.from_windows(lengths, ages, extra, divisible),
-                     np.concatenate(flat_ids) if flat_ids else np.zeros((0, ID_FIELDS), np.int64),
+                     flatten_windows(ids, np.int64).reshape(-1, ID_FIELDS),
                      exhausted)
 
 

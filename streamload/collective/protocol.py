@@ -1,0 +1,122 @@
+"""The loader's collective protocol: every collective starts with a status word, and every step
+agrees on its summaries through `Agreement.agree`.
+
+A rank that failed still takes part in the next all-gather and says why (FAILED); a rank that is
+alive but not ready says WAITING (a heartbeat); a rank that is closing says CLOSING. So no rank is
+left inside a collective waiting for a peer that will never come, and the collective timeout is
+left to catch dead or frozen processes only.
+"""
+from __future__ import annotations
+
+import asyncio
+from typing import Awaitable, Callable, Optional, TypeVar
+
+import numpy as np
+
+from ..errors import DistributedError
+from .comm import Comm, collective_thread
+
+T = TypeVar("T")
+
+OK, FAILED, CLOSING, WAITING = 0, 1, 2, 3
+
+
+class StopStepping(Exception):
+    """Every rank agreed to stop: this rank is closing and so is at least one other (or all)."""
+
+
+def encode_closing() -> np.ndarray:
+    return np.array([CLOSING], dtype=np.int64)
+
+
+def encode_waiting() -> np.ndarray:
+    """A heartbeat: this rank is alive but not ready (its trainer has not taken the last batch,
+    or its buffers are still filling). Everyone gathers again, so no collective waits on a
+    busy rank for longer than the heartbeat period."""
+    return np.array([WAITING], dtype=np.int64)
+
+
+def encode_failure(error: BaseException) -> np.ndarray:
+    message = f"{type(error).__name__}: {error}".encode("utf-8", "replace")[:4000]
+    return np.concatenate([[FAILED], np.frombuffer(message, dtype=np.uint8).astype(np.int64)])
+
+
+def check_statuses(gathered: list[np.ndarray], rank: int, local_error: Optional[BaseException],
+                   closing: bool) -> bool:
+    """Every rank raises if any rank failed: its own error if it failed, else a named one.
+    Raises StopStepping if this rank is closing; a peer closing alone is an error here.
+    Returns False if some rank is still waiting (gather again), True when all are ready."""
+    if local_error is not None:
+        raise local_error
+    for other, array in enumerate(gathered):
+        if array.shape[0] and array[0] == FAILED:
+            message = bytes(array[1:].astype(np.uint8)).decode("utf-8", "replace")
+            raise DistributedError(f"rank {other} failed, so rank {rank} stops too: {message}")
+    if closing:
+        raise StopStepping()
+    for other, array in enumerate(gathered):
+        if array.shape[0] and array[0] == CLOSING:
+            raise DistributedError(
+                f"rank {other} closed its loader while rank {rank} was still iterating; "
+                f"every rank must stop at the same step")
+    return not any(array.shape[0] and array[0] == WAITING for array in gathered)
+
+
+class Agreement:
+    """Runs the loader's collectives for the step loop, on their own thread (a blocking gloo call
+    must not block the event loop). Loop-owned; `request_close` is called on the loop."""
+
+    def __init__(self, comm: Comm, collective_timeout_s: float):
+        self.comm = comm
+        self.heartbeat_s = collective_timeout_s / 3
+        self.closing = asyncio.Event()
+        self.thread = None   # the collective thread, started by the first collective
+
+    def request_close(self) -> None:
+        """The step loop stops at its next all-gather, telling the other ranks."""
+        self.closing.set()
+
+    def shutdown(self) -> None:
+        if self.thread is not None:
+            self.thread.shutdown()
+
+    async def run(self, call: Callable[[], T]) -> T:
+        """A blocking collective, on the collective thread; with one rank there is nothing to
+        wait for, so it runs inline (a thread hop per call costs more than the call)."""
+        if self.comm.world == 1:
+            return call()
+        if self.thread is None:
+            self.thread = collective_thread()
+        return await self.thread.run(call)
+
+    async def agree(self, local: Callable[[], Awaitable[np.ndarray]]) -> list[np.ndarray]:
+        """All-gather `local()`'s array once every rank has one.
+
+        A rank that is not ready within the heartbeat period gathers WAITING, and everyone
+        gathers again: a busy trainer or a slow source never trips the timeout. If `local()`
+        raised anywhere, every rank raises. A closing rank sends CLOSING and stops
+        (StopStepping) once the gather returns."""
+        task = asyncio.ensure_future(local())
+        try:
+            while True:
+                closing_wait = asyncio.ensure_future(self.closing.wait())
+                await asyncio.wait({task, closing_wait}, timeout=self.heartbeat_s,
+                                   return_when=asyncio.FIRST_COMPLETED)
+                closing_wait.cancel()
+                error, closing = None, self.closing.is_set()
+                if closing:
+                    array = encode_closing()
+                elif not task.done():
+                    array = encode_waiting()
+                elif task.exception() is not None:   # told to every rank, then re-raised here
+                    error = task.exception()
+                    array = encode_failure(error)
+                else:
+                    array = task.result()
+                gathered = await self.run(lambda: self.comm.all_gather(array))
+                if check_statuses(gathered, self.comm.rank, error, closing):
+                    return gathered
+        finally:
+            if not task.done():
+                task.cancel()
+                await asyncio.gather(task, return_exceptions=True)

@@ -1,0 +1,115 @@
+"""Delivery: from a step's assignment to this rank's Batch.
+
+Pop the planned items from this rank's buffers, exchange them so each goes to the rank the plan
+names (all-to-all), pack them into M rows of at most C tokens, and count what was delivered.
+Loop-owned, like the buffers it takes from.
+"""
+from __future__ import annotations
+
+from typing import Awaitable, Callable, Sequence, TypeVar
+
+import numpy as np
+import torch
+
+from . import pieces
+from .batch import Batch, MicroBatch
+from .collective.comm import Comm
+from .collective.exchange import exchange_tokens
+from .collective.messages import PlanMessage, Summaries
+from .metrics import SourceMetrics, StepMetrics
+from .pipeline.buffer import SourceBuffer
+from .pipeline.recycle import ArrayRecycler
+from .plan.cost import CostModel
+from .plan.packing import pack_rows
+from .plan.types import Geometry
+
+T = TypeVar("T")
+
+
+class Delivery:
+    def __init__(self, comm: Comm, geometry: Geometry, cost: CostModel, source_names: Sequence[str],
+                 source_metrics: Sequence[SourceMetrics], step_metrics: StepMetrics,
+                 batches_held: int):
+        """`batches_held`: packed steps alive at once (queued, held by the trainer, packing)."""
+        self.comm, self.geometry, self.cost = comm, geometry, cost
+        self.source_names = list(source_names)
+        self.source_metrics, self.step_metrics = source_metrics, step_metrics
+        self.shard_names: list[list[str]] = [[] for _ in self.source_names]   # set by `listed`
+        self._id_prefixes: dict[tuple[int, int], str] = {}   # (source, shard) -> "name/shard/"
+        # Packed rows, tokens then positions, in one array per step.
+        step_size = geometry.micro_batches * geometry.capacity
+        self._row_memory = ArrayRecycler(2 * step_size, np.int64, batches_held)
+
+    def listed(self, shard_names: Sequence[Sequence[str]]) -> None:
+        self.shard_names = [list(names) for names in shard_names]
+
+    async def deliver(self, step: int, epoch: int, summaries: Summaries, plan: PlanMessage,
+                      buffers: Sequence[SourceBuffer], window_sizes: Sequence[int],
+                      collective: Callable[[Callable[[], T]], Awaitable[T]]) -> Batch:
+        c = summaries.candidates
+        me, M = self.comm.rank, self.geometry.micro_batches
+        holder = c.rank[plan.take]
+        lengths = plan.length
+        mine: dict[int, np.ndarray] = {}
+        for s, buffer in enumerate(buffers):
+            entries = np.flatnonzero((holder == me) & (c.source[plan.take] == s))
+            positions = c.position[plan.take[entries]]
+            order = np.argsort(positions, kind="stable")
+            short = lengths[entries] < c.length[plan.take[entries]]   # cut to fill a row
+            cut = dict(zip(positions[short].tolist(), lengths[entries][short].tolist()))
+            items = buffer.take(positions[order], window_sizes[s], cut)
+            mine.update(zip(entries[order].tolist(), (i.tokens for i in items)))
+        entries, tokens = await collective(
+            lambda: exchange_tokens(self.comm, holder, plan.rank, lengths, mine))
+        sources = c.source[plan.take[entries]]
+        memory = self._row_memory.take()
+        half = memory.shape[0] // 2
+        rows = pack_rows(tokens, plan.row[entries], M, self.geometry.capacity,
+                         out=(memory[:half], memory[half:]))
+        source_list, id_list = sources.tolist(), summaries.ids[plan.take[entries]].tolist()
+        micro_batches = []
+        for row in rows:
+            ids = [self._sample_id(source_list[k], *id_list[k]) for k in row.item_indices.tolist()]
+            seqlens = np.diff(row.cu_seqlens)
+            micro_batches.append(MicroBatch(
+                tokens=torch.from_numpy(row.tokens), cu_seqlens=torch.from_numpy(row.cu_seqlens),
+                position_ids=torch.from_numpy(row.position_ids), sample_ids=ids,
+                max_seqlen=int(seqlens.max()) if seqlens.size else 0))
+        rank_tokens, rank_cost, deferral = self._count(summaries, plan, sources, lengths[entries],
+                                                       holder)
+        return Batch(step, epoch, micro_batches, rank_tokens, rank_cost, max_deferral=deferral)
+
+    def _count(self, summaries: Summaries, plan: PlanMessage, sources: np.ndarray,
+               received: np.ndarray, holder: np.ndarray) -> tuple[np.ndarray, np.ndarray, int]:
+        """Delivery counters: this rank's per source, the job's per step."""
+        c, S = summaries.candidates, len(self.source_names)
+        R, M = self.geometry.ranks, self.geometry.micro_batches
+        samples = np.bincount(sources, minlength=S)
+        delivered = np.bincount(sources, weights=received, minlength=S)
+        for metrics, n, t in zip(self.source_metrics, samples.tolist(), delivered.tolist()):
+            metrics.delivered_samples += n
+            metrics.delivered_tokens += int(t)
+        lengths = plan.length
+        rank_tokens = np.bincount(plan.rank, weights=lengths, minlength=R)
+        rank_cost = self.cost.row_costs(lengths, plan.rank * M + plan.row, R * M,
+                                        extra_cost=c.extra_cost[plan.take]).reshape(R, M).sum(axis=1)
+        metrics = self.step_metrics
+        metrics.record(rank_tokens, rank_cost)
+        metrics.exchanged_tokens += int(lengths[holder != plan.rank].sum())
+        ages = c.age[plan.take]
+        deferral = int(ages.max()) if ages.size else 0
+        metrics.deferral_max = max(metrics.deferral_max, deferral)
+        metrics.deferral_sum += int(ages.sum())
+        metrics.delivered += int(ages.size)
+        return rank_tokens, rank_cost, deferral
+
+    def _sample_id(self, source: int, shard: int, record: int, chunk: int) -> str:
+        """"source/shard/record", ":k" for piece k of a split document, ":k+o" for what was
+        left of it after its first o tokens went to an earlier step (`pieces`)."""
+        prefix = self._id_prefixes.get((source, shard))
+        if prefix is None:
+            names = self.shard_names[source]
+            # A repeated or restarted pass reads the same shard again.
+            prefix = self._id_prefixes[(source, shard)] = \
+                f"{self.source_names[source]}/{names[shard % len(names)]}/"
+        return f"{prefix}{record}{pieces.suffix(chunk)}"
