@@ -123,3 +123,48 @@ def test_works_as_a_torch_distributed_checkpoint_stateful(tmp_path):
         dcp.load({"loader": loader}, checkpoint_id=str(tmp_path / "ckpt"), no_dist=True)
         tail = [flat(b) for b in loader]
     assert head + tail == full
+
+
+def test_state_dict_is_consistent_while_the_loop_runs_ahead(tmp_path):
+    """The loop runs steps ahead of the trainer (prefetch_steps), with an endless source whose
+    tracker grows and compacts every step. Every state_dict() taken meanwhile describes the job
+    as of the last batch returned, and is read where the trackers live: on the loop's thread."""
+    import threading
+    import time
+
+    write_jsonl_source(tmp_path, "tiny", shards=2, per_shard=3, median=40, seed=5)
+    write_jsonl_source(tmp_path, "long", shards=4, per_shard=150, median=200, seed=6)
+
+    def make(**kw):
+        return sl.Loader([sl.Source(str(tmp_path / "tiny"), weight=0.3, on_exhausted="restart"),
+                          sl.Source(str(tmp_path / "long"), weight=0.7)],
+                         micro_batch_tokens=1024, micro_batches=2, epochs=1, chunk_bytes=4096,
+                         prefetch_steps=6, **kw)
+
+    with make() as loader:
+        full = [flat(b) for b in loader]
+    stops, states, threads = (3, 11, 30), {}, set()
+    with make() as loader:
+        progress = loader._runtime.progress
+        real_state = progress.state
+
+        def recording_state(snapshot):
+            threads.add(threading.current_thread().name)
+            return real_state(snapshot)
+
+        progress.state = recording_state
+        head = []
+        for batch in loader:
+            head.append(flat(batch))
+            if len(head) in stops:
+                time.sleep(0.3)   # the loop fills its queue, steps ahead of this batch
+                states[len(head)] = [loader.state_dict() for _ in range(3)]
+            if len(head) == max(stops):
+                break
+    assert threads == {"streamload-loop"}, threads
+    for stop, taken in states.items():
+        assert taken[0] == taken[1] == taken[2]
+        with make() as loader:
+            loader.load_state_dict(taken[0])
+            tail = [flat(b) for b in loader]
+        assert head[:stop] + tail == full, stop
