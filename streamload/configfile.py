@@ -187,8 +187,6 @@ def _loader_options(errors: _Errors, doc: dict) -> tuple[dict, Optional[str]]:
         try:
             options["retry"] = RetryPolicy(**values)
         except ConfigError as exc:
-            if exc.key is None:
-                exc = _keyed_retry_error(exc, values)
             errors.relabel(exc, "retry")
         paths["retry"] = "retry"
 
@@ -197,17 +195,6 @@ def _loader_options(errors: _Errors, doc: dict) -> tuple[dict, Optional[str]]:
     except ConfigError as exc:
         errors.relabel(exc, "loader", paths)
     return {key: getattr(config, key) for key in options}, tokenizer
-
-
-def _keyed_retry_error(exc: ConfigError, values: dict) -> ConfigError:
-    """`exc` keyed by the RetryPolicy field at fault: the one that fails on its own.
-    (storage/retry.py raises its ConfigErrors without a `key` yet.)"""
-    for key, value in values.items():
-        try:
-            RetryPolicy(**{key: value})
-        except ConfigError:
-            return ConfigError(str(exc), key=key, problem=exc.problem)
-    return exc
 
 
 def _sources(errors: _Errors, raw: Any, base_dir: str) -> list[Source]:

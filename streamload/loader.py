@@ -157,13 +157,8 @@ class Loader:
                  mixture: Optional[Mixture] = None, sample_costs: Optional[dict] = None,
                  **options):
         self.sources = [s if isinstance(s, Source) else Source(s) for s in sources]
-        if not self.sources:
-            raise ConfigError("sources: at least one Source is required")
-        names = [s.name for s in self.sources]
-        duplicated = sorted({n for n in names if names.count(n) > 1})
-        if duplicated:
-            raise ConfigError(f"sources: names must be unique, {duplicated} repeat; "
-                              f"pass name=... to tell them apart")
+        if not self.sources:   # (unique names: `Mixture.check`, when the Runtime is built)
+            raise ConfigError.at("sources", "at least one Source is required")
         tokenizer = as_tokenizer(tokenizer)   # a callable, a Hugging Face tokenizer, ...
         self.config: LoaderConfig = make_config(
             micro_batch_tokens=micro_batch_tokens, micro_batches=micro_batches, seed=seed,

@@ -174,53 +174,14 @@ def test_demo_stops_after_steps_and_reports_rank_failures(tmp_path):
     assert "no-such-planner" in proc.stderr
 
 
-def _children(pid: int) -> list[int]:
-    """The processes whose parent is `pid` (Linux /proc)."""
-    found = []
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                stat = (entry / "stat").read_text()
-            except OSError:
-                continue
-            if int(stat.rsplit(")", 1)[1].split()[1]) == pid:
-                found.append(int(entry.name))
-    return found
-
-
-@pytest.mark.timeout(120)
-@pytest.mark.skipif(sys.platform != "linux", reason="finds the ranks in /proc")
-def test_demo_names_the_signal_that_killed_its_ranks(tmp_path):
-    """What a SIGBUS in both ranks looks like (a flake once, from outside the project: nothing
-    the demo maps can be truncated by it): the demo says which signal, and each rank leaves its
-    Python stacks on stderr (faulthandler), so the next one can be traced."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith("AWS_")}
-    env["PYTHONPATH"] = str(REPO) + os.pathsep + env.get("PYTHONPATH", "")
-    # Hundreds of steps of 1 row x 256 tokens: the run is far from its end at step 1.
-    proc = subprocess.Popen([sys.executable, "-m", "streamload.commands.cli", "demo", "--small",
-                             "--micro-batch-tokens", "256", "--micro-batches", "1",
-                             "--print-first", "1000"],
-                            cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True)
-    try:
-        for line in proc.stdout:               # rank 0 prints a row per step
-            if line.split("|")[0].strip() == "1":
-                break
-        else:
-            pytest.fail("the demo printed no step: " + proc.stderr.read()[-3000:])
-        ranks = [pid for pid in _children(proc.pid)
-                 if "spawn_main" in Path(f"/proc/{pid}/cmdline").read_text()]
-        assert len(ranks) == 2, ranks
-        for pid in ranks:
-            os.kill(pid, signal.SIGBUS)
-        out, err = proc.communicate(timeout=60)
-    finally:
-        proc.kill()
-        proc.wait()
-    assert proc.returncode == 1, out[-2000:] + err[-3000:]
-    assert "rank 0 (killed by SIGBUS (exit code -7))" in err, err[-3000:]
-    assert "rank 1 (killed by SIGBUS (exit code -7))" in err, err[-3000:]
-    assert err.count("Fatal Python error: Bus error") == 2, err[-3000:]
+def test_demo_names_the_signal_that_killed_a_rank():
+    """What a SIGBUS in both ranks looked like (a flake once, from outside the project: nothing
+    the demo maps can be truncated by it): the demo now says which signal ended a rank, and each
+    rank enables faulthandler, so the next one leaves its Python stacks on stderr."""
+    from streamload.commands.demo.run import _describe_exit
+    assert _describe_exit(-signal.SIGBUS) == "killed by SIGBUS (exit code -7)"
+    assert _describe_exit(-signal.SIGKILL) == "killed by SIGKILL (exit code -9)"
+    assert _describe_exit(1) == "exit code 1"
 
 
 @pytest.mark.timeout(60)

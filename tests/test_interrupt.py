@@ -1,5 +1,5 @@
-"""Ctrl-C reaches a trainer blocked in `next(loader)`, also when the hand-off queue's `get()` has
-no timeout.
+"""Ctrl-C reaches a trainer blocked in `next(loader)`, whose hand-off queue `get()` has no
+timeout (loader.py waits in one plain `SimpleQueue.get()`, not in slices).
 
 The premise checked: on Linux (CPython 3.7+) a plain `SimpleQueue.get()` is interruptible. The
 wait is a semaphore acquire; a signal delivered to the main thread makes it return EINTR, the
@@ -7,12 +7,9 @@ interpreter runs the Python-level handler (KeyboardInterrupt) and get() raises. 
 a process-directed signal to the main thread first when the main thread does not block it, and
 the loader's own threads block SIGINT (loader.py), so the main thread is the one that gets it.
 
-Each child builds a Loader whose tokenizer never returns, so no batch ever comes and `next()`
-waits for good; the test sends SIGINT and expects KeyboardInterrupt out of `next()` at once.
-`plain_get` replaces `_Background.get` in the child with a plain, untimed `queue.get()` (and the
-same slot release as the loader's), and checks in /proc that the main thread really sits in a
-futex wait with no timeout: that is the premise itself, whatever loader.py does. `loader` runs
-the loader as it is.
+The child builds a Loader whose tokenizer never returns, so no batch ever comes and `next()`
+waits for good. The test checks in /proc that the main thread really sits in a futex wait with
+no timeout (the premise), sends SIGINT and expects KeyboardInterrupt out of `next()` at once.
 """
 from __future__ import annotations
 
@@ -44,18 +41,6 @@ import signal, sys, threading
 signal.signal(signal.SIGINT, signal.default_int_handler)
 sys.path.insert(0, {repo!r})
 import streamload as sl
-import streamload.loader as loader_module
-
-if {plain_get!r}:
-    def get(self):
-        item = self.queue.get()          # no timeout, no slices: the premise under test
-        if not isinstance(item, loader_module._End) and not self.loop.is_closed():
-            try:
-                self.loop.call_soon_threadsafe(self.slots.release)
-            except RuntimeError:
-                pass
-        return item
-    loader_module._Background.get = get
 
 never = threading.Event()
 
@@ -93,11 +78,9 @@ def corpus(tmp_path):
     return tmp_path / "web"
 
 
-@pytest.mark.parametrize("plain_get", [True, False], ids=["plain_get", "loader"])
-def test_ctrl_c_reaches_a_trainer_blocked_in_next(corpus, tmp_path, plain_get):
+def test_ctrl_c_reaches_a_trainer_blocked_in_next(corpus, tmp_path):
     script = tmp_path / "child.py"
-    script.write_text(textwrap.dedent(CHILD).format(repo=str(REPO), plain_get=plain_get,
-                                                    corpus=str(corpus)))
+    script.write_text(textwrap.dedent(CHILD).format(repo=str(REPO), corpus=str(corpus)))
     proc = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True)
     try:
@@ -105,7 +88,7 @@ def test_ctrl_c_reaches_a_trainer_blocked_in_next(corpus, tmp_path, plain_get):
         time.sleep(SETTLE_S)
         assert proc.poll() is None, proc.stderr.read()
         syscall = main_thread_syscall(proc.pid)
-        if plain_get and FUTEX is not None and syscall and syscall[0] != "running":
+        if FUTEX is not None and syscall and syscall[0] != "running":
             # Blocked in futex(uaddr, op, val, timeout=NULL): an untimed semaphore wait.
             assert int(syscall[0]) == FUTEX and int(syscall[4], 16) == 0, syscall
         sent = time.monotonic()

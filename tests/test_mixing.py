@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import msgspec
 import numpy as np
+
+import streamload as sl
 import pytest
 
 from streamload.config import Source
@@ -311,8 +313,9 @@ def test_outcome_per_policy():
     m3 = make(Mixture(), names, [1, 1, 1], on_exhausted=["restart"] * 3)
     assert m3.outcome(has, none) == "continue"
     assert m3.outcome(none, np.array([True, True, True])) == "end_epoch"
-    with pytest.raises(ConfigError, match="on_exhausted"):
-        make(Mixture(), names, [1, 1, 1], on_exhausted=["renormalize", "later", "stop"])
+    with pytest.raises(ConfigError, match="on_exhausted") as info:   # validated once, by Source
+        sl.Source("/data/web", on_exhausted="later")
+    assert info.value.key == "on_exhausted"
 
 
 def test_zero_weight_sources_still_drain_when_nothing_else_is_left():

@@ -133,7 +133,7 @@ def test_state_dict_is_consistent_while_the_loop_runs_ahead(tmp_path):
     import time
 
     write_jsonl_source(tmp_path, "tiny", shards=2, per_shard=3, median=40, seed=5)
-    write_jsonl_source(tmp_path, "long", shards=4, per_shard=150, median=200, seed=6)
+    write_jsonl_source(tmp_path, "long", shards=4, per_shard=80, median=200, seed=6)
 
     def make(**kw):
         return sl.Loader([sl.Source(str(tmp_path / "tiny"), weight=0.3, on_exhausted="restart"),
@@ -143,7 +143,7 @@ def test_state_dict_is_consistent_while_the_loop_runs_ahead(tmp_path):
 
     with make() as loader:
         full = [flat(b) for b in loader]
-    stops, states, threads = (3, 11, 30), {}, set()
+    stops, states, threads = (3, 11, 20), {}, set()
     with make() as loader:
         progress = loader._runtime.progress
         real_state = progress.state
@@ -157,7 +157,7 @@ def test_state_dict_is_consistent_while_the_loop_runs_ahead(tmp_path):
         for batch in loader:
             head.append(flat(batch))
             if len(head) in stops:
-                time.sleep(0.3)   # the loop fills its queue, steps ahead of this batch
+                time.sleep(0.2)   # the loop fills its queue, steps ahead of this batch
                 states[len(head)] = [loader.state_dict() for _ in range(3)]
             if len(head) == max(stops):
                 break

@@ -18,7 +18,7 @@ from streamload.pipeline.workers import DaemonExecutor, run_detached
 
 pytestmark = pytest.mark.timeout(60)
 
-BLOCK_S = 0.4      # how long a job blocks before it is let go
+BLOCK_S = 0.2      # how long a job blocks before it is let go
 MAX_WAKEUPS = 8    # a 5 ms poll over BLOCK_S would be ~80
 
 

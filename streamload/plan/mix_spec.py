@@ -202,7 +202,8 @@ class Mixture(msgspec.Struct, kw_only=True):
         listing = ", ".join(names)
         if len(known) != len(names):
             dup = sorted({n for n in names if names.count(n) > 1})
-            fail("sources", f"source names must be unique; repeated: {', '.join(dup)}", where=where)
+            fail("sources", f"names must be unique, {dup} repeat; pass name=... to tell them "
+                 f"apart")
         tables = [("weights", self.weights)] if self.weights is not None else []
         tables += [(f"schedule[{i}].weights", p.weights) for i, p in enumerate(self.schedule)]
         for key, weights in tables:

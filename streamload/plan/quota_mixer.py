@@ -59,7 +59,6 @@ from .mix_spec import Mixture, Schedule
 from .length_buckets import Buckets, bucket_targets, token_targets, water_fill
 from .types import Candidates
 
-ON_EXHAUSTED = ("renormalize", "stop", "restart")
 CARRY_CLIP_STEPS = 1.0   # carries are clipped to this many steps' worth of units
 
 
@@ -131,11 +130,7 @@ class QuotaMixer:
         self.names = list(names)
         mixture.check(self.names, weights, capacity=capacity)
         S = len(self.names)
-        self.on_exhausted = list(on_exhausted or ["renormalize"] * S)
-        for name, policy in zip(self.names, self.on_exhausted):
-            if policy not in ON_EXHAUSTED:
-                raise ConfigError(f"source {name!r}: on_exhausted must be one of "
-                                  f"{', '.join(ON_EXHAUSTED)}, got {policy!r}")
+        self.on_exhausted = list(on_exhausted or ["renormalize"] * S)   # validated by Source
         self.by_tokens = mixture.by == "tokens"
         self.schedule = Schedule(*mixture.weight_table(self.names, weights), mixture.interpolate)
         self.base_weights = mixture.base_weights(self.names, weights)

@@ -29,12 +29,14 @@ class RetryPolicy(msgspec.Struct, frozen=True, kw_only=True):
 
     def __post_init__(self) -> None:
         if self.max_attempts < 1:
-            raise ConfigError(f"retry.max_attempts must be >= 1, got {self.max_attempts}")
+            raise ConfigError.at("max_attempts", f"must be >= 1, got {self.max_attempts}",
+                                 where="retry.")
         for name in ("initial_backoff_s", "max_backoff_s", "request_timeout_s"):
             if not getattr(self, name) >= 0:
-                raise ConfigError(f"retry.{name} must be >= 0, got {getattr(self, name)}")
+                raise ConfigError.at(name, f"must be >= 0, got {getattr(self, name)}",
+                                     where="retry.")
         if self.request_timeout_s == 0:
-            raise ConfigError("retry.request_timeout_s must be > 0")
+            raise ConfigError.at("request_timeout_s", "must be > 0", where="retry.")
 
     def backoff_s(self, retry_index: int) -> float:
         """Delay before retry number `retry_index` (0-based): exponential, capped, jittered."""
