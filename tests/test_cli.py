@@ -162,7 +162,7 @@ def test_demo_small_delivers_everything_exactly_once(tmp_path):
 
 
 @pytest.mark.timeout(120)
-def test_demo_stops_after_steps_and_reports_rank_failures(tmp_path):
+def test_demo_stops_after_steps_and_refuses_a_bad_option_before_starting_ranks(tmp_path):
     proc, summary = _run_demo(tmp_path, "--small", "--steps", "3", "--micro-batch-tokens", "1024")
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert summary["steps"] == 3 and summary["epoch_complete"] is False
@@ -170,8 +170,9 @@ def test_demo_stops_after_steps_and_reports_rank_failures(tmp_path):
     assert summary["samples"] < summary["expected_samples"]
 
     proc, summary = _run_demo(tmp_path, "--small", "--planner", "no-such-planner")
-    assert proc.returncode != 0 and not summary
-    assert "no-such-planner" in proc.stderr
+    assert proc.returncode == 2 and not summary   # the loader's own validation, up front
+    assert "planner: must be one of 'naive', 'balanced', 'lookahead', got 'no-such-planner'" \
+        in proc.stderr, proc.stderr
 
 
 def test_demo_names_the_signal_that_killed_a_rank():

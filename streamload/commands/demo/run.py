@@ -27,6 +27,8 @@ from collections import Counter
 
 import numpy as np
 
+from ...config import make_config
+from ...errors import ConfigError
 from . import corpus as corpus_module
 from .report import (MAX_EMPTY_STEPS, fmt_count, print_corpus, print_header,
                      print_step, print_summary, should_print, summarize)
@@ -272,6 +274,11 @@ def run(args: argparse.Namespace) -> int:
         if value < 1:
             print(f"streamload demo: {key} must be >= 1", file=sys.stderr)
             return 2
+    try:   # the loader's own validation, before a corpus is made and ranks are started
+        make_config(micro_batch_tokens=C, micro_batches=M, planner=args.planner)
+    except ConfigError as exc:
+        print(f"streamload demo: {exc}", file=sys.stderr)
+        return 2
     workdir = os.path.abspath(args.workdir) if args.workdir else \
         tempfile.mkdtemp(prefix="streamload-demo-")
     try:
