@@ -1,5 +1,6 @@
 """streamload: stream many sources, balance compute cost across data-parallel ranks."""
 from .batch import Batch, MicroBatch
+from .collective.topology import Parallel
 from .config import LoaderConfig, Source
 from .errors import ConfigError, DataError, DistributedError, StorageError, StreamloadError
 from .loader import Loader
@@ -13,5 +14,5 @@ from .tokenizer import HFTokenizer
 __all__ = ["Loader", "Source", "Batch", "MicroBatch", "CostModel", "LoaderConfig", "RetryPolicy",
            "HFTokenizer", "Mixture", "MixPoint", "LengthQuota", "MixtureState", "LoaderSpec",
            "load_config", "StreamloadError", "ConfigError", "StorageError", "DataError",
-           "DistributedError"]
+           "DistributedError", "Parallel"]
 __version__ = "0.1.0"

@@ -1,24 +1,69 @@
-"""What the trainer receives: one Batch per step, holding exactly M MicroBatches."""
+"""What the trainer receives: one Batch per step, holding exactly M MicroBatches.
+
+Every MicroBatch is one packed row, ready for a causal LM loss: `labels` (the next token within
+the row's segment, -100 at each segment's last token and on padding) and `loss_mask` (1.0 where
+a label counts). With `pad_to="capacity"` every row holds exactly C = micro_batch_tokens
+tokens; the padding is the row's last segment of `cu_seqlens` (see `plan/packing.py`).
+
+`Batch.to_megatron()` and `Batch.to_torchtitan()` hand the rows over in those trainers' forms.
+"""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Optional
 
 import numpy as np
 import torch
 
+from .plan.packing import IGNORE_INDEX   # labels with no target: segment ends, padding
+
+__all__ = ["Batch", "MicroBatch", "IGNORE_INDEX"]
+
 
 @dataclass
 class MicroBatch:
-    tokens: torch.Tensor          # int64 [n], n <= micro_batch_tokens
-    cu_seqlens: torch.Tensor      # int32 [docs + 1], document boundaries (for varlen attention)
-    position_ids: torch.Tensor    # int64 [n], restarting at 0 in every document
+    tokens: torch.Tensor          # int64 [n]; n <= micro_batch_tokens, n == C with pad_to
+    cu_seqlens: torch.Tensor      # int32 [segments + 1]: the documents (for varlen attention),
+                                  # then, in a padded row, the padding as one last segment
+    position_ids: torch.Tensor    # int64 [n], restarting at 0 in every segment
+    labels: torch.Tensor          # int64 [n], the next token in the segment; -100 at each
+                                  # segment's last token (a split document's pieces included)
+    loss_mask: torch.Tensor       # float32 [n], 1.0 where labels != -100, else 0.0
     sample_ids: list[str]         # "source/shard/record", ":k" for the k-th piece of a split doc,
-                                  # ":k+o" for its rest from token o after a cut (`pieces`)
-    max_seqlen: int               # longest document in the row
+                                  # ":k+o" for its rest from token o after a cut (`pieces`);
+                                  # one per document, in order (the padding has none)
+    max_seqlen: int               # longest segment of cu_seqlens (a padded row's padding too,
+                                  # so it bounds every segment a varlen kernel is given)
+    padding: int = 0              # pad tokens at the end of the row (pad_to="capacity")
 
     @property
     def num_tokens(self) -> int:
-        return int(self.tokens.shape[0])
+        """The documents' tokens in this row (the padding not counted); 0 on a pipeline stage
+        that receives no tokens."""
+        return 0 if self.tokens is None else int(self.tokens.shape[0]) - self.padding
+
+    def to_megatron(self) -> dict:
+        """The dict Megatron-LM's `get_batch` reads from its data iterator, for one micro-batch
+        of micro-batch size 1: tokens, labels, loss_mask, position_ids as [1, n] tensors,
+        cu_seqlens int32 [1, segments + 1] and max_seqlen int32 [1] (the packed THD path). No
+        attention_mask: documents are separated by cu_seqlens. Tensors share the batch's memory
+        (`.cuda()` copies them)."""
+        return {"tokens": _row(self.tokens), "labels": _row(self.labels),
+                "loss_mask": _row(self.loss_mask), "position_ids": _row(self.position_ids),
+                "cu_seqlens": _row(self.cu_seqlens),
+                "max_seqlen": torch.tensor([self.max_seqlen], dtype=torch.int32)}
+
+    def to_torchtitan(self) -> tuple[dict, Optional[torch.Tensor]]:
+        """torchtitan's (input_dict, labels) for one micro-batch of batch size 1:
+        ({"input": tokens [1, n], "positions": position_ids [1, n]}, labels [1, n]); labels use
+        -100, the ignore index of torchtitan's cross-entropy."""
+        return {"input": _row(self.tokens), "positions": _row(self.position_ids)}, \
+            _row(self.labels)
+
+
+def _row(tensor: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+    """[n] -> [1, n], a view; None (a field this rank's stage does not receive) stays None."""
+    return None if tensor is None else tensor.unsqueeze(0)
 
 
 @dataclass
@@ -39,3 +84,14 @@ class Batch:
         """Predicted max rank cost / mean rank cost (1.0 is perfect)."""
         mean = float(self.rank_cost.mean())
         return float(self.rank_cost.max() / mean) if mean > 0 else 1.0
+
+    def to_megatron(self) -> list[dict]:
+        """One dict per micro-batch, in order (`MicroBatch.to_megatron`). Megatron's external
+        data iterator yields one micro-batch per `next()` (micro-batch size 1, M micro-batches
+        per step on each data-parallel rank), so feed it the micro-batches of consecutive
+        steps: `iter(d for batch in loader for d in batch.to_megatron())`."""
+        return [mb.to_megatron() for mb in self.micro_batches]
+
+    def to_torchtitan(self) -> list[tuple[dict, Optional[torch.Tensor]]]:
+        """One (input_dict, labels) per micro-batch, in order (`MicroBatch.to_torchtitan`)."""
+        return [mb.to_torchtitan() for mb in self.micro_batches]

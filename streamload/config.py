@@ -143,6 +143,8 @@ class LoaderConfig(msgspec.Struct, kw_only=True):
     cost_a: float = 1.0 / 4096              # cost model: a*L^2 + b*L per document
     cost_b: float = 1.0
     document_masking: bool = True
+    pad_to: Optional[Literal["capacity"]] = None   # "capacity": every row exactly C tokens
+    pad_token_id: int = 0                   # the padding's token id (with pad_to)
 
     def __post_init__(self):
         """The one validation of the loader's options, whether the config comes from keyword
@@ -176,6 +178,8 @@ class LoaderConfig(msgspec.Struct, kw_only=True):
             fail("step_overhead", f"must be a number >= 0, got {self.step_overhead!r}")
         if not self.collective_timeout_s > 0:
             fail("collective_timeout_s", f"must be > 0, got {self.collective_timeout_s!r}")
+        if not 0 <= self.pad_token_id < 2**31:
+            fail("pad_token_id", f"must be a token id in 0..2**31-1, got {self.pad_token_id!r}")
         for key in ("cost_a", "cost_b"):
             if not (math.isfinite(getattr(self, key)) and getattr(self, key) >= 0):
                 fail(key, f"must be a finite number >= 0, got {getattr(self, key)!r}")

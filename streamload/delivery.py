@@ -1,12 +1,13 @@
 """Delivery: from a step's assignment to this rank's Batch.
 
 Pop the planned items from this rank's buffers, exchange them so each goes to the rank the plan
-names (all-to-all), pack them into M rows of at most C tokens, and count what was delivered.
+names (all-to-all), pack them into M rows of at most C tokens (exactly C, padded, with
+`pad_to="capacity"`), with their labels and loss masks, and count what was delivered.
 Loop-owned, like the buffers it takes from.
 """
 from __future__ import annotations
 
-from typing import Awaitable, Callable, Sequence, TypeVar
+from typing import Awaitable, Callable, Optional, Sequence, TypeVar
 
 import numpy as np
 import torch
@@ -20,7 +21,7 @@ from .metrics import SourceMetrics, StepMetrics
 from .pipeline.buffer import SourceBuffer
 from .pipeline.recycle import ArrayRecycler
 from .plan.cost import CostModel
-from .plan.packing import pack_rows
+from .plan.packing import pack_rows, row_memory_words, split_row_memory
 from .plan.types import Geometry
 
 T = TypeVar("T")
@@ -29,16 +30,20 @@ T = TypeVar("T")
 class Delivery:
     def __init__(self, comm: Comm, geometry: Geometry, cost: CostModel, source_names: Sequence[str],
                  source_metrics: Sequence[SourceMetrics], step_metrics: StepMetrics,
-                 batches_held: int):
-        """`batches_held`: packed steps alive at once (queued, held by the trainer, packing)."""
+                 batches_held: int, *, pad_to: Optional[str] = None, pad_token_id: int = 0):
+        """`batches_held`: packed steps alive at once (queued, held by the trainer, packing).
+        `pad_to="capacity"`: every row padded to C tokens with `pad_token_id`."""
         self.comm, self.geometry, self.cost = comm, geometry, cost
         self.source_names = list(source_names)
         self.source_metrics, self.step_metrics = source_metrics, step_metrics
         self.shard_names: list[list[str]] = [[] for _ in self.source_names]   # set by `listed`
         self._id_prefixes: dict[tuple[int, int], str] = {}   # (source, shard) -> "name/shard/"
-        # Packed rows, tokens then positions, in one array per step.
-        step_size = geometry.micro_batches * geometry.capacity
-        self._row_memory = ArrayRecycler(2 * step_size, np.int64, batches_held)
+        self._pad = pad_to == "capacity"
+        self._pad_token_id = pad_token_id
+        # Packed rows, tokens, positions, labels and loss mask, in one array per step.
+        self._step_size = geometry.micro_batches * geometry.capacity
+        self._row_memory = ArrayRecycler(row_memory_words(self._step_size), np.int64,
+                                         batches_held)
 
     def listed(self, shard_names: Sequence[Sequence[str]]) -> None:
         self.shard_names = [list(names) for names in shard_names]
@@ -62,19 +67,18 @@ class Delivery:
         entries, tokens = await collective(
             lambda: exchange_tokens(self.comm, holder, plan.rank, lengths, mine))
         sources = c.source[plan.take[entries]]
-        memory = self._row_memory.take()
-        half = memory.shape[0] // 2
         rows = pack_rows(tokens, plan.row[entries], M, self.geometry.capacity,
-                         out=(memory[:half], memory[half:]))
+                         out=split_row_memory(self._row_memory.take(), self._step_size),
+                         pad_to_capacity=self._pad, pad_token_id=self._pad_token_id)
         source_list, id_list = sources.tolist(), summaries.ids[plan.take[entries]].tolist()
         micro_batches = []
         for row in rows:
             ids = [self._sample_id(source_list[k], *id_list[k]) for k in row.item_indices.tolist()]
-            seqlens = np.diff(row.cu_seqlens)
             micro_batches.append(MicroBatch(
                 tokens=torch.from_numpy(row.tokens), cu_seqlens=torch.from_numpy(row.cu_seqlens),
-                position_ids=torch.from_numpy(row.position_ids), sample_ids=ids,
-                max_seqlen=int(seqlens.max()) if seqlens.size else 0))
+                position_ids=torch.from_numpy(row.position_ids),
+                labels=torch.from_numpy(row.labels), loss_mask=torch.from_numpy(row.loss_mask),
+                sample_ids=ids, max_seqlen=row.max_seqlen, padding=row.padding))
         rank_tokens, rank_cost, deferral = self._count(summaries, plan, sources, lengths[entries],
                                                        holder)
         return Batch(step, epoch, micro_batches, rank_tokens, rank_cost, max_deferral=deferral)

@@ -27,8 +27,10 @@ from .batch import Batch
 from .configfile import load_config
 from .plan.mix_spec import Mixture
 from .config import LoaderConfig, Source, make_config
-from .collective.comm import Comm, connect
+from .collective.comm import Comm, connect, connect_broadcast
+from .collective.topology import Parallel, Topology, topology_for
 from .errors import ConfigError
+from .peers import Follower
 from .progress import StepSnapshot
 from .runtime import Runtime
 from .state import decode_state, encode_state
@@ -149,13 +151,21 @@ class Loader:
 
     >>> with Loader([Source("s3://bucket/web/", weight=0.7)], micro_batch_tokens=4096) as loader:
     ...     for batch in loader: ...
+
+    In a job with tensor, context or pipeline parallelism, pass `parallel=Parallel(tp=.., cp=..,
+    pp=..)` (the default group laid out as Megatron does) or `mesh=device_mesh` (dimension names
+    from "pp", "dp", "dp_replicate", "dp_shard", "cp", "tp"). Only DP ranks get distinct data;
+    `rank` and `world_size` are then the DP rank and degree, and each rank receives its view of
+    its DP rank's step (`stage_view`). With context parallelism a row holds cp x
+    micro_batch_tokens tokens, shared by the CP group: each CP rank receives its part, of at
+    most micro_batch_tokens tokens plus padding.
     """
 
     def __init__(self, sources: Iterable[Source], micro_batch_tokens: int = 4096,
                  micro_batches: int = 2, tokenizer: Any = None, seed: int = 0,
                  epochs: Optional[int] = None, *, storage_options: Optional[dict] = None,
                  mixture: Optional[Mixture] = None, sample_costs: Optional[dict] = None,
-                 **options):
+                 parallel: Optional[Parallel] = None, mesh: Any = None, **options):
         self.sources = [s if isinstance(s, Source) else Source(s) for s in sources]
         if not self.sources:   # (unique names: `Mixture.check`, when the Runtime is built)
             raise ConfigError.at("sources", "at least one Source is required")
@@ -163,13 +173,26 @@ class Loader:
         self.config: LoaderConfig = make_config(
             micro_batch_tokens=micro_batch_tokens, micro_batches=micro_batches, seed=seed,
             epochs=epochs, **options)
-        self.comm: Comm = connect(self.config.collective_timeout_s)
+        self.topology: Optional[Topology] = topology_for(parallel, mesh)
+        timeout, peers = self.config.collective_timeout_s, None
+        if self.topology is not None and self.topology.broadcast:
+            comm, peers = connect_broadcast(timeout, self.topology)
+        else:
+            comm = connect(timeout, self.topology)
+        self.comm: Optional[Comm] = comm   # None: this rank builds no batch (a `Follower`)
+        row_config = self.config
+        if self.topology is not None and self.topology.cp > 1:   # the CP group shares a row
+            row_config = msgspec.structs.replace(
+                self.config, micro_batch_tokens=self.topology.cp * self.config.micro_batch_tokens)
         if mixture is not None and not isinstance(mixture, Mixture):
             mixture = msgspec.convert(mixture, Mixture) if isinstance(mixture, dict) else mixture
         # sample_costs: {source name: fn(lengths) -> extra cost per sample}, e.g. a vision
         # encoder's cost per image, in the units of cost_a / cost_b.
-        self._runtime = Runtime(self.sources, self.config, tokenizer, self.comm, storage_options,
-                                mixture, sample_costs)
+        if comm is None:
+            self._runtime = Follower(peers, self.topology, self.config.pad_token_id)
+        else:
+            self._runtime = Runtime(self.sources, row_config, tokenizer, comm, storage_options,
+                                    mixture, sample_costs, self.topology, peers)
         self._background: Optional[_Background] = None
         self._finished = False
         self._finalizer = None
@@ -187,11 +210,13 @@ class Loader:
 
     @property
     def rank(self) -> int:
-        return self.comm.rank
+        """This rank's DP rank (its rank, without a parallel topology)."""
+        return self.topology.dp_rank if self.topology is not None else self.comm.rank
 
     @property
     def world_size(self) -> int:
-        return self.comm.world
+        """The DP degree (the world size, without a parallel topology)."""
+        return self.topology.dp if self.topology is not None else self.comm.world
 
     def __iter__(self) -> Iterator[Batch]:
         if self._background is None and not self._finished:

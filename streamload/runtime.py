@@ -23,10 +23,11 @@ from typing import Optional, Protocol
 import numpy as np
 
 from .batch import Batch
-from .collective.comm import Comm
+from .collective.comm import Comm, GlooComm
 from .collective.messages import (OUTCOMES, SourceWindow, decode_plan, decode_summaries,
                                   encode_plan, encode_summary, plan_size)
 from .collective.protocol import Agreement, StopStepping
+from .collective.topology import Topology
 from .config import LoaderConfig, Source
 from .delivery import Delivery
 from .errors import ConfigError, DistributedError
@@ -39,8 +40,10 @@ from .pipeline.workers import DaemonExecutor, run_detached
 from .plan.cost import CostModel
 from .plan.mix_spec import Mixture
 from .plan.stepper import Stepper
+from .peers import encode_end, encode_step
 from .progress import JobProgress, StepSnapshot, listing_crc
-from .state import LoaderState
+from .stage_view import needs_view, stage_view
+from .state import LoaderState, encode_state
 from .storage import ObjectStore, open_store, source_store_options
 from .tokenizer import TextTokenizer
 
@@ -58,8 +61,13 @@ class Handoff(Protocol):
 class Runtime:
     def __init__(self, sources: list[Source], config: LoaderConfig, tokenizer: Optional[TextTokenizer],
                  comm: Comm, storage_options: Optional[dict] = None,
-                 mixture: Optional[Mixture] = None, sample_costs: Optional[dict] = None):
+                 mixture: Optional[Mixture] = None, sample_costs: Optional[dict] = None,
+                 topology: Optional[Topology] = None, peers: Optional[GlooComm] = None):
+        """`comm`: the loader's group over the DP ranks; `topology`: where this rank sits in a
+        TP/CP/PP job (None: every rank is a DP rank), for `stage_view`; `peers`: with
+        broadcast delivery, the group of this DP rank's ranks, which this one feeds (`peers`)."""
         self.sources, self.config, self.tokenizer, self.comm = sources, config, tokenizer, comm
+        self.topology, self.peers = topology, peers
         self.sample_costs = dict(sample_costs or {})   # source name -> SampleCostHook
         unknown = sorted(set(self.sample_costs) - {s.name for s in sources})
         if unknown:
@@ -74,7 +82,8 @@ class Runtime:
         self.step_metrics = StepMetrics(step_tokens=self.stepper.geometry.step_tokens)
         self.delivery = Delivery(comm, self.stepper.geometry, self.stepper.cost,
                                  [s.name for s in sources], self.source_metrics, self.step_metrics,
-                                 batches_held)
+                                 batches_held, pad_to=config.pad_to,
+                                 pad_token_id=config.pad_token_id)
         # Each source's concurrency knobs, capped by what its start-up memory allows.
         self.budgets = self.stepper.memory.initial(self.stepper.mixer.max_shares())
         self.knobs = [Knobs(min(config.shard_prefetch, max_shards), min(config.range_readahead, max_ranges),
@@ -118,6 +127,7 @@ class Runtime:
         processes = self._tokenizer_processes()
         supervisor = Supervisor(on_failure=lambda exc: [b.fail(exc) for b in self.buffers])
         self.stores = self._open_stores()
+        failure: Optional[BaseException] = None
         try:
             await self._list_shards()
             if self.progress.resume is not None:
@@ -143,7 +153,13 @@ class Runtime:
             await self._step_loop()
         except StopStepping:
             pass
+        except BaseException as exc:
+            failure = exc
+            raise
         finally:
+            if self.peers is not None:   # the ranks this one feeds: the run ended, or failed
+                await self.agreement.run_threaded(functools.partial(
+                    self.peers.broadcast_bytes, encode_end(failure), self.peers.leader))
             await supervisor.cancel_all()
             executor.shutdown()
             if getattr(self.tokenizer, "native_calls", False):   # see pipeline/workers.py
@@ -264,7 +280,14 @@ class Runtime:
             self._autoscale(step.index)
             batch = await self.delivery.deliver(step.index, stepper.epoch, summaries, plan,
                                                 self.buffers, window_sizes, agreement.run)
-            self._handoff.put(batch, self.progress.snapshot(stepper))
+            snapshot = self.progress.snapshot(stepper)
+            if self.peers is not None:   # broadcast delivery: the whole step to this DP rank's ranks
+                message = encode_step(batch, encode_state(self.progress.state(snapshot)))
+                await agreement.run_threaded(functools.partial(self.peers.broadcast_bytes,
+                                                               message, self.peers.leader))
+            if needs_view(self.topology):   # this rank's CP part, its pipeline stage's fields
+                batch = stage_view(batch, self.topology, self.config.pad_token_id)
+            self._handoff.put(batch, snapshot)
             self._slot_held = False
 
     def _resize(self) -> None:

@@ -24,3 +24,31 @@ def test_train_loop_runs_and_resumes_from_its_checkpoint(tmp_path, monkeypatch, 
         out = capsys.readouterr().out
         assert f"rank 0: 3 steps, up to step {last_step}," in out, out
     assert (tmp_path / "state.json").read_text().startswith('{"streamload"')
+
+
+@pytest.mark.timeout(60)
+def test_megatron_external_feeds_one_micro_batch_dict_per_next(monkeypatch, capsys):
+    script = str(REPO / "examples" / "megatron_external.py")
+    monkeypatch.setattr(sys, "argv", [script, "--steps", "2"])   # its own tiny corpus
+    runpy.run_path(script, run_name="__main__")
+    out = capsys.readouterr().out
+    assert out.count("2 micro-batches of [1, 512]") == 2, out
+    assert "step 1:" in out
+
+
+@pytest.mark.timeout(180)
+def test_torchtitan_style_runs_on_a_device_mesh(tmp_path):
+    """4 spawned gloo ranks, a ("dp", "tp") DeviceMesh: TP peers report the same samples."""
+    import subprocess
+    write_jsonl_source(tmp_path, "web", shards=2, per_shard=40, seed=1)
+    proc = subprocess.run([sys.executable, str(REPO / "examples" / "torchtitan_style.py"),
+                           str(tmp_path / "web"), "--steps", "2"],
+                          capture_output=True, text=True, timeout=170)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    lines = sorted(line for line in proc.stdout.splitlines() if line.startswith("rank "))
+    assert len(lines) == 4, proc.stdout
+    by_dp = {}
+    for line in lines:   # "rank r (dp d of 2, tp t): 2 steps, loss x, first ids [...]"
+        dp = line.split("(dp ")[1].split(" ")[0]
+        by_dp.setdefault(dp, set()).add(line.split("first ids ")[1])
+    assert sorted(by_dp) == ["0", "1"] and all(len(ids) == 1 for ids in by_dp.values()), lines

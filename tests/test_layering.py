@@ -4,7 +4,7 @@ Layers, bottom up; a module imports from its own layer or below, never above:
   0  errors, pieces, plan/ (pure NumPy), storage/
   1  tokenizer, formats/, config, configfile, state, batch, metrics
   2  collective/, pipeline/
-  3  progress, delivery, runtime
+  3  progress, delivery, stage_view, peers, runtime
   4  loader, the package's __init__
   5  commands/: nothing in the library imports them
 plan/ imports nothing outside plan/, errors and pieces (imports under TYPE_CHECKING are for
@@ -21,7 +21,7 @@ PACKAGE = Path(streamload.__file__).parent
 LAYERS = [("errors", "pieces", "plan", "storage"),
           ("tokenizer", "formats", "config", "configfile", "state", "batch", "metrics"),
           ("collective", "pipeline"),
-          ("progress", "delivery", "runtime"),
+          ("progress", "delivery", "stage_view", "peers", "runtime"),
           ("loader", "__init__"),
           ("commands",)]
 

@@ -8,40 +8,74 @@ from streamload import pieces
 
 from streamload.formats.base import RawRecord
 from streamload.pipeline.transform import records_to_items, utf8_bytes
-from streamload.plan.packing import pack_rows
+from streamload.plan.packing import IGNORE_INDEX, pack_rows, row_memory_words, split_row_memory
 
 
-def reference_pack(token_arrays, rows, num_rows):
-    """Row by row, item by item: what pack_rows must produce."""
+def reference_pack(token_arrays, rows, num_rows, capacity=None, pad_id=0):
+    """Row by row, item by item: what pack_rows must produce (padded to `capacity` if given)."""
     out = []
     for row in range(num_rows):
         members = [i for i, r in enumerate(rows) if r == row]
-        tokens = [int(t) for i in members for t in token_arrays[i]]
-        positions = [p for i in members for p in range(len(token_arrays[i]))]
-        cu = np.cumsum([0] + [len(token_arrays[i]) for i in members])
-        out.append((tokens, positions, cu.tolist(), members))
+        segments = [[int(t) for t in token_arrays[i]] for i in members]
+        segments = [s for s in segments if s]          # an empty item is no segment
+        pad = capacity - sum(map(len, segments)) if capacity is not None else 0
+        tokens = [t for s in segments for t in s] + [pad_id] * pad
+        positions = [p for s in segments for p in range(len(s))] + list(range(pad))
+        labels = [t for s in segments for t in s[1:] + [-100]] + [-100] * pad
+        cu = np.cumsum([0] + [len(token_arrays[i]) for i in members] + ([pad] if pad else []))
+        longest = max([len(s) for s in segments] + [pad, 0])
+        out.append((tokens, positions, labels, cu.tolist(), members, longest, pad))
     return out
 
 
+@pytest.mark.parametrize("pad", [False, True])
 @pytest.mark.parametrize("reuse", [False, True])
 @pytest.mark.parametrize("seed", range(5))
-def test_pack_rows_matches_the_reference_for_mixed_dtypes(seed, reuse):
+def test_pack_rows_matches_the_reference_for_mixed_dtypes(seed, reuse, pad):
     rng = np.random.default_rng(seed)
-    num_rows, n_items = 4, int(rng.integers(0, 30))
+    num_rows, n_items, capacity = 4, int(rng.integers(0, 30)), 400
     dtypes = [np.uint8, np.int32, np.int64]
     arrays = [rng.integers(0, 200, size=int(rng.integers(0, 40))).astype(dtypes[k % 3])
               for k in range(n_items)]
     rows = rng.integers(0, num_rows - 1, size=n_items)   # the last row stays empty
+    if pad and n_items:   # one row exactly full: no padding segment
+        arrays.append(np.arange(capacity - sum(len(a) for a, r in zip(arrays, rows) if r == 0)))
+        rows = np.append(rows, 0)
     # Reused memory holds whatever the last step left there: none of it may show.
-    out = (np.full(num_rows * 10_000, -7, np.int64), np.full(num_rows * 10_000, -7, np.int64)) \
-        if reuse else None
-    packed = pack_rows(arrays, rows, num_rows, capacity=10_000, out=out)
+    out = None
+    if reuse:
+        memory = np.full(row_memory_words(num_rows * capacity), -7, np.int64)
+        out = split_row_memory(memory, num_rows * capacity)
+    packed = pack_rows(arrays, rows, num_rows, capacity=capacity, out=out,
+                       pad_to_capacity=pad, pad_token_id=3)
     assert len(packed) == num_rows
-    for row, (tokens, positions, cu, members) in zip(packed, reference_pack(arrays, rows, num_rows)):
+    expected = reference_pack(arrays, rows, num_rows, capacity if pad else None, pad_id=3)
+    for row, (tokens, positions, labels, cu, members, longest, padding) in zip(packed, expected):
         assert row.tokens.dtype == np.int64 and row.tokens.tolist() == tokens
         assert row.position_ids.dtype == np.int64 and row.position_ids.tolist() == positions
+        assert row.labels.dtype == np.int64 and row.labels.tolist() == labels
+        assert row.loss_mask.dtype == np.float32
+        assert row.loss_mask.tolist() == [float(label != IGNORE_INDEX) for label in labels]
         assert row.cu_seqlens.dtype == np.int32 and row.cu_seqlens.tolist() == cu
         assert row.item_indices.tolist() == members
+        assert row.max_seqlen == longest and row.padding == padding
+        if pad:
+            assert row.tokens.shape[0] == capacity and cu[-1] == capacity
+
+
+def test_padded_rows_are_consecutive_slices_of_the_step_arrays():
+    arrays = [np.arange(1, 6), np.arange(1, 4), np.arange(1, 5)]
+    memory = np.zeros(row_memory_words(3 * 10), np.int64)
+    packed = pack_rows(arrays, np.array([0, 2, 0]), 3, capacity=10,
+                       out=split_row_memory(memory, 30), pad_to_capacity=True)
+    tokens = memory[:30]
+    for r, row in enumerate(packed):
+        assert np.shares_memory(row.tokens, tokens) and row.tokens.base is memory
+        assert row.tokens.ctypes.data == tokens[r * 10:].ctypes.data
+        assert row.loss_mask.base is memory
+    assert [row.cu_seqlens.tolist() for row in packed] == [[0, 5, 9, 10], [0, 10], [0, 3, 10]]
+    assert packed[0].labels.tolist() == [2, 3, 4, 5, -100, 2, 3, 4, -100, -100]
+    assert packed[0].max_seqlen == 5 and packed[1].max_seqlen == 10 and packed[2].max_seqlen == 7
 
 
 def test_pack_rows_rejects_a_row_over_capacity():

@@ -106,8 +106,25 @@ class GlooComm:
                 data = torch.from_numpy(padded)
             else:
                 data = torch.empty(size, dtype=torch.int64)
-            dist.broadcast(data, src=0, group=self.group)
+            dist.broadcast(data, group=self.group, group_src=0)   # the group's rank 0
             return data.numpy()
+        return self._run("broadcast", bcast)
+
+    def broadcast_bytes(self, payload: Optional[bytes], src: int) -> bytes:
+        """Group rank `src`'s `payload` (None elsewhere), of a size only `src` knows: the size,
+        then the bytes."""
+        import torch
+        import torch.distributed as dist
+
+        def bcast():
+            size = torch.tensor([len(payload) if self.rank == src else 0], dtype=torch.int64)
+            dist.broadcast(size, group=self.group, group_src=src)
+            if self.rank == src:
+                data = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
+            else:
+                data = torch.empty(int(size[0]), dtype=torch.uint8)
+            dist.broadcast(data, group=self.group, group_src=src)
+            return payload if self.rank == src else data.numpy().tobytes()
         return self._run("broadcast", bcast)
 
     def all_to_all(self, sends: list[np.ndarray], dtype,
@@ -126,18 +143,53 @@ class GlooComm:
         return self._run("all_to_all", exchange)
 
 
-def connect(timeout_s: float) -> Comm:
+def connect(timeout_s: float, topology=None) -> Comm:
     """LocalComm when torch.distributed is not initialized (or world size 1); otherwise a new
-    gloo group over the same ranks. Every rank must construct its Loader in the same order,
-    because creating a group is itself collective."""
+    gloo group over the same ranks, or, with a `collective.topology.Topology`, over this rank's
+    DP group (the ranks sharing its (PP, CP, TP) coordinate). Every rank must construct its
+    Loader in the same order, because creating a group is itself collective."""
     try:
         import torch.distributed as dist
     except ImportError:   # pragma: no cover - torch without distributed
         return LocalComm()
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
         return LocalComm()
-    group = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=timeout_s))
-    return GlooComm(group, dist.get_rank(), dist.get_world_size(), timeout_s)
+    timeout = datetime.timedelta(seconds=timeout_s)
+    if topology is None:
+        group = dist.new_group(backend="gloo", timeout=timeout)
+        return GlooComm(group, dist.get_rank(), dist.get_world_size(), timeout_s)
+    if topology.dp == 1:   # every DP group is one rank: nothing to agree on
+        return LocalComm()
+    mine = None
+    for index, ranks in enumerate(topology.dp_groups):   # every rank creates every group
+        group = dist.new_group(ranks=list(ranks), backend="gloo", timeout=timeout)
+        if index == topology.group_index:
+            mine = group
+    return GlooComm(mine, topology.dp_rank, topology.dp, timeout_s)
+
+
+def connect_broadcast(timeout_s: float, topology) -> "tuple[Optional[Comm], GlooComm]":
+    """`delivery="broadcast"`: the loader's group over the leaders (the DP group of the first
+    (PP, CP, TP) coordinate; None on every other rank), and this rank's peer group: every rank
+    of its DP rank, the leader among them. Every rank creates every group, in the same order."""
+    import torch.distributed as dist
+    timeout = datetime.timedelta(seconds=timeout_s)
+    leaders = topology.dp_groups[0]
+    leading = topology.group_index == 0
+    comm: Optional[Comm] = LocalComm() if leading else None
+    if topology.dp > 1:
+        group = dist.new_group(ranks=list(leaders), backend="gloo", timeout=timeout)
+        if leading:
+            comm = GlooComm(group, topology.dp_rank, topology.dp, timeout_s)
+    peers = None
+    me = dist.get_rank()
+    for d in range(topology.dp):
+        ranks = sorted(g[d] for g in topology.dp_groups)
+        group = dist.new_group(ranks=ranks, backend="gloo", timeout=timeout)
+        if d == topology.dp_rank:
+            peers = GlooComm(group, ranks.index(me), len(ranks), timeout_s)
+            peers.leader = ranks.index(leaders[d])
+    return comm, peers
 
 
 def collective_thread() -> DaemonExecutor:

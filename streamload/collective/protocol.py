@@ -85,6 +85,11 @@ class Agreement:
         wait for, so it runs inline (a thread hop per call costs more than the call)."""
         if self.comm.world == 1:
             return call()
+        return await self.run_threaded(call)
+
+    async def run_threaded(self, call: Callable[[], T]) -> T:
+        """A blocking collective on the collective thread, whatever this group's size (a
+        broadcast to other ranks, `peers`)."""
         if self.thread is None:
             self.thread = collective_thread()
         return await self.thread.run(call)

@@ -1,0 +1,129 @@
+"""`delivery="broadcast"`: one rank of each DP rank's group builds the step, the others receive it.
+
+The leaders (the ranks of the first (PP, CP, TP) coordinate, one per DP rank) run the loader
+(`Runtime`) over their DP group. After each step a leader broadcasts its DP rank's whole step
+(rows before `stage_view`, with the resumable state as of that step) over its peer group: every
+rank of its DP rank. Each rank, the leader included, then takes its own view (its CP part, its
+pipeline stage's fields). A `Follower` runs where a Runtime would on the other ranks: it
+receives, shapes and hands over, and its `state_dict()` is the leader's.
+
+The message is msgpack (msgspec): per micro-batch, each tensor as (dtype, bytes), the sample
+ids and the row's numbers; the step's per-rank tokens and costs; the state's JSON. Its status
+says whether a step follows, the run ended, or the leader failed (and why).
+"""
+from __future__ import annotations
+
+import time
+from typing import Optional
+
+import msgspec
+import numpy as np
+import torch
+
+from .batch import Batch, MicroBatch
+from .collective.comm import GlooComm, collective_thread
+from .collective.topology import Topology
+from .errors import DistributedError
+from .stage_view import needs_view, stage_view
+from .state import LoaderState, decode_state
+
+TENSORS = ("tokens", "cu_seqlens", "position_ids", "labels", "loss_mask")
+
+
+class StepMessage(msgspec.Struct, frozen=True):
+    status: str                     # "step" | "end" | "failed"
+    error: str = ""
+    step: int = 0
+    epoch: int = 0
+    rank_tokens: list = []
+    rank_cost: list = []
+    max_deferral: int = 0
+    state: bytes = b""              # LoaderState JSON, as of this step
+    micro_batches: list = []        # dicts: tensors as [dtype, bytes], ids, numbers
+
+
+def encode_step(batch: Batch, state: bytes) -> bytes:
+    rows = []
+    for mb in batch.micro_batches:
+        row = {name: [str(t.numpy().dtype), t.numpy().tobytes()]
+               for name in TENSORS if (t := getattr(mb, name, None)) is not None}
+        row.update(sample_ids=mb.sample_ids, max_seqlen=mb.max_seqlen,
+                   padding=getattr(mb, "padding", 0))
+        rows.append(row)
+    return msgspec.msgpack.encode(StepMessage(
+        "step", step=batch.step, epoch=batch.epoch, rank_tokens=batch.rank_tokens.tolist(),
+        rank_cost=batch.rank_cost.tolist(), max_deferral=batch.max_deferral, state=state,
+        micro_batches=rows))
+
+
+def encode_end(error: Optional[BaseException] = None) -> bytes:
+    if error is None:
+        return msgspec.msgpack.encode(StepMessage("end"))
+    return msgspec.msgpack.encode(StepMessage("failed", error=f"{type(error).__name__}: {error}"))
+
+
+def decode_step(message: StepMessage) -> Batch:
+    micro_batches = []
+    for row in message.micro_batches:
+        fields = {name: torch.from_numpy(np.frombuffer(row[name][1], dtype=row[name][0]).copy())
+                  for name in TENSORS if name in row}
+        extra = {"padding": row["padding"]} if "padding" in MicroBatch.__dataclass_fields__ else {}
+        micro_batches.append(MicroBatch(**fields, sample_ids=list(row["sample_ids"]),
+                                        max_seqlen=row["max_seqlen"], **extra))
+    return Batch(message.step, message.epoch, micro_batches,
+                 np.asarray(message.rank_tokens, dtype=np.float64),
+                 np.asarray(message.rank_cost, dtype=np.float64),
+                 max_deferral=message.max_deferral)
+
+
+class Follower:
+    """Stands where a Runtime would on a rank that builds no batch (broadcast delivery)."""
+
+    def __init__(self, peers: GlooComm, topology: Topology, pad_token_id: int = 0):
+        self.peers, self.topology, self.pad_token_id = peers, topology, pad_token_id
+        self.resume: Optional[LoaderState] = None
+        self.steps = 0
+        self.bytes_received = 0
+        self.receive_s = 0.0
+
+    def load_state(self, state: LoaderState) -> None:
+        self.resume = state   # the leader resumes the job; this is what `state` says until then
+
+    def request_close(self) -> None:
+        """Nothing to tell anyone: the leader's closing sends "end", which ends this run (the
+        ranks of a DP rank stop at the same step)."""
+
+    def state(self, snapshot: Optional[LoaderState]) -> Optional[LoaderState]:
+        return snapshot if snapshot is not None else self.resume
+
+    def stats(self) -> dict:
+        return {"rank": self.topology.dp_rank, "world_size": self.topology.dp, "role": "follower",
+                "steps": self.steps, "bytes_received": self.bytes_received,
+                "receive_s": self.receive_s}
+
+    async def run(self, handoff) -> None:
+        thread = collective_thread()
+        try:
+            while True:
+                # No slot is reserved first: a follower always takes what its leader sends, so
+                # the leader's broadcast never waits on a full queue here (the queue stays
+                # short: the leader runs at most prefetch_steps ahead of its own trainer, and
+                # the ranks of a DP rank train in step), and a run that ends early ends here
+                # when the leader's "end" comes.
+                started = time.perf_counter()
+                payload = await thread.run(lambda: self.peers.broadcast_bytes(None, self.peers.leader))
+                self.receive_s += time.perf_counter() - started
+                self.bytes_received += len(payload)
+                message = msgspec.msgpack.decode(payload, type=StepMessage)
+                if message.status == "end":
+                    return
+                if message.status == "failed":
+                    raise DistributedError(f"the rank that builds DP rank {self.topology.dp_rank}'s "
+                                           f"batches failed: {message.error}")
+                batch = decode_step(message)
+                if needs_view(self.topology):
+                    batch = stage_view(batch, self.topology, self.pad_token_id)
+                self.steps += 1
+                handoff.put(batch, decode_state(message.state))
+        finally:
+            thread.shutdown()

@@ -1,0 +1,68 @@
+"""What one rank receives of its DP rank's step: its context-parallel part of every row, and the
+fields its pipeline stage uses.
+
+- CP: the CP group shares each packed row. Each CP rank gets, per document, chunks r and
+  2·cp−1−r of 2·cp (documents padded to a multiple of 2·cp), with local cu_seqlens and the
+  kept tokens' positions (`plan.context_parallel`, Megatron's THD split).
+- PP: the first stage gets tokens and positions, the last labels and the loss mask; every stage
+  keeps the attention metadata (cu_seqlens, max_seqlen), which middle stages receive alone, or
+  not at all (`Parallel(pipeline_middle="nothing")`). A field a stage does not receive is None.
+- TP peers of a DP rank get the identical view.
+
+Runs on the loop's thread, after delivery, so the trainer's thread only takes the result.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Optional
+
+import numpy as np
+import torch
+
+from .batch import Batch
+from .collective.topology import Topology
+from .plan.context_parallel import cp_split
+
+PER_TOKEN = ("tokens", "position_ids", "labels", "loss_mask")
+FIRST_STAGE = ("tokens", "position_ids")
+LAST_STAGE = ("labels", "loss_mask")
+
+
+def needs_view(topology: Optional[Topology]) -> bool:
+    return topology is not None and (topology.cp > 1 or topology.pp > 1)
+
+
+def stage_view(batch: Batch, topology: Topology, pad_token_id: int = 0) -> Batch:
+    fill = {"tokens": pad_token_id, "position_ids": 0, "labels": -100, "loss_mask": 0}
+    keep = set()
+    if topology.first_stage:
+        keep.update(FIRST_STAGE)
+    if topology.last_stage:
+        keep.update(LAST_STAGE)
+    metadata = bool(keep) or topology.pipeline_middle == "metadata"
+    views = []
+    for mb in batch.micro_batches:
+        fields = {name: getattr(mb, name, None) for name in PER_TOKEN}
+        present = {name: t.numpy() for name, t in fields.items() if t is not None}
+        cu_seqlens, max_seqlen = mb.cu_seqlens, mb.max_seqlen
+        padding = getattr(mb, "padding", 0)
+        if topology.cp > 1:
+            n = int(mb.cu_seqlens[-1])
+            present["slot"] = np.arange(n)   # which row token each local slot holds (-1: none)
+            local, local_cu, max_seqlen = cp_split(present, mb.cu_seqlens.numpy(), topology.cp,
+                                                   topology.cp_rank, {**fill, "slot": -1})
+            slot = local.pop("slot")
+            # This part's padding: the split's own, and its share of a padded row's padding.
+            padding = int((slot < 0).sum() + (slot >= n - padding).sum())
+            present = local
+            cu_seqlens = torch.from_numpy(np.asarray(local_cu, dtype=np.int32))
+        changes = {name: (torch.from_numpy(np.ascontiguousarray(present[name]))
+                          if name in keep and name in present else None)
+                   for name in PER_TOKEN if hasattr(mb, name)}
+        changes["cu_seqlens"] = cu_seqlens if metadata else None
+        changes["max_seqlen"] = int(max_seqlen) if metadata else 0
+        if hasattr(mb, "padding"):   # what `num_tokens` leaves out (all of it: no tokens)
+            changes["padding"] = padding if changes.get("tokens") is not None else 0
+        views.append(dataclasses.replace(mb, **changes))
+    return dataclasses.replace(batch, micro_batches=views)
+
