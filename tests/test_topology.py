@@ -212,7 +212,7 @@ def test_device_mesh_dp_cp_tp(corpus):
     check_cp_parts(results, flat_run("reference"))
 
 
-def test_resume_at_another_dp_degree(corpus):
+def test_resume_at_another_dp_degree_and_tp(corpus):
     root, ids, _ = corpus
     # DP 2 x TP 2 for 5 steps, then DP 1 x TP 2 from rank 0's state.
     head = run_ranks(epoch_job, 4, str(root), {"tp": 2}, 5)
@@ -224,3 +224,10 @@ def test_resume_at_another_dp_degree(corpus):
     pieces += [i for step in tail[0]["steps"] for mb in step for i in mb["ids"]]
     assert len(pieces) == len(set(pieces))                          # nothing twice
     assert sorted({i.split(":")[0] for i in pieces}) == sorted(ids)  # nothing lost
+    # TP changing with DP: DP 2 x TP 2 -> DP 4 x TP 1 (4 ranks, no topology).
+    wide = run_ranks(epoch_job, 4, str(root), None, None, head[0]["state"])
+    pieces = [i for r in head if r["tp_rank"] == 0 for step in r["steps"] for mb in step
+              for i in mb["ids"]]
+    pieces += [i for r in wide for step in r["steps"] for mb in step for i in mb["ids"]]
+    assert len(pieces) == len(set(pieces))
+    assert sorted({i.split(":")[0] for i in pieces}) == sorted(ids)
