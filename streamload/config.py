@@ -16,6 +16,8 @@ from .storage.retry import RetryPolicy
 OnError = Literal["raise", "skip"]
 LongDocuments = Literal["split", "truncate", "drop"]
 OnExhausted = Literal["renormalize", "stop", "restart"]
+# Shard formats (`streamload.formats`); None on a Source: detected from the file names.
+FormatName = Literal["jsonl", "tokens", "parquet", "megatron", "mds", "litdata", "webdataset"]
 _GLOB = re.compile(r"[*?\[]")
 
 
@@ -76,8 +78,13 @@ class Source(msgspec.Struct):
     uri: str
     weight: float = 1.0
     name: Optional[str] = None
-    text_field: str = "text"
-    format: Optional[str] = None          # "jsonl" | "tokens"; None = by file name
+    # The field (JSONL, Parquet column, MDS/LitData field) or tar member extension holding the
+    # text; None: the format's default ("text"; "txt" for WebDataset tars).
+    text_field: Optional[str] = None
+    # A field of token ids (a Parquet list<int> column, an MDS/LitData ndarray field) read
+    # instead of text; None: text.
+    tokens_field: Optional[str] = None
+    format: Optional[FormatName] = None   # None: detected from the file names
     storage_options: Optional[dict] = None
     # When this source runs out in an epoch: the others go on by their weights ("renormalize"),
     # the whole run stops ("stop"), or it never runs out: it starts its next shuffled pass and
@@ -104,9 +111,6 @@ class Source(msgspec.Struct):
                                  where=where)
         if self.repeat < 1:
             raise ConfigError.at("repeat", f"must be an integer >= 1, got {self.repeat!r}",
-                                 where=where)
-        if self.format not in (None, "jsonl", "tokens"):
-            raise ConfigError.at("format", f"must be 'jsonl' or 'tokens', got {self.format!r}",
                                  where=where)
 
 

@@ -225,7 +225,7 @@ def replace(text, old, new):
      "source[1].name", "duplicate source name 'web' (also source[0])"),
     (replace(SOURCES_2, 'name = "books"', 'name = "a/b"'), "source[1].name", "must be non-empty"),
     (replace(SOURCES_2, 'name = "books"', 'name = "books"\nformat = "csv"'),
-     "source[1].format", "must be 'jsonl' or 'tokens'"),
+     "source[1].format", "must be one of 'jsonl', 'tokens', 'parquet'"),
     (replace(SOURCES_2, 'uri = "s3://b/web/"', 'uri = ""'), "source[0].uri", "must not be empty"),
     # [mixture]
     (SOURCES_2 + "[mixture]\nmode = 1\n", "mixture.mode", "unknown key; known: by, weights"),

@@ -11,12 +11,13 @@ from __future__ import annotations
 
 import asyncio
 import math
+import typing
 from dataclasses import dataclass, field
 from typing import Optional
 
 import numpy as np
 
-from ..config import Source
+from ..config import FormatName, Source
 from ..formats import LENGTHS_CHUNK_BYTES
 from ..pipeline.fetch import Shard, list_shards
 from ..storage import ObjectStore, open_store
@@ -110,12 +111,13 @@ async def _read_shard(store: ObjectStore, source: Source, shard: Shard, chunk_by
     return lengths
 
 
-async def inspect_source(uri: str, *, format: Optional[str] = None, text_field: str = "text",
+async def inspect_source(uri: str, *, format: Optional[str] = None, text_field: Optional[str] = None,
+                         tokens_field: Optional[str] = None,
                          storage_options: Optional[dict] = None, max_shards: Optional[int] = None,
                          chunk_bytes: int = LENGTHS_CHUNK_BYTES, concurrency: int = 8
                          ) -> SourceReport:
     """Read every shard of `uri` (the first `max_shards` only, if given) and measure it."""
-    source = Source(uri, format=format, text_field=text_field)
+    source = Source(uri, format=format, text_field=text_field, tokens_field=tokens_field)
     store = open_store(uri, storage_options or None)
     try:
         shards = await list_shards(source, store)
@@ -210,9 +212,12 @@ def parse_storage_options(pairs: list[str], endpoint_url: Optional[str]) -> dict
 
 def add_arguments(p) -> None:
     p.add_argument("uri", help="a prefix, directory, glob or single shard (local, file://, s3://)")
-    p.add_argument("--format", choices=["jsonl", "tokens"], default=None,
+    p.add_argument("--format", choices=list(typing.get_args(FormatName)), default=None,
                    help="shard format (default: from the file names)")
-    p.add_argument("--text-field", default="text", help="JSON field holding the text (default text)")
+    p.add_argument("--text-field", default=None,
+                   help="field (or tar member extension) holding the text (default: the format's, "
+                        "text; txt for tars)")
+    p.add_argument("--tokens-field", default=None, help="field holding token ids instead of text")
     p.add_argument("--storage-option", action="append", default=[], metavar="KEY=VALUE",
                    help="an option for the store, e.g. region_name=eu-west-1 (repeatable)")
     p.add_argument("--endpoint-url", default=None,
@@ -235,7 +240,8 @@ def run(args) -> int:
         if options and ("://" not in args.uri or args.uri.startswith("file://")):
             raise ValueError("--storage-option and --endpoint-url are for remote URIs only")
         report = asyncio.run(inspect_source(
-            args.uri, format=args.format, text_field=args.text_field, storage_options=options,
+            args.uri, format=args.format, text_field=args.text_field,
+            tokens_field=args.tokens_field, storage_options=options,
             max_shards=args.max_shards))
     except (StreamloadError, ValueError, OSError) as exc:
         print(f"streamload inspect: {exc}", file=sys.stderr)

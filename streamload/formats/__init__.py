@@ -1,12 +1,16 @@
 """Shard formats: which format reads a URI, and the formats themselves.
 
-`format_for(uri, format_name=..., text_field=...)` picks the format for one listed object, or
-returns None for objects that are no shard (companion index files, unknown names), which the
-fetcher leaves out.
+`format_for(uri, format_name=..., text_field=..., tokens_field=...)` picks the format for one
+listed object, or returns None for objects that are no shard (companion index files, unknown
+names), which the fetcher leaves out.
+
+Every format class is built as `Format(text_field, tokens_field, named)`: `text_field` None
+means the format's own default; `named` is True when the user chose the format by name.
 """
 from __future__ import annotations
 
 from functools import lru_cache
+from importlib import import_module
 
 from ..errors import ConfigError
 from .base import LENGTHS_CHUNK_BYTES, RawRecord, ShardFormat, ShardStream, SkipCallback
@@ -14,22 +18,23 @@ from .jsonl import JsonlFormat
 from .tokens import TokensFormat
 from .writers import write_jsonl, write_token_shard
 
-# name -> format class. Auto-detection tries them in this order.
-FORMATS: dict[str, type] = {
-    JsonlFormat.name: JsonlFormat,
-    TokensFormat.name: TokensFormat,
+# name -> "module:Class" of every format, imported when first used. Auto-detection tries them
+# in this order.
+FORMATS: dict[str, str] = {
+    "jsonl": "jsonl:JsonlFormat",
+    "tokens": "tokens:TokensFormat",
 }
 
 
 @lru_cache(maxsize=None)
-def _instance(name: str, text_field: str, named: bool) -> ShardFormat:
-    if name == JsonlFormat.name:
-        return JsonlFormat(text_field, named=named)
-    return FORMATS[name]()
+def _instance(name: str, text_field: str | None, tokens_field: str | None,
+              named: bool) -> ShardFormat:
+    module, cls = FORMATS[name].split(":")
+    return getattr(import_module(f"{__name__}.{module}"), cls)(text_field, tokens_field, named)
 
 
-def format_for(uri: str, *, format_name: str | None = None,
-               text_field: str = "text") -> ShardFormat | None:
+def format_for(uri: str, *, format_name: str | None = None, text_field: str | None = None,
+               tokens_field: str | None = None) -> ShardFormat | None:
     """The format that reads `uri`, or None when `uri` is not a shard.
 
     With `format_name` None the format comes from the file name (`.jsonl[.gz|.zst]`,
@@ -40,10 +45,10 @@ def format_for(uri: str, *, format_name: str | None = None,
         if format_name not in FORMATS:
             raise ConfigError(f"format: unknown format {format_name!r}; "
                               f"known formats are {', '.join(sorted(FORMATS))}")
-        fmt = _instance(format_name, text_field, True)
+        fmt = _instance(format_name, text_field, tokens_field, True)
         return fmt if fmt.matches(uri) else None
     for name in FORMATS:
-        fmt = _instance(name, text_field, False)
+        fmt = _instance(name, text_field, tokens_field, False)
         if fmt.matches(uri):
             return fmt
     return None

@@ -192,7 +192,9 @@ class JsonlFormat:
     name = "jsonl"
     length_method = "scan"
 
-    def __init__(self, text_field: str = "text", *, named: bool = False):
+    def __init__(self, text_field: str | None = None, tokens_field: str | None = None,
+                 named: bool = False):
+        text_field = "text" if text_field is None else text_field
         if not text_field:
             raise ValueError("text_field must be a non-empty string")
         self.text_field = text_field

@@ -245,6 +245,10 @@ class TokensFormat:
     name = "tokens"
     length_method = "index"
 
+    def __init__(self, text_field: str | None = None, tokens_field: str | None = None,
+                 named: bool = False):
+        pass   # token shards have no fields
+
     def matches(self, uri: str) -> bool:
         return uri.endswith(TOKENS_SUFFIX) and len(uri.rsplit("/", 1)[-1]) > len(TOKENS_SUFFIX)
 

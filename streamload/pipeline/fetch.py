@@ -44,7 +44,8 @@ async def list_shards(source: Source, store: ObjectStore) -> list[Shard]:
     objects = await store.list(source.uri)
     shards = []
     for info in sorted(objects):
-        fmt = format_for(info.uri, format_name=source.format, text_field=source.text_field)
+        fmt = format_for(info.uri, format_name=source.format, text_field=source.text_field,
+                         tokens_field=source.tokens_field)
         if fmt is not None:
             shards.append(Shard(len(shards), relative_name(source.uri, info.uri), info, fmt))
     if not shards:
