@@ -473,9 +473,10 @@ def test_format_for_named():
     assert format_for("/d/a.jsonl", format_name="tokens") is None
     assert format_for("/d/a.offsets.npy", format_name="tokens") is None
     assert format_for("/d/a.jsonl", text_field="body").text_field == "body"
-    assert set(FORMATS) == {"jsonl", "tokens"}
-    with pytest.raises(ConfigError, match="unknown format 'parquet'"):
-        format_for("/d/a.parquet", format_name="parquet")
+    assert set(FORMATS) == {"jsonl", "tokens", "parquet", "megatron", "mds", "litdata",
+                            "webdataset"}
+    with pytest.raises(ConfigError, match="unknown format 'arrow'"):
+        format_for("/d/a.arrow", format_name="arrow")
 
 
 async def test_named_jsonl_reads_json_gz(tmp_path):

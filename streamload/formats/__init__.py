@@ -23,6 +23,11 @@ from .writers import write_jsonl, write_token_shard
 FORMATS: dict[str, str] = {
     "jsonl": "jsonl:JsonlFormat",
     "tokens": "tokens:TokensFormat",
+    "parquet": "parquet:ParquetFormat",
+    "megatron": "megatron:MegatronFormat",
+    "mds": "mds:MdsFormat",
+    "litdata": "litdata:LitdataFormat",
+    "webdataset": "webdataset:WebdatasetFormat",
 }
 
 
@@ -48,7 +53,12 @@ def format_for(uri: str, *, format_name: str | None = None, text_field: str | No
         fmt = _instance(format_name, text_field, tokens_field, True)
         return fmt if fmt.matches(uri) else None
     for name in FORMATS:
-        fmt = _instance(name, text_field, tokens_field, False)
+        try:
+            fmt = _instance(name, text_field, tokens_field, False)
+        except ModuleNotFoundError as exc:   # TEMP (issue 13 in progress): a format not written yet
+            if exc.name != f"{__name__}.{FORMATS[name].split(':')[0]}":
+                raise
+            continue
         if fmt.matches(uri):
             return fmt
     return None
