@@ -1,0 +1,390 @@
+"""Parquet shards, read by row group with ranged reads of one column (pyarrow decodes).
+
+Detection: `*.parquet` (any case), which covers Hugging Face's Parquet exports,
+`{config}/{split}/NNNN.parquet` and `data/{split}-NNNNN-of-NNNNN.parquet`: a source URI of the
+dataset root or of one split folder lists them, and the fetcher's sorted listing reads them in
+path order (config, split, then file number, zero-padded so the order is numeric too). Names
+starting with "." or "_" are left out, as pyarrow's dataset discovery leaves them out (hidden
+files, `_metadata` summaries, Spark's `_temporary`/`_SUCCESS` companions).
+
+The record is one row; its index is the row's position in the file (the rows of the row groups
+before it, plus its row in its row group), so it is stable whatever is read. The payload is
+either the text of the string column `text_field` (default "text"), or, with `tokens_field`,
+the token ids of a list-of-integers column (list, large_list or fixed_size_list of any integer
+type).
+
+Reading: `open` reads the file's tail (one request of up to 64 KiB, which holds the footer of
+most files; a longer footer costs a second request) and parses the footer with pyarrow. Then
+`ranges()` is one byte range per row group: the needed column's chunk (from its dictionary page,
+or its first data page, for `total_compressed_size` bytes), nothing of the other columns. A row
+group's chunk is one range whatever `chunk_bytes` says (a Parquet page cannot be decoded
+alone, and the memory gate learns its expansion from what each range decodes to). `decode`
+hands pyarrow a sparse file that holds only the footer's metadata and that range, and reads the
+row group's column from it.
+
+`document_lengths` scans: each row group's column is read as above and every document measured
+(`lengths.stream_lengths`); for a token column that is each list's length. Parquet keeps no
+per-row lengths apart from the values' pages, so no cheaper index exists.
+
+Bad input: a file that is no Parquet (no `PAR1` magic, a footer that does not parse, an
+encrypted footer), a missing column (the message lists the columns present) or a column of the
+wrong type is a shard error: a DataError naming source and shard, or with on_error="skip" a
+counted skip of the whole shard. A null text, a null token list, a null or negative token id
+is a record error naming the row (skipped and counted with on_error="skip"). A row group whose
+column does not decode stops the shard (a shard error; the rows before it stay delivered).
+
+pyarrow is imported when a Parquet shard is first opened, so the rest of streamload works
+without it installed.
+"""
+from __future__ import annotations
+
+import io
+from typing import Any
+
+import numpy as np
+
+from ..errors import DataError
+from ..storage.base import ObjectInfo, ObjectStore
+from ..tokenizer import TextTokenizer
+from .base import LENGTHS_CHUNK_BYTES, RawRecord, SkipCallback
+from .lengths import stream_lengths
+
+_SUFFIX = ".parquet"
+_MAGIC = b"PAR1"
+_ENCRYPTED_MAGIC = b"PARE"
+_TAIL_PROBE = 64 << 10       # bytes of the file's tail read first (pyarrow reads as much)
+# pyarrow pads a column chunk's range by up to this much for files of old parquet-mr writers
+# (PARQUET-816: the dictionary page header left out of total_compressed_size); the ranges
+# include the same padding so that such files read too.
+_DICT_HEADER_PADDING = 100
+
+
+class _BadShard(Exception):
+    """A shard-level problem, turned into DataError or on_skip(None, ...)."""
+
+
+def _pyarrow():
+    try:
+        import pyarrow
+        import pyarrow.parquet
+    except ImportError as exc:
+        raise ImportError("reading Parquet shards needs pyarrow: pip install pyarrow") from exc
+    return pyarrow
+
+
+class _SparseFile(io.RawIOBase):
+    """A read-only file of `size` bytes of which only some ranges are held; reading any other
+    byte fails, so pyarrow is never given bytes that were not fetched."""
+
+    def __init__(self, size: int, parts: list[tuple[int, bytes]]):
+        super().__init__()
+        self._size = size
+        self._parts = parts
+        self._pos = 0
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def tell(self) -> int:
+        return self._pos
+
+    def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
+        base = {io.SEEK_SET: 0, io.SEEK_CUR: self._pos, io.SEEK_END: self._size}[whence]
+        self._pos = base + offset
+        return self._pos
+
+    def readinto(self, buffer) -> int:
+        n = min(len(buffer), self._size - self._pos)
+        if n <= 0:
+            return 0
+        for start, data in self._parts:
+            if start <= self._pos and self._pos + n <= start + len(data):
+                at = self._pos - start
+                buffer[:n] = data[at:at + n]
+                self._pos += n
+                return n
+        raise OSError(f"bytes {self._pos}-{self._pos + n} were not fetched")
+
+
+async def _read_exact(store: ObjectStore, uri: str, start: int, end: int) -> bytes:
+    data = await store.read_range(uri, start, end)
+    if len(data) != end - start:
+        raise _BadShard(f"file is truncated (wanted bytes {start}-{end}, got {len(data)})")
+    return data
+
+
+async def _read_footer(store: ObjectStore, shard: ObjectInfo) -> tuple[Any, int]:
+    """(pyarrow FileMetaData, where the footer starts): the tail read, the footer parsed."""
+    pa = _pyarrow()
+    size = shard.size
+    if size < 12:
+        raise _BadShard(f"not a Parquet file ({size} bytes, too small)")
+    probe = min(size, _TAIL_PROBE)
+    tail = await _read_exact(store, shard.uri, size - probe, size)
+    if tail[-4:] == _ENCRYPTED_MAGIC:
+        raise _BadShard("Parquet files with an encrypted footer are not supported")
+    if tail[-4:] != _MAGIC:
+        raise _BadShard("not a Parquet file (no PAR1 magic at its end; truncated?)")
+    length = int.from_bytes(tail[-8:-4], "little")
+    footer_start = size - 8 - length
+    if footer_start < 4:
+        raise _BadShard(f"footer length {length} does not fit in the file's {size} bytes")
+    if 8 + length > len(tail):
+        tail = await _read_exact(store, shard.uri, footer_start, size - probe) + tail
+    footer = tail[len(tail) - 8 - length:]
+    try:
+        # A file of the footer alone parses as the same metadata (offsets stay the file's).
+        metadata = pa.parquet.read_metadata(io.BytesIO(_MAGIC + footer))
+    except (OSError, ValueError, pa.ArrowException) as exc:
+        raise _BadShard(f"unreadable Parquet footer: {exc}") from None
+    return metadata, footer_start
+
+
+def _is_text(pa, type_) -> bool:
+    if pa.types.is_dictionary(type_):
+        type_ = type_.value_type
+    return (pa.types.is_string(type_) or pa.types.is_large_string(type_)
+            or getattr(pa.types, "is_string_view", lambda t: False)(type_))
+
+
+def _is_token_list(pa, type_) -> bool:
+    return ((pa.types.is_list(type_) or pa.types.is_large_list(type_)
+             or pa.types.is_fixed_size_list(type_))
+            and pa.types.is_integer(type_.value_type))
+
+
+def _plan(metadata, field: str, footer_start: int, size: int
+          ) -> tuple[list[tuple[int, int]], list[int], list[int]]:
+    """(ranges, row groups, first row of each): one range per non-empty row group, covering the
+    column chunk(s) of `field` (the leaves whose path is `field` or below it, as pyarrow
+    selects a column by name)."""
+    schema = metadata.schema
+    leaves = [i for i in range(metadata.num_columns)
+              if schema.column(i).path == field or schema.column(i).path.startswith(field + ".")]
+    ranges, groups, first_rows = [], [], []
+    row = 0
+    for k in range(metadata.num_row_groups):
+        group = metadata.row_group(k)
+        if group.num_rows:
+            start, end = None, None
+            for leaf in leaves:
+                chunk = group.column(leaf)
+                if chunk.file_path:
+                    raise _BadShard(f"row group {k}: column {field!r} lies in another file "
+                                    f"({chunk.file_path!r}), which is not supported")
+                begin = chunk.data_page_offset
+                dictionary = chunk.dictionary_page_offset if chunk.has_dictionary_page else None
+                if dictionary and 0 < dictionary < begin:
+                    begin = dictionary
+                stop = begin + chunk.total_compressed_size
+                if begin < 4 or stop > footer_start:
+                    raise _BadShard(f"row group {k}: column {field!r} spans bytes {begin}-{stop}, "
+                                    f"outside the data before the footer (0-{footer_start}); "
+                                    "the file is corrupt")
+                start = begin if start is None else min(start, begin)
+                end = stop if end is None else max(end, stop)
+            ranges.append((start, min(size, end + _DICT_HEADER_PADDING)))
+            groups.append(k)
+            first_rows.append(row)
+        row += group.num_rows
+    return ranges, groups, first_rows
+
+
+class ParquetStream:
+    """State for reading one Parquet shard: the metadata, the planned row groups, the next one."""
+
+    def __init__(self, shard: ObjectInfo, *, source: str, shard_name: str,
+                 on_skip: SkipCallback | None, metadata, footer_start: int, field: str,
+                 tokens: bool):
+        self._pa = _pyarrow()
+        self._size = shard.size
+        self._source, self._shard_name, self._on_skip = source, shard_name, on_skip
+        self._metadata = metadata
+        self._field, self._tokens = field, tokens
+        self._ranges, self._groups, self._first_rows = _plan(metadata, field, footer_start,
+                                                             shard.size)
+        self._next = 0
+        self._failed = False
+
+    def ranges(self) -> list[tuple[int, int]]:
+        return self._ranges
+
+    def decode(self, chunk: bytes) -> list[RawRecord]:
+        if self._next >= len(self._ranges):
+            raise DataError("more chunks than planned ranges", source=self._source,
+                            shard=self._shard_name)
+        k = self._next
+        self._next += 1
+        if self._failed:
+            return []
+        start, end = self._ranges[k]
+        group = self._groups[k]
+        if len(chunk) != end - start:
+            self._shard_error(f"row group {group}: expected {end - start} bytes of column "
+                              f"{self._field!r}, got {len(chunk)} (did the file change?)")
+            return []
+        pa = self._pa
+        try:
+            file = pa.parquet.ParquetFile(_SparseFile(self._size, [(start, chunk)]),
+                                          metadata=self._metadata)
+            column = file.read_row_group(group, columns=[self._field],
+                                         use_threads=False).column(0)
+        except (OSError, ValueError, pa.ArrowException) as exc:
+            self._shard_error(f"row group {group}: cannot decode column {self._field!r}: {exc}")
+            return []
+        first = self._first_rows[k]
+        if self._tokens:
+            return self._token_records(column, first)
+        return self._text_records(column, first)
+
+    def finish(self) -> list[RawRecord]:
+        return []
+
+    def _text_records(self, column, first: int) -> list[RawRecord]:
+        if self._pa.types.is_dictionary(column.type):
+            column = column.cast(column.type.value_type)
+        records = []
+        for row, text in enumerate(column.to_pylist()):
+            if text is None:
+                self._record_error(first + row, f"null value in column {self._field!r}")
+            else:
+                records.append(RawRecord(first + row, text))
+        return records
+
+    def _token_records(self, column, first: int) -> list[RawRecord]:
+        pa = self._pa
+        lists = column.combine_chunks() if column.num_chunks != 1 else column.chunk(0)
+        if pa.types.is_fixed_size_list(lists.type):
+            lists = lists.cast(pa.list_(lists.type.value_type))
+        offsets = lists.offsets.to_numpy()            # positions in lists.values
+        values = lists.values
+        bad: dict[int, str] = {}
+        if lists.null_count:
+            for row in np.flatnonzero(lists.is_null().to_numpy(zero_copy_only=False)).tolist():
+                bad[row] = f"null value in column {self._field!r}"
+        if values.null_count:
+            nulls = np.flatnonzero(values.is_null().to_numpy(zero_copy_only=False))
+            for row in self._rows_at(offsets, nulls):
+                bad.setdefault(row, f"null token id in column {self._field!r}")
+            values = values.fill_null(0)
+        ids = values.to_numpy(zero_copy_only=False)
+        if ids.dtype.kind == "i":
+            used = ids[offsets[0]:offsets[-1]]
+            if used.size and used.min() < 0:
+                negative = np.flatnonzero(used < 0) + offsets[0]
+                for row in self._rows_at(offsets, negative):
+                    bad.setdefault(row, f"negative token id in column {self._field!r}")
+        for row in sorted(bad):
+            self._record_error(first + row, bad[row])
+        starts, ends = offsets[:-1].tolist(), offsets[1:].tolist()
+        return [RawRecord(first + row, ids[starts[row]:ends[row]])
+                for row in range(len(starts)) if row not in bad]
+
+    @staticmethod
+    def _rows_at(offsets: np.ndarray, positions: np.ndarray) -> list[int]:
+        """The rows whose lists hold these positions of the values array."""
+        rows = np.searchsorted(offsets, positions, side="right") - 1
+        return sorted(set(r for r in rows.tolist() if 0 <= r < len(offsets) - 1))
+
+    def _record_error(self, index: int, reason: str) -> None:
+        if self._on_skip is None:
+            raise DataError(reason, source=self._source, shard=self._shard_name, record=index)
+        self._on_skip(index, reason)
+
+    def _shard_error(self, reason: str) -> None:
+        if self._on_skip is None:
+            raise DataError(reason, source=self._source, shard=self._shard_name)
+        self._failed = True
+        self._on_skip(None, reason)
+
+
+class _EmptyStream:
+    """What a shard that failed to open yields in skip mode: nothing."""
+
+    def ranges(self) -> list[tuple[int, int]]:
+        return []
+
+    def decode(self, chunk: bytes) -> list[RawRecord]:
+        return []
+
+    def finish(self) -> list[RawRecord]:
+        return []
+
+
+class ParquetFormat:
+    """`*.parquet` files: the text of column `text_field` (default "text"), or with
+    `tokens_field` the token ids of a list-of-integers column."""
+
+    name = "parquet"
+    length_method = "scan"
+
+    def __init__(self, text_field: str | None = None, tokens_field: str | None = None,
+                 named: bool = False):
+        if tokens_field is not None:
+            if not tokens_field:
+                raise ValueError("tokens_field must be a non-empty string")
+            self.field, self.tokens = tokens_field, True
+        else:
+            text_field = "text" if text_field is None else text_field
+            if not text_field:
+                raise ValueError("text_field must be a non-empty string")
+            self.field, self.tokens = text_field, False
+
+    def matches(self, uri: str) -> bool:
+        name = uri.rstrip("/").rsplit("/", 1)[-1]
+        return (name.lower().endswith(_SUFFIX) and len(name) > len(_SUFFIX)
+                and not name.startswith((".", "_")))
+
+    async def open(self, store: ObjectStore, shard: ObjectInfo, *, source: str, shard_name: str,
+                   on_skip: SkipCallback | None, chunk_bytes: int) -> ParquetStream | _EmptyStream:
+        """Reads the footer; `chunk_bytes` is not used (a range is a row group's column chunk)."""
+        if chunk_bytes <= 0:
+            raise ValueError(f"chunk_bytes must be positive, got {chunk_bytes}")
+        pa = _pyarrow()
+        try:
+            metadata, footer_start = await _read_footer(store, shard)
+            self._check_column(pa, metadata)
+            return ParquetStream(shard, source=source, shard_name=shard_name, on_skip=on_skip,
+                                 metadata=metadata, footer_start=footer_start, field=self.field,
+                                 tokens=self.tokens)
+        except _BadShard as exc:
+            if on_skip is None:
+                raise DataError(str(exc), source=source, shard=shard_name) from None
+            on_skip(None, str(exc))
+            return _EmptyStream()
+
+    def _check_column(self, pa, metadata) -> None:
+        try:
+            schema = metadata.schema.to_arrow_schema()
+        except (ValueError, pa.ArrowException) as exc:
+            raise _BadShard(f"unreadable Parquet schema: {exc}") from None
+        what = "tokens_field" if self.tokens else "text_field"
+        if self.field not in schema.names:
+            present = ", ".join(repr(n) for n in schema.names) or "none"
+            raise _BadShard(f"no column {self.field!r} ({what}); the file's columns are {present}")
+        if schema.names.count(self.field) > 1:
+            raise _BadShard(f"column {self.field!r} ({what}) appears more than once")
+        type_ = schema.field(self.field).type
+        if self.tokens and not _is_token_list(pa, type_):
+            raise _BadShard(f"column {self.field!r} ({what}) must be a list of integers, "
+                            f"found {type_}")
+        if not self.tokens and not _is_text(pa, type_):
+            hint = ("; a column of token ids is read with tokens_field"
+                    if _is_token_list(pa, type_) else "")
+            raise _BadShard(f"column {self.field!r} ({what}) must hold strings, "
+                            f"found {type_}{hint}")
+
+    async def document_lengths(self, store: ObjectStore, shard: ObjectInfo, *, source: str,
+                               shard_name: str, on_skip: SkipCallback | None,
+                               tokenizer: TextTokenizer | None = None, limit: int | None = None,
+                               chunk_bytes: int = LENGTHS_CHUNK_BYTES) -> np.ndarray:
+        """Each document's length in tokens (`ShardFormat.document_lengths`): the row groups'
+        column read as the fetcher reads it (only as many row groups as `limit` needs) and each
+        document measured: a token list's length, a text with `tokenizer` (UTF-8 bytes
+        without one)."""
+        return await stream_lengths(self, store, shard, source=source, shard_name=shard_name,
+                                    on_skip=on_skip, tokenizer=tokenizer, limit=limit,
+                                    chunk_bytes=chunk_bytes)
