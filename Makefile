@@ -3,6 +3,9 @@ PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
 TORCH_PIN := torch==2.13.0
+# The formats' reference writers and readers, for the tests (their own dependencies would pull
+# another torch and cloud SDKs: what they import is in the test extra).
+REFERENCE_READERS := mosaicml-streaming==0.13.0
 
 .PHONY: demo test bench clean
 
@@ -11,6 +14,7 @@ $(VENV)/.installed: pyproject.toml
 	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -m pip install --quiet $(TORCH_PIN)
 	$(PY) -m pip install --quiet -e '.[test,demo]' $(TORCH_PIN)
+	$(PY) -m pip install --quiet --no-deps $(REFERENCE_READERS)
 	touch $@
 
 demo: $(VENV)/.installed
