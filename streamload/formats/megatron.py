@@ -1,0 +1,372 @@
+"""Megatron-LM indexed datasets: `<prefix>.bin` (token ids) with its `<prefix>.idx` index.
+
+The layout is Megatron-core's (`megatron/core/datasets/indexed_dataset.py`, `_IndexWriter`),
+all little-endian:
+
+    .idx  magic b"MMIDIDX\\x00\\x00" (9 bytes), version uint64 (1), dtype code uint8,
+          sequence count S uint64, document-index count D uint64 (documents + 1),
+          sequence lengths int32[S] (tokens), sequence pointers int64[S] (byte offsets into
+          the .bin), document indices int64[D] (0, then the sequence index ending each document),
+          and for multimodal datasets int8 modes [S] (not read).
+    .bin  the token ids of every sequence, back to back, in the dtype of the code
+          (1 uint8, 2 int8, 3 int16, 4 int32, 5 int64, 6 float64, 7 float32, 8 uint16).
+
+One record per *sequence*, its index the sequence number. That is Megatron's own unit: its GPT
+dataset splits and samples an indexed dataset by sequence (`GPTDataset.numel_low_level_dataset`)
+and `IndexedDataset[i]` is sequence i. The document indices only group sequences into documents
+(several sequences per document when the data was preprocessed with `--split-sentences`, one
+per document otherwise, the common case, where sequences and documents coincide); they are
+checked, not used to join sequences.
+
+Only `<prefix>.bin` is a shard; `<prefix>.idx` is its companion. `open` reads the .idx (a header
+read, then one read of the lengths, pointers and document indices) and plans byte ranges of the
+.bin that each hold whole consecutive sequences, about `chunk_bytes` each (a longer sequence gets
+a range of its own). `document_lengths` reads the .idx alone: the sequence lengths.
+"""
+from __future__ import annotations
+
+import os
+import re
+import struct
+from pathlib import Path
+from typing import Optional, Sequence
+
+import numpy as np
+
+from ..errors import DataError
+from ..storage.base import ObjectInfo, ObjectStore
+from ..tokenizer import TextTokenizer
+from .base import LENGTHS_CHUNK_BYTES, RawRecord, SkipCallback
+from .tokens import plan_groups
+
+BIN_SUFFIX = ".bin"
+IDX_SUFFIX = ".idx"
+MAGIC = b"MMIDIDX\x00\x00"
+VERSION = 1
+HEADER_BYTES = len(MAGIC) + 8 + 1 + 8 + 8   # 34
+
+# Megatron's DType codes.
+DTYPE_CODES = {1: np.dtype("<u1"), 2: np.dtype("<i1"), 3: np.dtype("<i2"), 4: np.dtype("<i4"),
+               5: np.dtype("<i8"), 6: np.dtype("<f8"), 7: np.dtype("<f4"), 8: np.dtype("<u2")}
+CODE_OF = {dtype: code for code, dtype in DTYPE_CODES.items()}
+# Token dtype on disk -> dtype of the arrays handed out. int32 arrays are trusted downstream
+# (`pipeline.transform.to_tokens`), so signed ones are checked for negative ids here first;
+# int64 ones are checked downstream (ids past 2**31 - 1).
+_OUT_DTYPES = {np.dtype("<u1"): np.dtype(np.int32), np.dtype("<i1"): np.dtype(np.int32),
+               np.dtype("<i2"): np.dtype(np.int32), np.dtype("<i4"): np.dtype(np.int32),
+               np.dtype("<u2"): np.dtype(np.int32), np.dtype("<i8"): np.dtype(np.int64)}
+
+# LitData writes its chunks as `chunk-<rank>-<n>[.<compression>].bin` (the litdata format's
+# `_CHUNK_NAME`): auto-detection leaves those to it; format="megatron" reads every `.bin`.
+_LITDATA_CHUNK = re.compile(r"chunk-\d+-\d+(?:\.[A-Za-z0-9_:+-]+)?\.bin")
+
+
+class _BadShard(Exception):
+    """A shard-level problem, turned into DataError or on_skip(None, ...)."""
+
+
+def idx_uri(bin_uri: str) -> str:
+    return bin_uri[: -len(BIN_SUFFIX)] + IDX_SUFFIX
+
+
+def _idx_what(uri: str) -> str:
+    return f"index file {uri.rsplit('/', 1)[-1]!r}"
+
+
+class MegatronIndex:
+    """What a .idx holds: the token dtype, per sequence its length and byte pointer, and the
+    document indices (None when only a prefix of the index was read)."""
+
+    def __init__(self, dtype: np.dtype, lengths: np.ndarray, pointers: np.ndarray,
+                 document_indices: Optional[np.ndarray]):
+        self.dtype, self.lengths, self.pointers = dtype, lengths, pointers
+        self.document_indices = document_indices
+
+
+async def _read_exact(store: ObjectStore, uri: str, start: int, end: int, what: str) -> bytes:
+    data = await store.read_range(uri, start, end)
+    if len(data) != end - start:
+        raise _BadShard(f"{what} is truncated (wanted bytes {start}-{end}, got {len(data)})")
+    return data
+
+
+async def read_index(store: ObjectStore, uri: str,
+                     max_sequences: Optional[int] = None) -> MegatronIndex:
+    """The index at `uri`, checked: two reads (the header, then the arrays). With
+    `max_sequences`, only the lengths and pointers of that many sequences are read (two
+    ranges) and the document indices are not."""
+    what = _idx_what(uri)
+    head = await store.read_range(uri, 0, HEADER_BYTES)
+    if not head.startswith(MAGIC):
+        raise _BadShard(f"{what} is not a Megatron index (bad magic bytes "
+                        f"{head[:len(MAGIC)]!r}, expected {MAGIC!r})")
+    if len(head) < HEADER_BYTES:
+        raise _BadShard(f"{what} is truncated ({len(head)} bytes, the header alone needs "
+                        f"{HEADER_BYTES})")
+    version, code, n_seq, n_doc = struct.unpack_from("<QBQQ", head, len(MAGIC))
+    if version != VERSION:
+        raise _BadShard(f"{what} has version {version}; only version {VERSION} is known")
+    if code not in DTYPE_CODES:
+        raise _BadShard(f"{what} has an unknown dtype code {code}")
+    dtype = DTYPE_CODES[code]
+    if dtype not in _OUT_DTYPES:
+        raise _BadShard(f"{what} holds {dtype.name} values, not token ids (integer dtypes only)")
+    if n_doc < 1:
+        raise _BadShard(f"{what} has no document indices (it needs documents + 1, from 0)")
+    lengths_at = HEADER_BYTES
+    pointers_at = lengths_at + 4 * n_seq
+    documents_at = pointers_at + 8 * n_seq
+    if max_sequences is None:
+        body = await _read_exact(store, uri, lengths_at, documents_at + 8 * n_doc, what)
+        lengths = np.frombuffer(body, "<i4", n_seq, 0)
+        pointers = np.frombuffer(body, "<i8", n_seq, 4 * n_seq)
+        documents = np.frombuffer(body, "<i8", n_doc, 12 * n_seq)
+    else:
+        n = min(n_seq, max_sequences)
+        lengths = np.frombuffer(await _read_exact(store, uri, lengths_at, lengths_at + 4 * n,
+                                                  what), "<i4")
+        pointers = np.frombuffer(await _read_exact(store, uri, pointers_at, pointers_at + 8 * n,
+                                                   what), "<i8")
+        documents = None
+    _check_index(lengths, pointers, documents, n_seq, dtype, what)
+    return MegatronIndex(dtype, lengths, pointers, documents)
+
+
+def _check_index(lengths: np.ndarray, pointers: np.ndarray, documents: Optional[np.ndarray],
+                 n_seq: int, dtype: np.dtype, what: str) -> None:
+    if lengths.size and lengths.min() < 0:
+        bad = int(np.argmax(lengths < 0))
+        raise _BadShard(f"{what} gives sequence {bad} a negative length {int(lengths[bad])}")
+    wrong = (pointers < 0) | (pointers % dtype.itemsize != 0)
+    if wrong.any():
+        bad = int(np.argmax(wrong))
+        raise _BadShard(f"{what} gives sequence {bad} the byte pointer {int(pointers[bad])}, "
+                        f"not a non-negative multiple of {dtype.itemsize} ({dtype.name})")
+    if documents is not None:
+        steps = np.diff(documents)
+        if documents[0] != 0 or documents[-1] != n_seq or (steps.size and steps.min() < 0):
+            raise _BadShard(f"{what} has document indices that do not run from 0 up to the "
+                            f"sequence count {n_seq} (found {int(documents[0])} .. "
+                            f"{int(documents[-1])}" + (", decreasing" if steps.size
+                                                       and steps.min() < 0 else "") + ")")
+
+
+def _fitting(index: MegatronIndex, bin_size: int, *, source: str, shard_name: str,
+             on_skip: Optional[SkipCallback]) -> np.ndarray:
+    """The sequences whose bytes lie inside the .bin (all of them unless it is truncated). The
+    first that does not fit raises a DataError naming it; with `on_skip`, each is reported and
+    left out."""
+    ends = index.pointers + index.lengths.astype(np.int64) * index.dtype.itemsize
+    outside = (ends > bin_size) & (index.lengths > 0)
+    if not outside.any():
+        return np.arange(index.lengths.size)
+    bad = np.flatnonzero(outside)
+    first = int(bad[0])
+    reason = (f"sequence {first} ends at byte {int(ends[first])} but the .bin holds {bin_size} "
+              f"bytes: the .bin is truncated ({bad.size} sequence(s) do not fit)")
+    if on_skip is None:
+        raise DataError(reason, source=source, shard=shard_name, record=first)
+    for record in bad.tolist():
+        on_skip(record, f"sequence {record} ends at byte {int(ends[record])}, past the end of "
+                        f"the .bin ({bin_size} bytes): the .bin is truncated")
+    return np.flatnonzero(~outside)
+
+
+def plan_ranges(index: MegatronIndex, keep: np.ndarray,
+                chunk_bytes: int) -> tuple[np.ndarray, np.ndarray, list[tuple[int, int]]]:
+    """Byte ranges of the .bin holding runs of whole consecutive sequences (of `keep`, the
+    sequence numbers to read, in order), about `chunk_bytes` each.
+
+    Returns (start, groups, ranges): each kept sequence's byte start (an empty sequence takes the
+    end of the sequence before, so it never breaks a run), and per range the run [a, b) of
+    positions in `keep`. Sequences that are not back to back in the .bin start a new range."""
+    size = index.dtype.itemsize
+    nbytes = index.lengths[keep].astype(np.int64) * size
+    start = index.pointers[keep].astype(np.int64)
+    nonempty = nbytes > 0
+    if not nonempty.any():
+        return start, np.zeros((0, 2), np.int64), []
+    ends = start + nbytes
+    last = np.maximum.accumulate(np.where(nonempty, np.arange(keep.size), -1))
+    first_start = start[int(np.argmax(nonempty))]
+    start = np.where(nonempty, start, np.where(last >= 0, ends[np.maximum(last, 0)], first_start))
+    ends = start + nbytes
+    breaks = np.flatnonzero(start[1:] != ends[:-1]) + 1
+    groups: list[tuple[int, int]] = []
+    for a, b in zip([0, *breaks.tolist()], [*breaks.tolist(), keep.size]):
+        offsets = np.append(start[a:b], ends[b - 1])
+        groups += [(a + g, a + h) for g, h in plan_groups(offsets, chunk_bytes)]
+    ranges = [(int(start[a]), int(ends[b - 1])) for a, b in groups]
+    return start, np.array(groups, np.int64).reshape(-1, 2), ranges
+
+
+class MegatronStream:
+    def __init__(self, *, source: str, shard_name: str, on_skip: SkipCallback | None,
+                 index: MegatronIndex, keep: np.ndarray, chunk_bytes: int):
+        self._source, self._shard_name, self._on_skip = source, shard_name, on_skip
+        self._dtype = index.dtype
+        self._out_dtype = _OUT_DTYPES[index.dtype]
+        self._signed = index.dtype.kind == "i" and self._out_dtype == np.int32
+        self._keep = keep
+        self._lengths = index.lengths[keep].astype(np.int64)
+        self._start, self._groups, self._ranges = plan_ranges(index, keep, chunk_bytes)
+        self._next = 0
+        self._finished = False
+
+    def ranges(self) -> list[tuple[int, int]]:
+        return self._ranges
+
+    def decode(self, chunk: bytes) -> list[RawRecord]:
+        if self._next >= len(self._ranges):
+            raise DataError("more chunks than planned ranges", source=self._source,
+                            shard=self._shard_name)
+        a, b = self._groups[self._next].tolist()
+        begin, end = self._ranges[self._next]
+        self._next += 1
+        if len(chunk) != end - begin:
+            raise DataError(f"expected {end - begin} bytes for sequences {int(self._keep[a])}.."
+                            f"{int(self._keep[b - 1])}, got {len(chunk)}", source=self._source,
+                            shard=self._shard_name)
+        tokens = np.frombuffer(chunk, self._dtype).astype(self._out_dtype)
+        lows = ((self._start[a:b] - begin) // self._dtype.itemsize).tolist()
+        highs = [low + n for low, n in zip(lows, self._lengths[a:b].tolist())]
+        records = self._keep[a:b].tolist()
+        if self._signed and tokens.size and tokens.min() < 0:
+            return self._without_negative(tokens, records, lows, highs)
+        return [RawRecord(r, tokens[lo:hi]) for r, lo, hi in zip(records, lows, highs)]
+
+    def finish(self) -> list[RawRecord]:
+        if self._finished:
+            return []
+        self._finished = True
+        if not self._ranges:   # no bytes to read: every kept sequence is empty
+            empty = np.empty(0, self._out_dtype)
+            return [RawRecord(r, empty) for r in self._keep.tolist()]
+        return []
+
+    def _without_negative(self, tokens: np.ndarray, records: list[int], lows: list[int],
+                          highs: list[int]) -> list[RawRecord]:
+        """The records of a range with negative ids in it: each sequence holding one raises a
+        DataError naming it, or with `on_skip` is reported and left out."""
+        out = []
+        for record, lo, hi in zip(records, lows, highs):
+            piece = tokens[lo:hi]
+            if piece.size and piece.min() < 0:
+                reason = "negative token id"
+                if self._on_skip is None:
+                    raise DataError(reason, source=self._source, shard=self._shard_name,
+                                    record=record)
+                self._on_skip(record, reason)
+            else:
+                out.append(RawRecord(record, piece))
+        return out
+
+
+class _EmptyStream:
+    """What a shard that failed to open yields in skip mode: nothing."""
+
+    def ranges(self) -> list[tuple[int, int]]:
+        return []
+
+    def decode(self, chunk: bytes) -> list[RawRecord]:
+        return []
+
+    def finish(self) -> list[RawRecord]:
+        return []
+
+
+class MegatronFormat:
+    """`<prefix>.bin` shards with their `<prefix>.idx` companions (Megatron-LM's
+    `IndexedDataset`). Auto-detection leaves LitData chunk names (`chunk-0-3.bin`) alone;
+    with format="megatron" every `.bin` is a shard."""
+
+    name = "megatron"
+    length_method = "index"
+
+    def __init__(self, text_field: str | None = None, tokens_field: str | None = None,
+                 named: bool = False):
+        self._named = named   # token ids already: no fields
+
+    def matches(self, uri: str) -> bool:
+        name = uri.rsplit("/", 1)[-1]
+        if not name.endswith(BIN_SUFFIX) or len(name) == len(BIN_SUFFIX):
+            return False
+        return self._named or not _LITDATA_CHUNK.fullmatch(name)
+
+    async def _index(self, store: ObjectStore, shard: ObjectInfo, *, source: str,
+                     shard_name: str, on_skip: SkipCallback | None,
+                     max_sequences: Optional[int] = None) -> Optional[MegatronIndex]:
+        try:
+            return await read_index(store, idx_uri(shard.uri), max_sequences)
+        except _BadShard as exc:
+            if on_skip is None:
+                raise DataError(str(exc), source=source, shard=shard_name) from None
+            on_skip(None, str(exc))
+            return None
+
+    async def open(self, store: ObjectStore, shard: ObjectInfo, *, source: str, shard_name: str,
+                   on_skip: SkipCallback | None,
+                   chunk_bytes: int) -> MegatronStream | _EmptyStream:
+        if chunk_bytes <= 0:
+            raise ValueError(f"chunk_bytes must be positive, got {chunk_bytes}")
+        index = await self._index(store, shard, source=source, shard_name=shard_name,
+                                  on_skip=on_skip)
+        if index is None:
+            return _EmptyStream()
+        keep = _fitting(index, shard.size, source=source, shard_name=shard_name, on_skip=on_skip)
+        return MegatronStream(source=source, shard_name=shard_name, on_skip=on_skip, index=index,
+                              keep=keep, chunk_bytes=chunk_bytes)
+
+    async def document_lengths(self, store: ObjectStore, shard: ObjectInfo, *, source: str,
+                               shard_name: str, on_skip: SkipCallback | None,
+                               tokenizer: TextTokenizer | None = None, limit: int | None = None,
+                               chunk_bytes: int = LENGTHS_CHUNK_BYTES) -> np.ndarray:
+        """Each sequence's length in tokens (`ShardFormat.document_lengths`), from the .idx
+        alone; the .bin is not read, only its size (from the listing) is compared with the
+        pointers, so sequences a truncated .bin cuts off are handled as `open` handles them.
+        Negative ids, which only the .bin can show, go unnoticed here. With `limit`, only the
+        first `limit` lengths and pointers are read. `tokenizer` and `chunk_bytes` are not
+        used: the documents are token ids already."""
+        if limit is not None and limit < 0:
+            raise ValueError(f"limit must be >= 0, got {limit}")
+        index = await self._index(store, shard, source=source, shard_name=shard_name,
+                                  on_skip=on_skip, max_sequences=limit)
+        if index is None:
+            return np.zeros(0, np.int64)
+        keep = _fitting(index, shard.size, source=source, shard_name=shard_name, on_skip=on_skip)
+        return index.lengths[keep].astype(np.int64)
+
+
+def write_megatron_dataset(path_prefix: str | os.PathLike, sequences: Sequence[np.ndarray],
+                           dtype=np.uint16,
+                           document_ends: Optional[Sequence[int]] = None) -> Path:
+    """Write `<prefix>.bin` and `<prefix>.idx` in Megatron-core's layout (see the module
+    docstring): one sequence per array, back to back. `document_ends` lists the sequence count
+    at the end of each document (default: one sequence per document). Returns the .bin path."""
+    dtype = np.dtype(dtype).newbyteorder("<")
+    if dtype not in CODE_OF or dtype not in _OUT_DTYPES:
+        raise ValueError(f"dtype must be one of {sorted(d.name for d in _OUT_DTYPES)}, "
+                         f"got {dtype.name}")
+    arrays = [np.asarray(s) for s in sequences]
+    for k, array in enumerate(arrays):
+        if array.ndim != 1:
+            raise ValueError(f"sequence {k} is not 1-D (shape {array.shape})")
+        if array.size and not np.array_equal(array.astype(dtype).astype(np.int64),
+                                             array.astype(np.int64)):
+            raise ValueError(f"sequence {k} holds values that {dtype.name} cannot hold")
+    lengths = np.array([a.size for a in arrays], np.int32)
+    pointers = np.concatenate([[0], np.cumsum(lengths.astype(np.int64))[:-1]]) * dtype.itemsize \
+        if arrays else np.zeros(0, np.int64)
+    ends = range(1, len(arrays) + 1) if document_ends is None else document_ends
+    documents = np.array([0, *ends], np.int64)
+    prefix = Path(path_prefix)
+    prefix.parent.mkdir(parents=True, exist_ok=True)
+    bin_path = prefix.with_name(prefix.name + BIN_SUFFIX)
+    with open(bin_path, "wb") as f:
+        for array in arrays:
+            f.write(array.astype(dtype).tobytes())
+    with open(prefix.with_name(prefix.name + IDX_SUFFIX), "wb") as f:
+        f.write(MAGIC + struct.pack("<QBQQ", VERSION, CODE_OF[dtype], len(arrays),
+                                    documents.size))
+        f.write(lengths.tobytes() + pointers.astype("<i8").tobytes() + documents.tobytes())
+    return bin_path
