@@ -5,7 +5,8 @@ PY := $(VENV)/bin/python
 TORCH_PIN := torch==2.13.0
 # The formats' reference writers and readers, for the tests (their own dependencies would pull
 # another torch and cloud SDKs: what they import is in the test extra).
-REFERENCE_READERS := mosaicml-streaming==0.13.0 megatron-core==0.16.1 webdataset==1.0.2
+REFERENCE_READERS := mosaicml-streaming==0.13.0 megatron-core==0.16.1 webdataset==1.0.2 \
+	litdata==0.2.76 lightning-utilities==0.15.3
 
 .PHONY: demo test bench clean
 

@@ -26,7 +26,6 @@ a range of its own). `document_lengths` reads the .idx alone: the sequence lengt
 from __future__ import annotations
 
 import os
-import re
 import struct
 from pathlib import Path
 from typing import Optional, Sequence
@@ -37,6 +36,7 @@ from ..errors import DataError
 from ..storage.base import ObjectInfo, ObjectStore
 from ..tokenizer import TextTokenizer
 from .base import LENGTHS_CHUNK_BYTES, RawRecord, SkipCallback
+from .litdata import CHUNK_NAME as LITDATA_CHUNK
 from .tokens import plan_groups
 
 BIN_SUFFIX = ".bin"
@@ -56,9 +56,8 @@ _OUT_DTYPES = {np.dtype("<u1"): np.dtype(np.int32), np.dtype("<i1"): np.dtype(np
                np.dtype("<i2"): np.dtype(np.int32), np.dtype("<i4"): np.dtype(np.int32),
                np.dtype("<u2"): np.dtype(np.int32), np.dtype("<i8"): np.dtype(np.int64)}
 
-# LitData writes its chunks as `chunk-<rank>-<n>[.<compression>].bin` (the litdata format's
-# `_CHUNK_NAME`): auto-detection leaves those to it; format="megatron" reads every `.bin`.
-_LITDATA_CHUNK = re.compile(r"chunk-\d+-\d+(?:\.[A-Za-z0-9_:+-]+)?\.bin")
+# LitData writes its chunks as `chunk-<rank>-<n>[.<compression>].bin`: auto-detection leaves
+# those to the litdata format; format="megatron" reads every `.bin`.
 
 
 class _BadShard(Exception):
@@ -291,7 +290,7 @@ class MegatronFormat:
         name = uri.rsplit("/", 1)[-1]
         if not name.endswith(BIN_SUFFIX) or len(name) == len(BIN_SUFFIX):
             return False
-        return self._named or not _LITDATA_CHUNK.fullmatch(name)
+        return self._named or not LITDATA_CHUNK.fullmatch(name)
 
     async def _index(self, store: ObjectStore, shard: ObjectInfo, *, source: str,
                      shard_name: str, on_skip: SkipCallback | None,
