@@ -12,6 +12,7 @@ import pytest
 
 import streamload as sl
 from streamload.commands.cli import main
+from test_format_litdata import litdata_root  # noqa: F401  (a fixture: litdata's own writer)
 
 TEXTS = [f"document {i} " + "word " * (i * 37 % 300) for i in range(60)]
 # MDS: a variable-shape ndarray column needs its samples read (the index gives sizes, not shapes).
@@ -86,3 +87,20 @@ def test_inspect_and_plan_read_every_format(tmp_path, capsys, fmt):
     assert scanned["tokens"] == sum(lengths)
     assert scanned["method"] == FORMAT_METHOD[fmt]
     assert plan["summary"]["tokens"] == sum(lengths)   # the whole epoch fits in 50 steps
+
+
+def test_inspect_and_plan_read_litdata(litdata_root, tmp_path, capsys):  # noqa: F811
+    root = litdata_root[0] / "text_plain"   # written by litdata.optimize (test_format_litdata)
+    assert main(["inspect", str(root), "--json", "--format", "litdata"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["format"] == "litdata" and report["records"] > 0
+    with sl.Loader([sl.Source(str(root), format="litdata")], micro_batch_tokens=1 << 16,
+                   micro_batches=2, epochs=1) as loader:
+        delivered = sum(mb.num_tokens for b in loader for mb in b.micro_batches)
+    assert report["tokens"] == delivered
+    config = tmp_path / "job.toml"
+    config.write_text(f'[loader]\nmicro_batch_tokens = 65536\nepochs = 1\n'
+                      f'[[source]]\nuri = "{root}"\nformat = "litdata"\n')
+    assert main(["plan", str(config), "--json", "--ranks", "2", "--steps", "50"]) == 0
+    plan = json.loads(capsys.readouterr().out)
+    assert plan["summary"]["scans"][0]["tokens"] == delivered
