@@ -1,4 +1,10 @@
 """streamload: stream many sources, balance compute cost across data-parallel ranks."""
+import logging as _logging
+
+# The "streamload" logger is quiet unless the application configures logging (INFO: what a
+# loader reads and its memory budget; WARNING: steps running short, sources with fewer shards
+# than ranks, sources running out).
+_logging.getLogger(__name__).addHandler(_logging.NullHandler())
 from .batch import Batch, MicroBatch
 from .collective.topology import Parallel
 from .config import LoaderConfig, Source

@@ -165,7 +165,8 @@ class Loader:
                  micro_batches: int = 2, tokenizer: Any = None, seed: int = 0,
                  epochs: Optional[int] = None, *, storage_options: Optional[dict] = None,
                  mixture: Optional[Mixture] = None, sample_costs: Optional[dict] = None,
-                 parallel: Optional[Parallel] = None, mesh: Any = None, **options):
+                 parallel: Optional[Parallel] = None, mesh: Any = None,
+                 on_step: Optional[Callable[[dict], Any]] = None, **options):
         self.sources = [s if isinstance(s, Source) else Source(s) for s in sources]
         if not self.sources:   # (unique names: `Mixture.check`, when the Runtime is built)
             raise ConfigError.at("sources", "at least one Source is required")
@@ -193,11 +194,19 @@ class Loader:
         else:
             self._runtime = Runtime(self.sources, row_config, tokenizer, comm, storage_options,
                                     mixture, sample_costs, self.topology, peers)
+        self._runtime_step_tokens = row_config.micro_batches * row_config.micro_batch_tokens * \
+            self.world_size
+        self._source_names = [src.name for src in self.sources]
         self._background: Optional[_Background] = None
         self._finished = False
         self._finalizer = None
         self._last_snapshot: Optional[StepSnapshot] = None   # of the last batch returned
         self._stall_s = 0.0   # time the trainer waited in next()
+        self._steps_taken = 0
+        # on_step(record): each step's metrics as a flat dict of numbers (`observe.step_record`),
+        # called on the trainer's thread as next() returns the step (W&B, Prometheus, MLflow,
+        # `observe.MetricsLog`, `observe.TensorBoardWriter`).
+        self._on_step = on_step
 
     @classmethod
     def from_config(cls, path, *, tokenizer: Any = None, **overrides) -> "Loader":
@@ -240,6 +249,10 @@ class Loader:
                 raise item.error
             raise StopIteration
         batch, self._last_snapshot = item
+        self._steps_taken += 1
+        if self._on_step is not None:
+            from .observe import step_record
+            self._on_step(step_record(batch, self._runtime_step_tokens, self._source_names))
         return batch
 
     def state_dict(self) -> dict:
@@ -264,8 +277,36 @@ class Loader:
         self._last_snapshot = None
 
     def stats(self) -> dict:
-        """Counters for this rank: per source, per step, skipped records, retries."""
-        return {**self._on_loop(self._runtime.stats), "stall_s": self._stall_s}
+        """This rank's counters: per step, per source, the mix, fill, bytes read; every field is
+        described in docs/metrics.md. `steps` counts the batches next() returned;
+        `steps_planned` the steps the loop has planned (it runs up to prefetch_steps ahead)."""
+        return {**self._on_loop(self._runtime.stats), "steps": self._steps_taken,
+                "stall_s": self._stall_s}
+
+    def summary(self) -> str:
+        """A few readable lines: steps, tokens per step and fill, balance, the mix against its
+        target, and what was read for what was delivered."""
+        s = self.stats()
+        lines = [f"streamload: {s['steps']} steps taken ({s.get('steps_planned', s['steps'])} "
+                 f"planned), DP rank {self.rank} of {self.world_size}"]
+        per_step = s.get("tokens_per_step") or {}
+        if per_step.get("mean") is not None:
+            lines.append(f"  tokens/step: mean {per_step['mean']:,.0f}, p1 {per_step['p1']:,}, "
+                         f"p50 {per_step['p50']:,}, p99 {per_step['p99']:,} of "
+                         f"{s['step_capacity_tokens']:,} (fill {per_step['fill']:.3f}, "
+                         f"{per_step['steps_below_90pct']} steps below 90%)")
+        if s.get("imbalance_mean") is not None:
+            lines.append(f"  balance: max/mean rank cost {s['imbalance_mean']:.3f} on average; "
+                         f"trainer waited {s['stall_s']:.2f} s in next()")
+        mix = s.get("mix") or {}
+        if mix:
+            lines.append("  mix (realized/target): " + ", ".join(
+                f"{name} {m['realized']:.3f}/{m['target']:.3f}" for name, m in mix.items()
+                if m["realized"] is not None))
+        if s.get("tokens_delivered"):
+            lines.append(f"  read {s['bytes_read']:,} bytes for {s['tokens_delivered']:,} tokens "
+                         f"delivered ({s['bytes_read_per_token']:.2f} B/token)")
+        return "\n".join(lines)
 
     def _on_loop(self, fn: Callable[[], T]) -> T:
         """fn() where the Runtime lives: on its loop while it runs, else here."""

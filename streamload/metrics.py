@@ -1,4 +1,5 @@
-"""Counters the loader keeps and `Loader.stats()` reports. Updated on the loop thread only."""
+"""Counters the loader keeps and `Loader.stats()` reports (docs/metrics.md: every field, its
+unit, and whether it is this rank's or the job's). Updated on the loop thread only."""
 from __future__ import annotations
 
 import time
@@ -14,7 +15,8 @@ LOW_FILL = 0.9     # a step below this share of its capacity counts as low
 @dataclass
 class SourceMetrics:
     shards_listed: int = 0
-    shards_read: int = 0
+    shards_started: int = 0     # shards this rank began reading (all passes)
+    shards_read: int = 0        # of those, read to the end
     records: int = 0            # documents decoded
     samples: int = 0            # buffered items (a split document counts once per chunk)
     tokens: int = 0
@@ -59,6 +61,17 @@ class StepMetrics:
     delivered: int = 0
     step_tokens: int = 0        # R·M·C: the tokens a full step holds
     delivered_tokens: int = 0   # over every rank, all steps
+    # The job's mix: tokens taken of each source over all steps, and what the schedule's shares
+    # asked for of the same steps' tokens (sources whose share was 0 get 0).
+    source_tokens: np.ndarray = field(default_factory=lambda: np.zeros(0))
+    target_tokens: np.ndarray = field(default_factory=lambda: np.zeros(0))
+
+    def record_mix(self, taken: np.ndarray, shares: np.ndarray) -> None:
+        """One step's tokens per source, and the shares the schedule gave the step."""
+        if self.source_tokens.size != taken.size:
+            self.source_tokens, self.target_tokens = np.zeros(taken.size), np.zeros(taken.size)
+        self.source_tokens += taken
+        self.target_tokens += shares * float(taken.sum())
     # Steps by fill (the job's tokens over R·M·C) in 0.1% bins: exact enough percentiles of
     # tokens per step in constant memory, however long the run.
     fill_bins: np.ndarray = field(default_factory=lambda: np.zeros(FILL_BINS + 1, np.int64))
@@ -95,7 +108,7 @@ class StepMetrics:
         plan = np.asarray(self.plan_ms, dtype=np.float64)
         return {
             "tokens_per_step": self.tokens_per_step(), "step_capacity_tokens": self.step_tokens,
-            "steps": self.steps, "epoch": self.epoch,
+            "steps_planned": self.steps, "epoch": self.epoch,
             "rank_tokens": self.last_rank_tokens, "rank_cost": self.last_rank_cost,
             "imbalance": self.last_imbalance,
             "imbalance_mean": self.imbalance_sum / self.steps if self.steps else None,
@@ -122,13 +135,23 @@ def rank_stats(runtime) -> dict:
             samples_per_s=metrics.delivered_samples / elapsed if elapsed > 0 else 0.0,
             tokens_per_s=metrics.delivered_tokens / elapsed if elapsed > 0 else 0.0,
             shard_concurrency=knobs.shards, range_readahead=knobs.readahead,
-            autoscale_changes=[list(h) for h in knobs.history[-8:]],
             inflight_bytes=gate.used if gate else 0,
             inflight_bytes_peak=gate.peak if gate else 0,
             inflight_over_budget_peak_bytes=gate.excess_peak if gate else 0,
             inflight_budget_bytes=runtime.budgets[s].inflight_bytes,
             decoded_per_raw_byte=gate.expansion if gate else None,
             buffer_blocked_s=buffer.blocked_s if buffer is not None else 0.0)
+        out["autoscale_changes"] = [{"step": step, "shard_concurrency": shards,
+                                     "range_readahead": ranges}
+                                    for step, shards, ranges in knobs.history[-8:]]
         sources[source.name] = out
+    steps = runtime.step_metrics
+    total = float(steps.source_tokens.sum())
+    mix = {source.name: {"realized": float(steps.source_tokens[s] / total) if total else None,
+                         "target": float(steps.target_tokens[s] / total) if total else None}
+           for s, source in enumerate(runtime.sources)} if steps.source_tokens.size else {}
+    read = sum(s.get("bytes_fetched", 0) for s in sources.values())
+    delivered = sum(s["delivered_tokens"] for s in sources.values())
     return {"rank": runtime.comm.rank, "world_size": runtime.comm.world,
-            **runtime.step_metrics.snapshot(), "sources": sources}
+            **steps.snapshot(), "mix": mix, "bytes_read": read, "tokens_delivered": delivered,
+            "bytes_read_per_token": read / delivered if delivered else None, "sources": sources}

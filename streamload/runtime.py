@@ -36,12 +36,14 @@ from .pipeline.autoscale import Autoscaler, Knobs, MemoryGate
 from .pipeline.buffer import SourceBuffer
 from .pipeline.fetch import Shard, SourceFetcher, list_shards
 from .pipeline.supervisor import Supervisor
+from .pipeline.transform import tokenizer_pool
 from .pipeline.workers import DaemonExecutor, run_detached
 from .plan.cost import CostModel
 from .plan.mix_spec import Mixture
 from .plan.stepper import Stepper
 from .peers import encode_end, encode_step
 from .progress import JobProgress, StepSnapshot, listing_crc
+from .watch import RunWatch
 from .stage_view import needs_view, stage_view
 from .state import LoaderState, encode_state
 from .storage import ObjectStore, open_store, source_store_options
@@ -103,6 +105,7 @@ class Runtime:
         self._scale_mark: Optional[tuple] = None      # (time, buffers' blocked_s) at last step
         self._slot_held = False                       # room reserved for this step's batch
         self._handoff: Optional[Handoff] = None
+        self.watch = RunWatch(sources, self.stepper, self.progress, comm)   # the logger
 
     # -- called from the Loader before the loop starts, or on the loop ----------------------------
     def load_state(self, state: LoaderState) -> None:
@@ -124,7 +127,7 @@ class Runtime:
         self.started = time.perf_counter()
         self._handoff = handoff
         executor = DaemonExecutor(self.config.transform_workers, "streamload-transform")
-        processes = self._tokenizer_processes()
+        processes = tokenizer_pool(self.config, self.tokenizer)
         supervisor = Supervisor(on_failure=lambda exc: [b.fail(exc) for b in self.buffers])
         self.stores = self._open_stores()
         failure: Optional[BaseException] = None
@@ -136,6 +139,7 @@ class Runtime:
             if not self.progress.resumed() or self.progress.resume.holding is None \
                     or self.progress.resume.world_size != self.comm.world:
                 self.stepper.start_epoch(holding)   # else: the windows the saved run had
+            self.watch.started(self.shards)
             self.budgets = self.stepper.budgets(self.comm.rank)
             self.buffers = [SourceBuffer(b.capacity_tokens, b.window_tokens) for b in self.budgets]
             self.gates = [MemoryGate(b.inflight_bytes) for b in self.budgets]
@@ -205,18 +209,6 @@ class Runtime:
         for metrics, shards in zip(self.source_metrics, self.shards):
             metrics.shards_listed = len(shards)
 
-    def _tokenizer_processes(self):
-        """A process pool for tokenizers that hold the GIL (`tokenize_in="processes"`)."""
-        if self.config.tokenize_in != "processes" or self.tokenizer is None:
-            return None
-        import multiprocessing
-        from concurrent.futures import ProcessPoolExecutor
-
-        from .pipeline.transform import set_process_tokenizer
-        return ProcessPoolExecutor(self.config.tokenizer_processes,
-                                   mp_context=multiprocessing.get_context("spawn"),
-                                   initializer=set_process_tokenizer, initargs=(self.tokenizer,))
-
     # -- the step loop -----------------------------------------------------------------------------
     async def _summary(self) -> np.ndarray:
         """This rank's head windows, once every one is complete."""
@@ -260,6 +252,7 @@ class Runtime:
             plan = decode_plan(await agreement.run(lambda: self.comm.broadcast(message, size)))
             outcome = OUTCOMES[plan.outcome]
             if outcome == "stop":   # a source with on_exhausted="stop" ran out
+                self.watch.stopped(c)
                 return
             if outcome == "end_epoch":
                 for s, buffer in enumerate(self.buffers):
@@ -270,12 +263,17 @@ class Runtime:
                 if stepper.finished:
                     return
                 stepper.start_epoch(self.progress.start_epoch(stepper.epoch))
+                self.watch.new_epoch()
                 self._resize()
                 continue
             window_sizes = [int(n) for n in np.bincount(
                 c.source[c.rank == self.comm.rank], minlength=S)]
             stepper.commit(step, plan.take, plan.length)
+            self.step_metrics.record_mix(
+                np.bincount(c.source[plan.take], weights=plan.length, minlength=S),
+                step.quota.shares)
             self.progress.observe(c, summaries.ids, plan.take, plan.length)
+            self.watch.step(step.index, float(plan.length.sum()))
             self._resize()
             self._autoscale(step.index)
             batch = await self.delivery.deliver(step.index, stepper.epoch, summaries, plan,

@@ -4,8 +4,8 @@ Layers, bottom up; a module imports from its own layer or below, never above:
   0  errors, pieces, plan/ (pure NumPy), storage/
   1  tokenizer, formats/, config, configfile, state, batch, metrics
   2  collective/, pipeline/
-  3  progress, delivery, stage_view, peers, runtime
-  4  loader, the package's __init__
+  3  progress, delivery, stage_view, peers, watch, runtime
+  4  loader, observe (metrics records, logs, TensorBoard), the package's __init__
   5  commands/: nothing in the library imports them
 plan/ imports nothing outside plan/, errors and pieces (imports under TYPE_CHECKING are for
 type names only and are not counted).
@@ -21,8 +21,8 @@ PACKAGE = Path(streamload.__file__).parent
 LAYERS = [("errors", "pieces", "plan", "storage"),
           ("tokenizer", "formats", "config", "configfile", "state", "batch", "metrics"),
           ("collective", "pipeline"),
-          ("progress", "delivery", "stage_view", "peers", "runtime"),
-          ("loader", "__init__"),
+          ("progress", "delivery", "stage_view", "peers", "watch", "runtime"),
+          ("loader", "observe", "__init__"),
           ("commands",)]
 
 

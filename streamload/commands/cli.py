@@ -3,7 +3,9 @@
     streamload demo [--small] [--planner NAME] ...   a multi-source job on 2 gloo ranks
     streamload inspect URI [--format jsonl|tokens]   a source's shards, counts, length histogram
     streamload calibrate [...]                       measure the cost model on this device
-    streamload plan CONFIG.toml --steps N [--ranks R] dry-run a configuration's plan (lengths only)
+    streamload plan CONFIG.toml --steps N [--ranks R] [--plot OUT.png]
+                                                     dry-run a configuration's plan (lengths only)
+    streamload report METRICS.jsonl [--plot OUT.png] a run's metrics log in numbers and a plot
 
 Each subcommand lives in its own module and is imported only when it runs, so `streamload
 inspect` does not pay for torch.multiprocessing and a missing optional piece breaks only the
@@ -31,6 +33,11 @@ def _plan(args: argparse.Namespace) -> int:
     return run(args)
 
 
+def _report(args: argparse.Namespace) -> int:
+    from .report import run
+    return run(args)
+
+
 def _plan_arguments(parser: argparse.ArgumentParser) -> None:
     # Here rather than in dryrun.py, so that building the parser does not import the planner.
     parser.add_argument("config", metavar="CONFIG.toml", help="the configuration file")
@@ -44,6 +51,10 @@ def _plan_arguments(parser: argparse.ArgumentParser) -> None:
                         help="print every K-th step in the table (default 1)")
     parser.add_argument("--json", action="store_true",
                         help="print one JSON line with the summary and every step, no table")
+    parser.add_argument("--plot", metavar="OUT.png", default=None,
+                        help="also draw the plan per step into a PNG: mix against the target, "
+                             "fill, balance, deferral (needs matplotlib: "
+                             "pip install streamload[plot])")
 
 
 def _calibrate(argv: Sequence[str]) -> int:
@@ -95,6 +106,16 @@ def build_parser() -> argparse.ArgumentParser:
                     "a configuration error.")
     _plan_arguments(plan)
     plan.set_defaults(handler=_plan)
+
+    from .report import add_arguments as report_arguments
+    report = sub.add_parser(
+        "report", help="summarize a run's metrics log and plot it",
+        description="Read a metrics log (one JSON record per step, written by "
+                    "streamload.observe.MetricsLog) and print the run in a few lines: steps, "
+                    "fill, tokens per step, imbalance, deferral, the realized mix against the "
+                    "target when known. With --plot, draw it into a PNG.")
+    report_arguments(report)
+    report.set_defaults(handler=_report)
 
     # Parsed by calibrate_main itself; listed here for --help.
     sub.add_parser("calibrate", add_help=False,

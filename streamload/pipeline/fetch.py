@@ -9,6 +9,7 @@ never depends on which fetch finished first.
 from __future__ import annotations
 
 import asyncio
+import re
 import time
 from dataclasses import dataclass
 from typing import Callable, Iterable, Optional
@@ -16,7 +17,7 @@ from typing import Callable, Iterable, Optional
 import numpy as np
 
 from ..config import LoaderConfig, Source
-from ..errors import DataError, StorageError
+from ..errors import ConfigError, DataError, StorageError
 from ..formats import format_for
 from ..formats.base import RawRecord, ShardFormat
 from ..metrics import SourceMetrics
@@ -29,6 +30,10 @@ from .buffer import SourceBuffer
 from .prefetch import ordered_prefetch
 from .supervisor import Supervisor
 from .transform import records_to_items, tokenize_texts
+
+
+# A shard's compression suffix: x.jsonl and x.jsonl.zst are one shard in two encodings.
+_COMPRESSION = re.compile(r"\.(gz|zst|zstd|bz2|xz)$", re.IGNORECASE)
 
 
 @dataclass(frozen=True)
@@ -48,6 +53,17 @@ async def list_shards(source: Source, store: ObjectStore) -> list[Shard]:
                          tokens_field=source.tokens_field)
         if fmt is not None:
             shards.append(Shard(len(shards), relative_name(source.uri, info.uri), info, fmt))
+    encodings: dict[str, list[str]] = {}
+    for shard in shards:   # the same shard in two encodings would be delivered twice (MDS
+        if shard.format.name != "mds":   # reads one of a raw and a compressed copy itself)
+            encodings.setdefault(_COMPRESSION.sub("", shard.name), []).append(shard.name)
+    twice = [names for names in encodings.values() if len(names) > 1]
+    if twice:
+        raise ConfigError.at(
+            "uri", f"{twice[0][0]!r} and {twice[0][1]!r} hold the same shard in two encodings "
+            f"({len(twice)} such pair(s)); every document would come twice. Point the source at "
+            f"one of them with a glob (e.g. {source.uri.rstrip('/')}/*.zst) or remove the copies",
+            where=f"source {source.name!r} ({source.uri}): ")
     if not shards:
         seen = ", ".join(o.uri.rsplit("/", 1)[-1] for o in objects[:5])
         raise StorageError(
@@ -117,6 +133,7 @@ class SourceFetcher:
 
     async def _read_shard(self, shard: Shard, virtual: int, keep, queue: asyncio.Queue) -> None:
         loop = asyncio.get_running_loop()
+        self.metrics.shards_started += 1
         skips: list[tuple[Optional[int], str]] = []
         on_skip = (lambda record, reason: skips.append((record, reason))) \
             if self.config.on_error == "skip" else None

@@ -139,3 +139,15 @@ def records_to_items(records: list[RawRecord], shard: int, capacity: int, long_d
     counts.samples = len(items)
     counts.tokens = sum([item.tokens.shape[0] for item in items])
     return items, counts
+
+
+def tokenizer_pool(config, tokenizer):
+    """A process pool for tokenizers that hold the GIL (`tokenize_in="processes"`), each process
+    holding a copy of `tokenizer`; None otherwise."""
+    if config.tokenize_in != "processes" or tokenizer is None:
+        return None
+    import multiprocessing
+    from concurrent.futures import ProcessPoolExecutor
+    return ProcessPoolExecutor(config.tokenizer_processes,
+                               mp_context=multiprocessing.get_context("spawn"),
+                               initializer=set_process_tokenizer, initargs=(tokenizer,))

@@ -135,6 +135,14 @@ def run(args: argparse.Namespace) -> int:
     head = {"config": spec.path, "ranks": args.ranks, "micro_batches": config.micro_batches,
             "micro_batch_tokens": config.micro_batch_tokens, "planner": config.planner,
             "by": spec.mixture.by, "scans": [s.to_dict() for s in scans]}
+    if getattr(args, "plot", None):
+        try:
+            from ..plots import plot_plan
+            plot_plan({**head, **summary}, reports, args.plot)
+        except ImportError as exc:
+            return fail(str(exc), 2)
+        except OSError as exc:
+            return fail(f"--plot {args.plot}: {exc.strerror or exc}", 1)
     if args.json:
         print(json.dumps({"summary": {**head, **summary},
                           "steps": [r.to_dict(names) for r in reports]}))

@@ -1,0 +1,146 @@
+"""`streamload report METRICS.jsonl [--plot OUT.png] [--target web=0.7,code=0.3]`: a run's
+metrics log (`streamload.observe.MetricsLog`) in a few lines, and as a plot (`plots.plot_run`)."""
+from __future__ import annotations
+
+import argparse
+import math
+import sys
+from typing import Mapping, Optional, Sequence
+
+import numpy as np
+
+from ..observe import read_metrics
+from .plots import plot_run, series_from_records   # NumPy only: matplotlib when drawing
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("log", metavar="METRICS.jsonl",
+                        help="a metrics log: one JSON record per step (streamload.observe)")
+    parser.add_argument("--plot", metavar="OUT.png", default=None,
+                        help="draw the run into a PNG (needs matplotlib: "
+                             "pip install streamload[plot])")
+    parser.add_argument("--target", metavar="NAME=SHARE,...", action="append", default=None,
+                        help="the mixture's target shares, e.g. web=0.7,code=0.3 (normalized); "
+                             "default: the log's target/<source> keys, if any")
+    parser.add_argument("--by", choices=("tokens", "samples"), default="tokens",
+                        help="the mixture's unit: the shares compare tokens (default) or items")
+
+
+def parse_targets(values: Optional[Sequence[str]]) -> Optional[dict[str, float]]:
+    """["web=0.7,code=0.3", "math=0.1"] -> {"web": 0.7, "code": 0.3, "math": 0.1}."""
+    if not values:
+        return None
+    out: dict[str, float] = {}
+    for value in values:
+        for part in value.split(","):
+            if not part.strip():
+                continue
+            name, sep, share = part.partition("=")
+            try:
+                if not sep or not name.strip():
+                    raise ValueError
+                out[name.strip()] = float(share)
+            except ValueError:
+                raise ValueError(f"--target: expected NAME=SHARE, got {part.strip()!r}") from None
+            if not math.isfinite(out[name.strip()]) or out[name.strip()] < 0:
+                raise ValueError(f"--target: {name.strip()}: a share must be >= 0, got {share}")
+    if sum(out.values()) <= 0:
+        raise ValueError("--target: the shares add up to 0")
+    return out
+
+
+def summarize_records(records: Sequence[Mapping], target_shares: Optional[Mapping] = None,
+                      by: str = "tokens") -> dict:
+    """The log in numbers: steps, fill, tokens per step, imbalance, deferral, and each source's
+    share of the run against its target (when known: `target_shares`, else the log's
+    `target/<source>` keys averaged by the unit)."""
+    series = series_from_records(records, target_shares, by)
+    out: dict = {"steps": len(series.steps)}
+    if not len(series.steps):
+        return out
+
+    def stat(values: Optional[np.ndarray], how) -> Optional[float]:
+        if values is None:
+            return None
+        values = values[np.isfinite(values)]
+        return float(how(values)) if values.size else None
+
+    out.update({
+        "first_step": stat(series.steps, np.min), "last_step": stat(series.steps, np.max),
+        "fill_mean": stat(series.fill, np.mean),
+        "tokens_per_step_p50": stat(series.tokens, np.median),
+        "tokens_total": stat(series.tokens, np.sum),
+        "imbalance_mean": stat(series.imbalance, np.mean),
+        "imbalance_max": stat(series.imbalance, np.max),
+        "max_deferral": stat(series.deferral, np.max),
+    })
+    totals = series.units.sum(axis=0)
+    N = float(totals.sum())
+    weights = series.units.sum(axis=1)
+    sources = {}
+    for s, name in enumerate(series.names):
+        entry = {"share": float(totals[s] / N) if N > 0 else 0.0, series.unit: float(totals[s])}
+        if series.target is not None:
+            target = np.nan_to_num(series.target[:, s])
+            entry["target"] = float((target * weights).sum() / N) if N > 0 else \
+                float(target.mean())
+        sources[name] = entry
+    out["unit"] = series.unit
+    out["sources"] = sources
+    if series.target is not None and sources:
+        out["mix_max_abs_dev"] = max(abs(e["share"] - e["target"]) for e in sources.values())
+    return out
+
+
+def format_records_summary(summary: Mapping) -> list[str]:
+    if not summary["steps"]:
+        return ["no steps in the log"]
+
+    def num(value, spec) -> str:
+        return "n/a" if value is None else format(value, spec)
+
+    lines = [f"{summary['steps']} steps ({num(summary['first_step'], '.0f')}.."
+             f"{num(summary['last_step'], '.0f')}), "
+             f"{num(summary['tokens_total'], ',.0f')} tokens",
+             f"fill: mean {num(summary['fill_mean'], '.4f')}; tokens per step: p50 "
+             f"{num(summary['tokens_per_step_p50'], ',.0f')}",
+             f"imbalance: mean {num(summary['imbalance_mean'], '.4f')}, max "
+             f"{num(summary['imbalance_max'], '.4f')}; max deferral "
+             f"{num(summary['max_deferral'], '.0f')} step(s)"]
+    if summary.get("sources"):
+        lines.append(f"mix of {summary['unit']} over the run"
+                     + (f" (max |realized - target| {summary['mix_max_abs_dev']:.4f})"
+                        if "mix_max_abs_dev" in summary else "") + ":")
+        for name, s in summary["sources"].items():
+            target = f" vs {s['target']:.4f} target" if "target" in s else ""
+            lines.append(f"  {name}: {s['share']:.4f} realized{target}, "
+                         f"{s[summary['unit']]:,.0f} {summary['unit']}")
+    return lines
+
+
+def run(args: argparse.Namespace) -> int:
+    def fail(message: str, code: int) -> int:
+        print(f"streamload report: {message}", file=sys.stderr)
+        return code
+
+    try:
+        targets = parse_targets(args.target)
+    except ValueError as exc:
+        return fail(str(exc), 2)
+    try:
+        records = read_metrics(args.log)
+    except OSError as exc:
+        return fail(f"cannot read {args.log}: {exc.strerror or exc}", 2)
+    except ValueError as exc:
+        return fail(str(exc), 2)
+    summary = summarize_records(records, targets, args.by)
+    for line in format_records_summary(summary):
+        print(line)
+    if args.plot:
+        try:
+            plot_run(records, args.plot, target_shares=targets, by=args.by,
+                     title=f"{args.log}: {summary['steps']} steps")
+        except ImportError as exc:
+            return fail(str(exc), 2)
+        print(f"plot: {args.plot}")
+    return 0

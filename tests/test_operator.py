@@ -1,0 +1,61 @@
+"""What an operator sees: the streamload logger, stats() fields that agree with each other,
+summary(), and the on_step callback."""
+from __future__ import annotations
+
+import logging
+
+import streamload as sl
+from corpus import write_jsonl_source
+
+
+def loader_for(root, **kw):
+    return sl.Loader([sl.Source(str(root / "web"), weight=0.7),
+                      sl.Source(str(root / "tiny"), weight=0.3)],
+                     micro_batch_tokens=1024, micro_batches=2, epochs=1, **kw)
+
+
+def test_the_logger_says_what_is_read_and_when_a_source_runs_out(tmp_path, caplog):
+    write_jsonl_source(tmp_path, "web", shards=3, per_shard=60, seed=1)
+    write_jsonl_source(tmp_path, "tiny", shards=1, per_shard=5, seed=2)
+    caplog.set_level(logging.INFO, logger="streamload")
+    with loader_for(tmp_path) as loader:
+        steps = sum(1 for _ in loader)
+    text = [r.getMessage() for r in caplog.records if r.name == "streamload"]
+    assert any("source 'web'" in t and "3 shard(s), 3 on rank 0 of 1" in t for t in text), text
+    assert any("memory budget" in t for t in text), text
+    ran_out = [t for t in text if "source 'tiny' ran out of data for epoch 0" in t]
+    assert len(ran_out) == 1 and "the other sources take its share" in ran_out[0], text
+    assert len(text) < 10 < steps          # nothing per step
+
+
+def test_the_logger_is_quiet_by_default(tmp_path, capsys):
+    write_jsonl_source(tmp_path, "web", shards=1, per_shard=10, seed=1)
+    write_jsonl_source(tmp_path, "tiny", shards=1, per_shard=2, seed=2)
+    with loader_for(tmp_path) as loader:
+        list(loader)
+    captured = capsys.readouterr()
+    assert "streamload" not in captured.err and "streamload" not in captured.out
+
+
+def test_stats_agree_with_the_steps_taken_and_summary_reads_them(tmp_path):
+    write_jsonl_source(tmp_path, "web", shards=3, per_shard=60, seed=1)
+    write_jsonl_source(tmp_path, "tiny", shards=1, per_shard=40, seed=2)
+    records = []
+    with loader_for(tmp_path, prefetch_steps=4, on_step=records.append) as loader:
+        batches = [b for _, b in zip(range(6), loader)]
+        stats = loader.stats()
+        summary = loader.summary()
+    assert stats["steps"] == 6 and stats["steps_planned"] >= 6    # the loop runs ahead
+    web = stats["sources"]["web"]
+    assert web["shards_started"] >= 1 and web["shards_read"] <= web["shards_started"]
+    assert all(set(c) == {"step", "shard_concurrency", "range_readahead"}
+               for c in web["autoscale_changes"])
+    mix = stats["mix"]
+    assert set(mix) == {"web", "tiny"}
+    assert abs(sum(m["realized"] for m in mix.values()) - 1) < 1e-9
+    assert abs(mix["web"]["target"] - 0.7) < 0.05
+    assert stats["bytes_read"] > 0 and stats["tokens_delivered"] > 0
+    assert "6 steps taken" in summary and "mix (realized/target)" in summary
+    # on_step: one flat record of numbers per step, in order.
+    assert [r["step"] for r in records] == [b.step for b in batches]
+    assert all(isinstance(v, (int, float)) for r in records for v in r.values())
