@@ -8,7 +8,8 @@ _logging.getLogger(__name__).addHandler(_logging.NullHandler())
 from .batch import Batch, MicroBatch
 from .collective.topology import Parallel
 from .config import LoaderConfig, Source
-from .errors import ConfigError, DataError, DistributedError, StorageError, StreamloadError
+from .errors import (ConfigError, DataError, DistributedError, StorageError, StreamloadError,
+                     UsageError)
 from .loader import Loader
 from .configfile import LoaderSpec, load_config
 from .plan.cost import CostModel
@@ -20,5 +21,5 @@ from .tokenizer import HFTokenizer
 __all__ = ["Loader", "Source", "Batch", "MicroBatch", "CostModel", "LoaderConfig", "RetryPolicy",
            "HFTokenizer", "Mixture", "MixPoint", "LengthQuota", "MixtureState", "LoaderSpec",
            "load_config", "StreamloadError", "ConfigError", "StorageError", "DataError",
-           "DistributedError", "Parallel"]
+           "DistributedError", "UsageError", "Parallel"]
 __version__ = "0.1.0"

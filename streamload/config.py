@@ -1,8 +1,10 @@
 """Configuration: msgspec structs, validated once at the boundary. Errors name the key."""
 from __future__ import annotations
 
+import difflib
 import functools
 import math
+import numbers
 import re
 import typing
 from typing import Any, Literal, Optional
@@ -76,6 +78,8 @@ def default_source_name(uri: str) -> str:
 class Source(msgspec.Struct):
     """One data source: a URI (prefix, directory or glob; s3://, local, file:// or fsspec)."""
     uri: str
+    # Relative (any scale). 0 leaves the source out while the others have data, as in a
+    # Mixture's weights; one source at least must weigh more than 0 (`Mixture.check`).
     weight: float = 1.0
     name: Optional[str] = None
     # The field (JSONL, Parquet column, MDS/LitData field) or tar member extension holding the
@@ -106,8 +110,8 @@ class Source(msgspec.Struct):
         for key, type_ in field_types(type(self)).items():
             if key not in ("uri", "name"):
                 setattr(self, key, convert(getattr(self, key), type_, key, where=where))
-        if not (math.isfinite(self.weight) and self.weight > 0):
-            raise ConfigError.at("weight", f"must be a finite number > 0, got {self.weight!r}",
+        if not (math.isfinite(self.weight) and self.weight >= 0):   # a Mixture weight's rule
+            raise ConfigError.at("weight", f"must be a finite number >= 0, got {self.weight!r}",
                                  where=where)
         if self.repeat < 1:
             raise ConfigError.at("repeat", f"must be an integer >= 1, got {self.repeat!r}",
@@ -189,12 +193,85 @@ class LoaderConfig(msgspec.Struct, kw_only=True):
                 fail(key, f"must be a finite number >= 0, got {getattr(self, key)!r}")
 
 
+# Keyword arguments of `Loader` that are not LoaderConfig options: make_config never sees
+# them, but a misspelling of one arrives there, so "did you mean" offers them too.
+LOADER_ARGUMENTS = ("sources", "tokenizer", "storage_options", "mixture", "sample_costs",
+                    "parallel", "mesh", "on_step")
+
+
+def did_you_mean(name: str, known) -> str:
+    """"; did you mean 'micro_batch_tokens'?" for the closest of `known`, or ""."""
+    close = difflib.get_close_matches(name, list(known), n=1)
+    return f"; did you mean {close[0]!r}?" if close else ""
+
+
 def make_config(**options) -> LoaderConfig:
     """Build a LoaderConfig from keyword options; unknown keys, wrong types and values out of
-    range are ConfigErrors whose `key` is the option."""
-    known = set(LoaderConfig.__struct_fields__)
-    unknown = sorted(set(options) - known)
+    range are ConfigErrors whose `key` is the option (`retry.max_attempts` inside a `retry`
+    dict)."""
+    known = LoaderConfig.__struct_fields__
+    unknown = [key for key in options if key not in known]
     if unknown:
-        raise ConfigError(f"unknown option(s) {', '.join(unknown)}; known: {', '.join(sorted(known))}",
-                          key=unknown[0])
+        key = unknown[0]
+        others = [k for k in known + LOADER_ARGUMENTS if k != key]
+        problem = f"unknown option {key!r}" + (did_you_mean(key, others)
+                                                 or f"; known: {', '.join(sorted(known))}")
+        raise ConfigError(problem, key=key, problem=problem)
+    if isinstance(options.get("retry"), dict):   # checked field by field, keyed retry.<field>
+        options["retry"] = from_table(options["retry"], RetryPolicy, "retry")
     return LoaderConfig(**options)
+
+
+def check_fields(values: dict, struct: type, key: str) -> None:
+    """Every key of `values` (a struct given as a dict: `retry`, `mixture`, `parallel`) a field
+    of `struct`, else a ConfigError at '<key>.<name>' with the field probably meant. (msgspec
+    ignores unknown fields, so a misspelt one would go unnoticed.)"""
+    fields = list(struct.__struct_fields__)
+    for name in values:
+        if name not in fields:
+            raise ConfigError.at(f"{key}.{name}", "unknown field" + (
+                did_you_mean(str(name), fields) or f"; known: {', '.join(fields)}"))
+
+
+_AT_PATH = re.compile(r" - at `\$(.*)`$")
+
+
+def from_table(values: Any, struct: type, key: str) -> Any:
+    """`struct` from a dict of its fields (or `values` itself when it is one already), every
+    error a ConfigError keyed by its path as the user wrote it: 'retry.max_attempts',
+    'parallel.tp', never msgspec's '$.max_attempts'."""
+    if isinstance(values, struct):
+        return values
+    if not isinstance(values, dict):
+        raise ConfigError.at(key, f"must be a {struct.__name__} or a dict of its fields, got "
+                                  f"{type(values).__name__}")
+    check_fields(values, struct, key)
+    values = {k: _plain_number(v) for k, v in values.items()}
+    try:
+        return msgspec.convert(values, struct)
+    except msgspec.ValidationError as exc:
+        message, cause = str(exc), exc.__cause__
+        at = _AT_PATH.search(message)
+        path = at.group(1) if at else ""
+        if isinstance(cause, ConfigError):   # the struct's own check, keyed by its field
+            sub = f"{path}.{cause.key}" if cause.key else path
+            raise ConfigError.at(f"{key}{sub}", cause.problem) from None
+        field = path[1:] if path.startswith(".") else None
+        choices = _literal_choices(field_types(struct)[field]) \
+            if field in field_types(struct) else None
+        if choices is not None:
+            problem = f"must be one of {', '.join(map(repr, choices))}, got {values[field]!r}"
+        else:
+            problem = (message[:at.start()] if at else message).replace("`", "")
+        raise ConfigError.at(f"{key}{path}", problem) from None
+
+
+def _plain_number(value: Any) -> Any:
+    """A NumPy (or other) integer or real as a Python int or float; anything else as it is."""
+    if isinstance(value, bool) or type(value) in (int, float):
+        return value
+    if isinstance(value, numbers.Integral):
+        return int(value)
+    if isinstance(value, numbers.Real):
+        return float(value)
+    return value

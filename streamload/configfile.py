@@ -29,7 +29,7 @@ from typing import Any, Optional
 
 import msgspec
 
-from .config import LoaderConfig, Source, convert, field_types, make_config
+from .config import LoaderConfig, Source, convert, did_you_mean, field_types, make_config
 from .errors import ConfigError
 from .plan.mix_spec import LengthQuota, MixPoint, Mixture
 from .storage.retry import RetryPolicy
@@ -103,10 +103,13 @@ class _Errors:
         return value
 
     def keys(self, table: dict, key: str, known) -> None:
+        """Every key of `table` in `known`, else an error at the first unknown one: 'unknown
+        key; did you mean ...?' when one of `known` is close, else the known keys."""
         unknown = [k for k in table if k not in known]
         if unknown:
+            hint = did_you_mean(unknown[0], known)
             self.fail(f"{key}.{unknown[0]}" if key else unknown[0],
-                      f"unknown key; known: {', '.join(known)}")
+                      f"unknown key{hint}" if hint else f"unknown key; known: {', '.join(known)}")
 
     def typed(self, value: Any, type_, key: str) -> Any:
         """`value` converted to `type_` (`config.convert`), its error keyed by `key`."""
@@ -272,6 +275,8 @@ def _mixture(errors: _Errors, raw: dict, sources: list[Source], capacity: int) -
         if exc.key is not None and (exc.key == "quotas" or exc.key.startswith("quotas[")):
             exc = ConfigError(str(exc), key="quota" + exc.key[len("quotas"):],
                               problem=exc.problem)
+        if exc.key == "sources":   # the [[source]] tables' weights, not the [mixture] table's
+            errors.fail("source", exc.problem)
         errors.relabel(exc, "mixture")
     return mixture
 

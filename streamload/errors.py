@@ -38,21 +38,52 @@ class StorageError(StreamloadError, OSError):
         self.uri = uri
 
 
+# What a DataError that on_error="skip" would have skipped says about it: the one place of
+# this hint, so every format's errors give it alike.
+SKIP_RECORDS_HINT = 'To skip bad records and count them in stats(), set on_error="skip".'
+SKIP_SHARDS_HINT = ('To skip the rest of a bad shard and count it in stats(), set '
+                    'on_error="skip".')
+
+
 class DataError(StreamloadError, ValueError):
-    """A shard or record could not be decoded."""
+    """A shard or record could not be decoded.
+
+    The message starts with where: `source 'web', shard 'part-3.jsonl', record 41 (line 42)`.
+    `record` is the record index as in sample ids (0-based); `line` is the 1-based line of the
+    record in the decompressed shard, for line-based formats (JSONL), so that an editor finds it.
+    An error that `on_error="skip"` would have skipped says so: every error with a `record`, and
+    a shard's error given `skippable=True`."""
 
     def __init__(self, message: str, *, source: str | None = None, shard: str | None = None,
-                 record: int | None = None):
+                 record: int | None = None, line: int | None = None,
+                 skippable: bool | None = None):
+        at = None
+        if record is not None:
+            at = f"record {record}" + (f" (line {line})" if line is not None else "")
+        elif line is not None:
+            at = f"line {line}"
         where = ", ".join(
             part for part in (
                 f"source {source!r}" if source is not None else "",
                 f"shard {shard!r}" if shard is not None else "",
-                f"record {record}" if record is not None else "",
+                at or "",
             ) if part
         )
-        super().__init__(f"{where}: {message}" if where else message)
-        self.source, self.shard, self.record = source, shard, record
+        text = f"{where}: {message}" if where else message
+        if skippable is None:
+            skippable = record is not None
+        if skippable:
+            hint = SKIP_RECORDS_HINT if record is not None or line is not None \
+                else SKIP_SHARDS_HINT
+            text = f"{text}. {hint}"
+        super().__init__(text)
+        self.source, self.shard, self.record, self.line = source, shard, record, line
 
 
 class DistributedError(StreamloadError, RuntimeError):
     """A collective failed or another rank went away."""
+
+
+class UsageError(StreamloadError, RuntimeError):
+    """A call the object cannot take in its present state (e.g. `Loader.load_state_dict()`
+    after iterating began). The message says when the call is allowed."""

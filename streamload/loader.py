@@ -26,10 +26,10 @@ import msgspec
 from .batch import Batch
 from .configfile import load_config
 from .plan.mix_spec import Mixture
-from .config import LoaderConfig, Source, make_config
+from .config import LoaderConfig, Source, check_fields, make_config
 from .collective.comm import Comm, connect, connect_broadcast
 from .collective.topology import Parallel, Topology, topology_for
-from .errors import ConfigError
+from .errors import ConfigError, UsageError
 from .peers import Follower
 from .progress import StepSnapshot
 from .runtime import Runtime
@@ -185,8 +185,12 @@ class Loader:
         if self.topology is not None and self.topology.cp > 1:   # the CP group shares a row
             row_config = msgspec.structs.replace(
                 self.config, micro_batch_tokens=self.topology.cp * self.config.micro_batch_tokens)
-        if mixture is not None and not isinstance(mixture, Mixture):
-            mixture = msgspec.convert(mixture, Mixture) if isinstance(mixture, dict) else mixture
+        if isinstance(mixture, dict):   # checked as Mixture(**mixture) is, nested keys too
+            check_fields(mixture, Mixture, "mixture")
+            mixture = Mixture(**mixture)
+        elif mixture is not None and not isinstance(mixture, Mixture):
+            raise ConfigError.at("mixture", f"must be a Mixture or a dict of its fields, got "
+                                            f"{type(mixture).__name__}")
         # sample_costs: {source name: fn(lengths) -> extra cost per sample}, e.g. a vision
         # encoder's cost per image, in the units of cost_a / cost_b.
         if comm is None:
@@ -268,7 +272,8 @@ class Loader:
     def load_state_dict(self, state_dict) -> None:
         """Resume from `state_dict()`'s output (a dict, or its JSON bytes). Call before iterating."""
         if self._background is not None:
-            raise RuntimeError("load_state_dict() must be called before iterating the loader")
+            raise UsageError("load_state_dict() must be called before iterating the loader: "
+                             "build a Loader, call load_state_dict(state), then iterate")
         payload = state_dict.get("streamload") if isinstance(state_dict, dict) else state_dict
         if payload is None:
             raise ConfigError("loader state: expected the dict returned by Loader.state_dict()")

@@ -137,14 +137,14 @@ def mixed_shard(path: Path) -> set[int]:
 def test_invalid_records_raise_naming_source_shard_and_record(root, good, name):
     mixed_shard(root / "web" / name)
     with pytest.raises(sl.DataError,
-                       match=rf"source 'web', shard '{name}', record 3: invalid JSON"):
+                       match=rf"source 'web', shard '{name}', record 3 \(line 4\): invalid JSON"):
         run(root)
 
 
 @pytest.mark.parametrize("line,reason", [
     (7, "field 'text' is not a string"),
     (8, "line is not a JSON object"),
-    (11, "missing field 'text'"),
+    (11, "missing field 'text'; fields present: 'body'"),
     (15, "invalid UTF-8"),
     (16, "invalid JSON"),
     (19, "invalid JSON"),
@@ -153,9 +153,12 @@ def test_each_kind_of_bad_record_names_its_record(root, good, line, reason):
     data = b'{"text": "fine"}\n' * line + BAD_LINES[line] + b'\n{"text": "after"}\n'
     (root / "web" / "one.jsonl").write_bytes(data)
     with pytest.raises(sl.DataError,
-                       match=rf"shard 'one.jsonl', record {line}: {reason}") as caught:
+                       match=rf"shard 'one.jsonl', record {line} \(line {line + 1}\): {reason}"
+                       ) as caught:
         run(root)
-    assert caught.value.record == line
+    assert caught.value.record == line and caught.value.line == line + 1
+    assert str(caught.value).endswith('To skip bad records and count them in stats(), set '
+                                      'on_error="skip".')
 
 
 @pytest.mark.parametrize("name", ["mixed.jsonl", "mixed.jsonl.gz"])
@@ -176,7 +179,8 @@ def test_a_whole_shard_in_latin1_is_skipped_record_by_record(root, good):
     texts = ["naïve café", "plain ascii", "señor"]
     (root / "web" / "latin1.jsonl").write_bytes(
         b"".join(b'{"text": "%s"}\n' % t.encode("latin-1") for t in texts))
-    with pytest.raises(sl.DataError, match=r"shard 'latin1.jsonl', record 0: invalid UTF-8"):
+    with pytest.raises(sl.DataError,
+                       match=r"shard 'latin1.jsonl', record 0 \(line 1\): invalid UTF-8"):
         run(root)
     ids, stats = run(root, on_error="skip")
     assert records_of(ids, "latin1.jsonl") == [1]
@@ -187,11 +191,12 @@ def test_a_whole_shard_in_latin1_is_skipped_record_by_record(root, good):
 
 def write_empty_shards(directory: Path) -> None:
     directory.mkdir(parents=True, exist_ok=True)
+    # Distinct stems: one shard in two encodings ("a.jsonl", "a.jsonl.gz") is a ConfigError.
     (directory / "empty.jsonl").write_bytes(b"")                       # 0 bytes
     (directory / "empty0.jsonl.gz").write_bytes(b"")                   # 0 bytes, no gzip member
-    (directory / "empty0.jsonl.zst").write_bytes(b"")                  # 0 bytes, no zstd frame
-    (directory / "empty.jsonl.gz").write_bytes(gzip.compress(b"", mtime=0))
-    (directory / "empty.jsonl.zst").write_bytes(zstandard.ZstdCompressor().compress(b""))
+    (directory / "empty1.jsonl.zst").write_bytes(b"")                  # 0 bytes, no zstd frame
+    (directory / "empty2.jsonl.gz").write_bytes(gzip.compress(b"", mtime=0))
+    (directory / "empty3.jsonl.zst").write_bytes(zstandard.ZstdCompressor().compress(b""))
     (directory / "blank.jsonl").write_bytes(b"\n\n  \n")               # blank lines: no records
     write_token_shard(directory / "empty", [])                         # a token shard, 0 documents
 

@@ -86,11 +86,35 @@ def test_truncated_gzip_is_not_silently_short(tmp_path):
         run([sl.Source(str(tmp_path / "t.jsonl.gz"))])
 
 
-@pytest.mark.parametrize("weight", [0, -1, float("nan"), float("inf"), "heavy"])
+@pytest.mark.parametrize("weight", [-1, -0.5, float("nan"), float("inf"), "heavy"])
 def test_bad_weight(weight):
     with pytest.raises(sl.ConfigError, match=r"source 'web'.*weight") as info:
         sl.Source("s3://bucket/web/", weight=weight)
     assert info.value.key == "weight"
+
+
+def test_weight_zero_follows_the_mixture_rule(tmp_path):
+    """A Source weight of 0 is allowed, as in a Mixture's weights: the source sits the mix out
+    while the others have data, then drains; every document still comes once."""
+    for name, count in (("main", 30), ("extra", 10)):
+        (tmp_path / name).mkdir()
+        write_jsonl(tmp_path / name / "a.jsonl", [f"{name} document {i}" for i in range(count)])
+    ids, _ = run([sl.Source(str(tmp_path / "main")), sl.Source(str(tmp_path / "extra"), weight=0)],
+                 micro_batch_tokens=64)
+    assert sorted(ids) == sorted([f"main/a.jsonl/{i}" for i in range(30)]
+                                 + [f"extra/a.jsonl/{i}" for i in range(10)])
+    first_extra = min(k for k, i in enumerate(ids) if i.startswith("extra/"))
+    assert first_extra >= 25   # only once main's window runs dry (about its last step)
+
+
+def test_every_source_weight_zero_is_one_error(tmp_path):
+    write_jsonl(tmp_path / "a.jsonl", ["x"])
+    write_jsonl(tmp_path / "b.jsonl", ["y"])
+    with pytest.raises(sl.ConfigError, match=r"^sources: every source's weight is 0; at least "
+                                             r"one must be positive") as info:
+        run([sl.Source(str(tmp_path / "a.jsonl"), weight=0),
+             sl.Source(str(tmp_path / "b.jsonl"), weight=0.0)])
+    assert info.value.key == "sources"
 
 
 @pytest.mark.parametrize("key,value", [("micro_batch_tokens", 0), ("micro_batch_tokens", -5),
@@ -108,3 +132,19 @@ def test_unknown_option_and_bad_choice():
         sl.Loader([sl.Source("/tmp/x")], on_error="ignore")
     with pytest.raises(sl.ConfigError, match="names must be unique"):
         sl.Loader([sl.Source("/a/web/"), sl.Source("/b/web/")])
+
+
+def test_one_shard_in_two_encodings_is_refused_unless_a_glob_picks_one(tmp_path):
+    from streamload.formats import write_jsonl
+    write_jsonl(tmp_path / "web" / "part-0.jsonl", ["a", "b"])
+    write_jsonl(tmp_path / "web" / "part-0.jsonl.zst", ["a", "b"])
+    write_jsonl(tmp_path / "web" / "part-1.jsonl", ["c"])
+    with pytest.raises(sl.ConfigError, match=r"'part-0.jsonl' and 'part-0.jsonl.zst' hold the "
+                                             r"same shard in two encodings") as info:
+        with sl.Loader([sl.Source(str(tmp_path / "web"))], micro_batch_tokens=64) as loader:
+            next(iter(loader))
+    assert info.value.key == "uri"
+    with sl.Loader([sl.Source(str(tmp_path / "web" / "*.jsonl"))], micro_batch_tokens=64,
+                   epochs=1) as loader:
+        ids = sorted(i for b in loader for mb in b.micro_batches for i in mb.sample_ids)
+    assert ids == ["web/part-0.jsonl/0", "web/part-0.jsonl/1", "web/part-1.jsonl/0"]

@@ -156,6 +156,14 @@ def test_demo_small_delivers_everything_exactly_once(tmp_path):
     out = proc.stdout
     assert "predicted cost" in out and "exactly-once   OK" in out
     assert "s3://streamload-demo/web/" in out
+    # The loader's summary, and the run's plot: where it went, a PNG of the expected size.
+    assert "mix (realized/target)" in out and "tokens/step: mean" in out
+    if "no plot:" not in out:   # matplotlib is in the test extra; the demo works without it
+        plot = tmp_path / "streamload-demo.png"
+        assert f"plot of the run (mix, fill, balance, deferrals): {plot}" in out
+        header = plot.read_bytes()[:24]
+        assert header[:8] == b"\x89PNG\r\n\x1a\n"
+        assert int.from_bytes(header[16:20], "big") == 1200
     manifest = json.loads((tmp_path / "work" / "corpus" / "manifest.json").read_text())
     assert {s["name"]: s["location"] for s in manifest["sources"]} == \
         {"web": "s3", "code": "s3", "books": "local", "math": "local"}

@@ -192,7 +192,12 @@ def replace(text, old, new):
 @pytest.mark.parametrize("text, key, problem", [
     # top level and [loader]
     ("[model]\nx = 1\n" + MINIMAL, "model", "unknown key; known: loader, cost"),
-    ("[loader]\nmicro_batchs = 4\n" + MINIMAL, "loader.micro_batchs", "unknown key; known: "),
+    ("[loader]\nmicro_batchs = 4\n" + MINIMAL, "loader.micro_batchs",
+     "unknown key; did you mean 'micro_batches'?"),
+    ("[loader]\nzzz = 4\n" + MINIMAL, "loader.zzz", "unknown key; known: micro_batch_tokens, "),
+    ("[mixtures]\nby = 'tokens'\n" + MINIMAL, "mixtures", "unknown key; did you mean 'mixture'?"),
+    ("[retry]\nmax_attempt = 2\n" + MINIMAL, "retry.max_attempt",
+     "unknown key; did you mean 'max_attempts'?"),
     ('[loader]\nmicro_batches = "4"\n' + MINIMAL, "loader.micro_batches", "Expected int, got str"),
     ("[loader]\nmicro_batches = 0\n" + MINIMAL, "loader.micro_batches", "must be an integer >= 1"),
     ("[loader]\nepochs = true\n" + MINIMAL, "loader.epochs", "Expected int | null, got bool"),
@@ -216,7 +221,12 @@ def replace(text, old, new):
     ('[source]\nuri = "s3://b/web/"\n', "source", "must be an array of tables"),
     (SOURCES_2 + '[[source]]\nname = "code"\n', "source[2].uri", "missing"),
     (replace(SOURCES_2, 'name = "books"', 'name = "books"\nweight = -2'),
-     "source[1].weight", "must be a finite number > 0, got -2.0"),
+     "source[1].weight", "must be a finite number >= 0, got -2.0"),
+    (replace(SOURCES_2, 'name = "books"', 'name = "books"\nwieght = 2'),
+     "source[1].wieght", "unknown key; did you mean 'weight'?"),
+    (replace(replace(SOURCES_2, 'name = "books"', 'name = "books"\nweight = 0'),
+             'uri = "s3://b/web/"', 'uri = "s3://b/web/"\nweight = 0'),
+     "source", "every source's weight is 0; at least one must be positive"),
     (replace(SOURCES_2, 'name = "books"', 'name = "books"\nweight = "high"'),
      "source[1].weight", "Expected float, got str"),
     (replace(SOURCES_2, 'name = "books"', 'name = "books"\ncolour = "red"'),
@@ -229,6 +239,8 @@ def replace(text, old, new):
     (replace(SOURCES_2, 'uri = "s3://b/web/"', 'uri = ""'), "source[0].uri", "must not be empty"),
     # [mixture]
     (SOURCES_2 + "[mixture]\nmode = 1\n", "mixture.mode", "unknown key; known: by, weights"),
+    (SOURCES_2 + "[mixture]\nweigths = { web = 1 }\n", "mixture.weigths",
+     "unknown key; did you mean 'weights'?"),
     (SOURCES_2 + '[mixture]\nby = "bytes"\n', "mixture.by", "must be 'tokens' or 'samples'"),
     (SOURCES_2 + '[mixture]\ninterpolate = "cubic"\n', "mixture.interpolate",
      "must be 'linear' or 'step'"),
@@ -293,7 +305,7 @@ def test_errors_name_file_key_and_problem(tmp_path, text, key, problem):
     ('[loader]\nplanner = "bogus"\n' + MINIMAL, "loader.planner"),
     ("[loader]\nlookahead = 0\n" + MINIMAL, "loader.lookahead"),
     ("[cost]\nb = -1.0\n" + MINIMAL, "cost.b"),
-    (replace(SOURCES_2, 'name = "books"', 'name = "books"\nweight = 0'), "source[1].weight"),
+    (replace(SOURCES_2, 'name = "books"', 'name = "books"\nweight = -1'), "source[1].weight"),
     (SOURCES_2 + "[[mixture.quota]]\nfraction = 0.7\n[[mixture.quota]]\nsource = \"web\"\n"
                  "max_length = 10\nfraction = 0.1\n", "mixture.quota[1]"),
 ])
@@ -323,7 +335,8 @@ def test_keyword_options_and_the_file_share_one_check(tmp_path):
         assert info.value.key == option
     with pytest.raises(ConfigError) as info:
         Source("s3://b/web/", weight=-1)
-    assert info.value.key == "weight" and info.value.problem == "must be a finite number > 0, got -1.0"
+    assert info.value.key == "weight"
+    assert info.value.problem == "must be a finite number >= 0, got -1.0"
 
 
 def test_parse_config_without_a_file():

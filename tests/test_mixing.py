@@ -326,6 +326,34 @@ def test_zero_weight_sources_still_drain_when_nothing_else_is_left():
     assert realized.sum(axis=1).min() > 0.9 * T
 
 
+def test_a_source_weight_of_zero_is_a_mixture_weight_of_zero():
+    """One rule: Source(weight=0) sits out while others have data, then drains, step for step
+    as a Mixture's weight 0 does."""
+    by_sources = QuotaMixer.from_sources(None, [Source("/d/web/", weight=1.0),
+                                                Source("/d/code/", weight=0),
+                                                Source("/d/books/", weight=0.0)])
+    by_mixture = make(Mixture(weights={"web": 1.0, "code": 0.0, "books": 0.0}))
+    runs = []
+    for mixer in (by_sources, by_mixture):
+        sim = Sim(MEDIANS, [0.5, 0.5, 0.5], budgets=[6 * T, np.inf, np.inf])
+        runs.append(run(mixer, sim, 12)[:2])
+    (realized, shares), (realized_m, shares_m) = runs
+    assert np.array_equal(realized, realized_m) and np.array_equal(shares, shares_m)
+    assert np.allclose(shares[0], [1.0, 0.0, 0.0]) and realized[0, 1:].sum() == 0
+    assert np.allclose(shares[-1], [0.0, 0.5, 0.5])      # web ran out: the zeros drain
+
+
+@pytest.mark.parametrize("weights", [[0, 0], [0.0, 0]])
+def test_every_source_weight_zero_is_rejected_naming_the_sources(weights):
+    sources = [Source("/d/web/", weight=weights[0]), Source("/d/code/", weight=weights[1])]
+    with pytest.raises(ConfigError) as info:
+        QuotaMixer.from_sources(None, sources)
+    assert info.value.key == "sources"
+    assert str(info.value).startswith("sources: every source's weight is 0; at least one must "
+                                      "be positive")
+    QuotaMixer.from_sources(Mixture(weights={"web": 1, "code": 0}), sources)   # overridden
+
+
 def test_new_epoch_forgets_deficits_but_keeps_the_schedule_position():
     mixer = make()
     sim = Sim(MEDIANS, mixer.max_shares())

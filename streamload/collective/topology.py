@@ -154,8 +154,9 @@ class Topology:
 def topology_for(parallel: Optional[Parallel], mesh) -> Optional[Topology]:
     """The Loader's topology: from `mesh` (with `parallel` for its options only) or `parallel`;
     None without either."""
-    if isinstance(parallel, dict):
-        parallel = msgspec.convert(parallel, Parallel)
+    if isinstance(parallel, dict):   # keyed 'parallel.tp', misspelt fields named
+        from ..config import from_table
+        parallel = from_table(parallel, Parallel, "parallel")
     if parallel is not None and mesh is not None and (parallel.tp, parallel.cp, parallel.pp) != (1, 1, 1):
         raise ConfigError.at("parallel", "with mesh=, the mesh gives tp, cp and pp; parallel= "
                              "may only set delivery and pipeline_middle")

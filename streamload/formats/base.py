@@ -29,7 +29,10 @@ from ..storage.base import ObjectInfo, ObjectStore
 from ..tokenizer import TextTokenizer
 
 # on_error="skip" passes a callback (record_index or None for the whole shard, reason);
-# on_error="raise" passes None and the stream raises DataError.
+# on_error="raise" passes None and the stream raises DataError: for a record with `record=`
+# (and `line=`, the 1-based line, in a line-based format), for a shard that the callback would
+# have skipped with `skippable=True`. Both messages then say that on_error="skip" skips them
+# (`errors.DataError`, the one place of that hint).
 SkipCallback = Callable[[Union[int, None], str], None]
 
 # Bytes per ranged read when measuring documents (`ShardFormat.document_lengths`).

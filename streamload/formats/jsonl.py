@@ -7,6 +7,7 @@ incremental decompressor and the partial last line waits for the next chunk.
 """
 from __future__ import annotations
 
+import difflib
 import zlib
 from functools import lru_cache
 from typing import Callable
@@ -15,7 +16,7 @@ import msgspec
 import numpy as np
 import zstandard
 
-from ..errors import DataError
+from ..errors import ConfigError, DataError
 from ..storage.base import ObjectInfo, ObjectStore
 from ..tokenizer import TextTokenizer
 from .base import LENGTHS_CHUNK_BYTES, RawRecord, SkipCallback
@@ -81,11 +82,11 @@ def _decoder(text_field: str) -> msgspec.json.Decoder:
     return msgspec.json.Decoder(record)
 
 
-def _describe(error: msgspec.MsgspecError, text_field: str) -> str:
+def _describe(error: msgspec.MsgspecError, text_field: str, line: bytes) -> str:
     message = str(error)
     if isinstance(error, msgspec.ValidationError):
         if message.startswith("Object missing required field"):
-            return f"missing field {text_field!r}"
+            return f"missing field {text_field!r}; {_fields_present(line, text_field)}"
         if message.startswith("Expected `str`, got `"):
             got = message[len("Expected `str`, got `"):].split("`", 1)[0]
             return f"field {text_field!r} is not a string (got {got})"
@@ -96,6 +97,27 @@ def _describe(error: msgspec.MsgspecError, text_field: str) -> str:
     if "UTF-8" in message:
         return "invalid UTF-8"
     return f"invalid JSON: {message}"
+
+
+_MAX_FIELDS_LISTED = 12
+
+
+def _fields_present(line: bytes, text_field: str) -> str:
+    """'fields present: 'body', 'id'' for a record that lacks `text_field` (its keys, not its
+    values), with the likely field to name in `text_field` when one is close."""
+    try:
+        fields = [str(k) for k in msgspec.json.decode(line)]
+    except (msgspec.MsgspecError, TypeError):   # not expected: it just decoded as an object
+        return "the record has other fields"
+    if not fields:
+        return "the record has no fields"
+    listed = ", ".join(repr(f[:64]) for f in fields[:_MAX_FIELDS_LISTED])
+    if len(fields) > _MAX_FIELDS_LISTED:
+        listed += f", ... ({len(fields) - _MAX_FIELDS_LISTED} more)"
+    close = difflib.get_close_matches(text_field, fields, n=1)
+    hint = (f"; did you mean text_field={close[0]!r}?" if close
+            else "; set the source's text_field to the field that holds the text")
+    return f"fields present: {listed}{hint}"
 
 
 class JsonlStream:
@@ -166,19 +188,20 @@ class JsonlStream:
                 try:
                     records.append(RawRecord(index, decode_line(line).text))
                 except msgspec.MsgspecError as exc:
-                    self._record_error(index, _describe(exc, self._text_field))
+                    self._record_error(index, _describe(exc, self._text_field, line))
             index += 1
         self._next_index = index
         return records
 
     def _record_error(self, index: int, reason: str) -> None:
         if self._on_skip is None:
-            raise DataError(reason, source=self._source, shard=self._shard_name, record=index)
+            raise DataError(reason, source=self._source, shard=self._shard_name, record=index,
+                            line=index + 1)   # the index is the 0-based line number
         self._on_skip(index, reason)
 
     def _shard_error(self, reason: str) -> None:
         if self._on_skip is None:
-            raise DataError(reason, source=self._source, shard=self._shard_name)
+            raise DataError(reason, source=self._source, shard=self._shard_name, skippable=True)
         self._failed = True
         self._pending = []
         self._on_skip(None, reason)
@@ -196,7 +219,7 @@ class JsonlFormat:
                  named: bool = False):
         text_field = "text" if text_field is None else text_field
         if not text_field:
-            raise ValueError("text_field must be a non-empty string")
+            raise ConfigError.at("text_field", "must be a non-empty string")
         self.text_field = text_field
         self._stems = _NAMED_STEMS if named else _STEMS
         _decoder(text_field)   # build the msgspec struct once, up front
@@ -207,7 +230,7 @@ class JsonlFormat:
     async def open(self, store: ObjectStore, shard: ObjectInfo, *, source: str, shard_name: str,
                    on_skip: SkipCallback | None, chunk_bytes: int) -> JsonlStream:
         if chunk_bytes <= 0:
-            raise ValueError(f"chunk_bytes must be positive, got {chunk_bytes}")
+            raise ConfigError.at("chunk_bytes", f"must be positive, got {chunk_bytes}")
         compression = compression_of(shard.uri, _NAMED_STEMS)
         return JsonlStream(shard, source=source, shard_name=shard_name, on_skip=on_skip,
                            chunk_bytes=chunk_bytes,

@@ -13,7 +13,7 @@ from typing import Optional
 
 import numpy as np
 
-from ..errors import DataError
+from ..errors import ConfigError, DataError
 from ..storage.base import ObjectInfo, ObjectStore
 from ..tokenizer import TextTokenizer, TokenizerError
 from .base import RawRecord, SkipCallback
@@ -66,7 +66,7 @@ async def stream_lengths(fmt, store: ObjectStore, shard: ObjectInfo, *, source: 
     """`fmt.document_lengths` by reading the shard's records: decode, measure (see the module
     docstring). With `limit`, reading stops once that many documents are measured."""
     if limit is not None and limit < 0:
-        raise ValueError(f"limit must be >= 0, got {limit}")
+        raise ConfigError.at("limit", f"must be >= 0, got {limit}")
     out: list[int] = []
     if limit == 0:
         return np.zeros(0, np.int64)

@@ -51,7 +51,7 @@ from typing import Optional
 import numpy as np
 import zstandard
 
-from ..errors import DataError
+from ..errors import ConfigError, DataError
 from ..storage.base import ObjectInfo, ObjectStore
 from ..tokenizer import TextTokenizer
 from .base import LENGTHS_CHUNK_BYTES, RawRecord, SkipCallback
@@ -568,7 +568,7 @@ class LitdataStream:
 
     def _shard_error(self, reason: str) -> None:
         if self._on_skip is None:
-            raise DataError(reason, source=self._source, shard=self._shard_name)
+            raise DataError(reason, source=self._source, shard=self._shard_name, skippable=True)
         self._failed = True
         self._on_skip(None, reason)
 
@@ -653,11 +653,11 @@ class LitdataFormat:
                  named: bool = False, *, block_size: int | None = None):
         text_field = "text" if text_field is None else text_field
         if not text_field:
-            raise ValueError("text_field must be a non-empty string")
+            raise ConfigError.at("text_field", "must be a non-empty string")
         if tokens_field is not None and not tokens_field:
-            raise ValueError("tokens_field must be a non-empty string")
+            raise ConfigError.at("tokens_field", "must be a non-empty string")
         if block_size is not None and (not isinstance(block_size, int) or block_size < 1):
-            raise ValueError(f"block_size must be a positive integer, got {block_size!r}")
+            raise ConfigError.at("block_size", f"must be a positive integer, got {block_size!r}")
         self.text_field, self.tokens_field, self.block_size = text_field, tokens_field, block_size
         self._lock = threading.Lock()
         self._cache: OrderedDict[str, _Dataset] = OrderedDict()
@@ -787,7 +787,7 @@ class LitdataFormat:
     async def open(self, store: ObjectStore, shard: ObjectInfo, *, source: str, shard_name: str,
                    on_skip: SkipCallback | None, chunk_bytes: int):
         if chunk_bytes <= 0:
-            raise ValueError(f"chunk_bytes must be positive, got {chunk_bytes}")
+            raise ConfigError.at("chunk_bytes", f"must be positive, got {chunk_bytes}")
         try:
             dataset, chunk, missing = await self._open_chunk(store, shard, shard_name, on_skip)
             if missing is not None:
@@ -795,7 +795,8 @@ class LitdataFormat:
             plan = await _plan_chunk(store, shard, dataset.layout, chunk, chunk_bytes)
         except _BadShard as exc:
             if on_skip is None:
-                raise DataError(str(exc), source=source, shard=shard_name) from None
+                raise DataError(str(exc), source=source, shard=shard_name,
+                                skippable=True) from None
             on_skip(None, str(exc))
             return _EmptyStream()
         return LitdataStream(plan, dataset.layout, source=source, shard_name=shard_name,
@@ -810,13 +811,14 @@ class LitdataFormat:
         fields, and texts without a tokenizer when the other leaves have fixed sizes (the
         records are not decoded, so a bad one is not noticed here); else by a scan."""
         if limit is not None and limit < 0:
-            raise ValueError(f"limit must be >= 0, got {limit}")
+            raise ConfigError.at("limit", f"must be >= 0, got {limit}")
         try:
             dataset, chunk, missing = await self._open_chunk(store, shard, shard_name, on_skip)
             lengths = await _index_lengths(store, shard, dataset.layout, chunk, tokenizer)
         except _BadShard as exc:
             if on_skip is None:
-                raise DataError(str(exc), source=source, shard=shard_name) from None
+                raise DataError(str(exc), source=source, shard=shard_name,
+                                skippable=True) from None
             on_skip(None, str(exc))
             return np.zeros(0, np.int64)
         if lengths is not None and missing is not None:

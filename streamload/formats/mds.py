@@ -45,7 +45,7 @@ import msgspec
 import numpy as np
 import zstandard
 
-from ..errors import DataError
+from ..errors import ConfigError, DataError
 from ..storage.base import ObjectInfo, ObjectStore
 from ..tokenizer import TextTokenizer
 from .base import LENGTHS_CHUNK_BYTES, RawRecord, SkipCallback
@@ -532,8 +532,8 @@ class MdsFormat:
         self.field = tokens_field if self.tokens else ("text" if text_field is None
                                                        else text_field)
         if not self.field:
-            raise ValueError("the MDS column to read (text_field / tokens_field) must be a "
-                             "non-empty string")
+            raise ConfigError.at("tokens_field" if self.tokens else "text_field",
+                                 "must be a non-empty string (the MDS column to read)")
         # Directory URI -> _Directory, the least recently used dropped past a bound. A format
         # instance is shared by every loader of the process (each its own event loop), so the
         # cache is guarded by a lock, and loads in flight are shared per event loop.
@@ -613,7 +613,8 @@ class MdsFormat:
             return entry, kind, _layout(entry, self.field, self.tokens)
         except _BadShard as exc:
             if on_skip is None:
-                raise DataError(str(exc), source=source, shard=shard_name) from None
+                raise DataError(str(exc), source=source, shard=shard_name,
+                                skippable=True) from None
             on_skip(None, str(exc))
             return None
 
@@ -629,7 +630,7 @@ class MdsFormat:
             reason = (f"{directory.index_uri} names shard {missing!r} ({samples} samples), "
                       f"which does not exist")
             if on_skip is None:
-                raise DataError(reason, source=source, shard=folder + missing)
+                raise DataError(reason, source=source, shard=folder + missing, skippable=True)
             on_skip(None, reason)
 
     # -- reading
@@ -644,7 +645,7 @@ class MdsFormat:
                     shard_name: str, on_skip: SkipCallback | None, chunk_bytes: int,
                     report_missing: bool) -> MdsRawStream | MdsCompressedStream | _EmptyStream:
         if chunk_bytes <= 0:
-            raise ValueError(f"chunk_bytes must be positive, got {chunk_bytes}")
+            raise ConfigError.at("chunk_bytes", f"must be positive, got {chunk_bytes}")
         resolved = await self._resolve(store, shard, source=source, shard_name=shard_name,
                                        on_skip=on_skip, report_missing=report_missing)
         if resolved is None or resolved[1] == "copy":
@@ -660,7 +661,8 @@ class MdsFormat:
             offsets = _check_header(head, entry.samples, shard.size, "the shard")
         except _BadShard as exc:
             if on_skip is None:
-                raise DataError(str(exc), source=source, shard=shard_name) from None
+                raise DataError(str(exc), source=source, shard=shard_name,
+                                skippable=True) from None
             on_skip(None, str(exc))
             return _EmptyStream()
         return MdsRawStream(decoder, offsets, chunk_bytes, source=source, shard_name=shard_name)
@@ -674,7 +676,7 @@ class MdsFormat:
         Otherwise the samples are decoded and measured (texts with `tokenizer`, UTF-8 bytes
         without one)."""
         if limit is not None and limit < 0:
-            raise ValueError(f"limit must be >= 0, got {limit}")
+            raise ConfigError.at("limit", f"must be >= 0, got {limit}")
         if self.tokens:
             resolved = await self._resolve(store, shard, source=source, shard_name=shard_name,
                                            on_skip=on_skip)

@@ -32,7 +32,7 @@ from typing import Optional, Sequence
 
 import numpy as np
 
-from ..errors import DataError
+from ..errors import ConfigError, DataError
 from ..storage.base import ObjectInfo, ObjectStore
 from ..tokenizer import TextTokenizer
 from .base import LENGTHS_CHUNK_BYTES, RawRecord, SkipCallback
@@ -299,7 +299,8 @@ class MegatronFormat:
             return await read_index(store, idx_uri(shard.uri), max_sequences)
         except _BadShard as exc:
             if on_skip is None:
-                raise DataError(str(exc), source=source, shard=shard_name) from None
+                raise DataError(str(exc), source=source, shard=shard_name,
+                                skippable=True) from None
             on_skip(None, str(exc))
             return None
 
@@ -307,7 +308,7 @@ class MegatronFormat:
                    on_skip: SkipCallback | None,
                    chunk_bytes: int) -> MegatronStream | _EmptyStream:
         if chunk_bytes <= 0:
-            raise ValueError(f"chunk_bytes must be positive, got {chunk_bytes}")
+            raise ConfigError.at("chunk_bytes", f"must be positive, got {chunk_bytes}")
         index = await self._index(store, shard, source=source, shard_name=shard_name,
                                   on_skip=on_skip)
         if index is None:
@@ -327,7 +328,7 @@ class MegatronFormat:
         first `limit` lengths and pointers are read. `tokenizer` and `chunk_bytes` are not
         used: the documents are token ids already."""
         if limit is not None and limit < 0:
-            raise ValueError(f"limit must be >= 0, got {limit}")
+            raise ConfigError.at("limit", f"must be >= 0, got {limit}")
         index = await self._index(store, shard, source=source, shard_name=shard_name,
                                   on_skip=on_skip, max_sequences=limit)
         if index is None:
@@ -344,15 +345,15 @@ def write_megatron_dataset(path_prefix: str | os.PathLike, sequences: Sequence[n
     at the end of each document (default: one sequence per document). Returns the .bin path."""
     dtype = np.dtype(dtype).newbyteorder("<")
     if dtype not in CODE_OF or dtype not in _OUT_DTYPES:
-        raise ValueError(f"dtype must be one of {sorted(d.name for d in _OUT_DTYPES)}, "
-                         f"got {dtype.name}")
+        raise ConfigError.at("dtype", f"must be one of {sorted(d.name for d in _OUT_DTYPES)}, "
+                                      f"got {dtype.name}")
     arrays = [np.asarray(s) for s in sequences]
     for k, array in enumerate(arrays):
         if array.ndim != 1:
-            raise ValueError(f"sequence {k} is not 1-D (shape {array.shape})")
+            raise ConfigError.at(f"sequences[{k}]", f"is not 1-D (shape {array.shape})")
         if array.size and not np.array_equal(array.astype(dtype).astype(np.int64),
                                              array.astype(np.int64)):
-            raise ValueError(f"sequence {k} holds values that {dtype.name} cannot hold")
+            raise ConfigError.at(f"sequences[{k}]", f"holds values that {dtype.name} cannot hold")
     lengths = np.array([a.size for a in arrays], np.int32)
     pointers = np.concatenate([[0], np.cumsum(lengths.astype(np.int64))[:-1]]) * dtype.itemsize \
         if arrays else np.zeros(0, np.int64)

@@ -43,7 +43,7 @@ from typing import Any
 
 import numpy as np
 
-from ..errors import DataError
+from ..errors import ConfigError, DataError
 from ..storage.base import ObjectInfo, ObjectStore
 from ..tokenizer import TextTokenizer
 from .base import LENGTHS_CHUNK_BYTES, RawRecord, SkipCallback
@@ -296,7 +296,7 @@ class ParquetStream:
 
     def _shard_error(self, reason: str) -> None:
         if self._on_skip is None:
-            raise DataError(reason, source=self._source, shard=self._shard_name)
+            raise DataError(reason, source=self._source, shard=self._shard_name, skippable=True)
         self._failed = True
         self._on_skip(None, reason)
 
@@ -325,12 +325,12 @@ class ParquetFormat:
                  named: bool = False):
         if tokens_field is not None:
             if not tokens_field:
-                raise ValueError("tokens_field must be a non-empty string")
+                raise ConfigError.at("tokens_field", "must be a non-empty string")
             self.field, self.tokens = tokens_field, True
         else:
             text_field = "text" if text_field is None else text_field
             if not text_field:
-                raise ValueError("text_field must be a non-empty string")
+                raise ConfigError.at("text_field", "must be a non-empty string")
             self.field, self.tokens = text_field, False
 
     def matches(self, uri: str) -> bool:
@@ -342,7 +342,7 @@ class ParquetFormat:
                    on_skip: SkipCallback | None, chunk_bytes: int) -> ParquetStream | _EmptyStream:
         """Reads the footer; `chunk_bytes` is not used (a range is a row group's column chunk)."""
         if chunk_bytes <= 0:
-            raise ValueError(f"chunk_bytes must be positive, got {chunk_bytes}")
+            raise ConfigError.at("chunk_bytes", f"must be positive, got {chunk_bytes}")
         pa = _pyarrow()
         try:
             metadata, footer_start = await _read_footer(store, shard)
@@ -352,7 +352,8 @@ class ParquetFormat:
                                  tokens=self.tokens)
         except _BadShard as exc:
             if on_skip is None:
-                raise DataError(str(exc), source=source, shard=shard_name) from None
+                raise DataError(str(exc), source=source, shard=shard_name,
+                                skippable=True) from None
             on_skip(None, str(exc))
             return _EmptyStream()
 

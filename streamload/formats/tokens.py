@@ -18,7 +18,7 @@ from typing import Optional
 
 import numpy as np
 
-from ..errors import DataError
+from ..errors import ConfigError, DataError
 from ..storage.base import ObjectInfo, ObjectStore
 from ..tokenizer import TextTokenizer
 from .base import LENGTHS_CHUNK_BYTES, RawRecord, SkipCallback
@@ -255,12 +255,13 @@ class TokensFormat:
     async def open(self, store: ObjectStore, shard: ObjectInfo, *, source: str, shard_name: str,
                    on_skip: SkipCallback | None, chunk_bytes: int) -> TokensStream | _EmptyStream:
         if chunk_bytes <= 0:
-            raise ValueError(f"chunk_bytes must be positive, got {chunk_bytes}")
+            raise ConfigError.at("chunk_bytes", f"must be positive, got {chunk_bytes}")
         try:
             dtype, data_start, offsets = await _read_index(store, shard)
         except _BadShard as exc:
             if on_skip is None:
-                raise DataError(str(exc), source=source, shard=shard_name) from None
+                raise DataError(str(exc), source=source, shard=shard_name,
+                                skippable=True) from None
             on_skip(None, str(exc))
             return _EmptyStream()
         return TokensStream(source=source, shard_name=shard_name, on_skip=on_skip, dtype=dtype,
@@ -276,7 +277,7 @@ class TokensFormat:
         start at 0 and never decrease). With `limit`, only the offsets needed are read.
         `tokenizer` and `chunk_bytes` are not used: the documents are token ids already."""
         if limit is not None and limit < 0:
-            raise ValueError(f"limit must be >= 0, got {limit}")
+            raise ConfigError.at("limit", f"must be >= 0, got {limit}")
         companion = offsets_uri(shard.uri)
         what = _offsets_what(companion)
         try:
@@ -284,7 +285,8 @@ class TokensFormat:
             _check_offsets(offsets, None, what)   # the token count is in the unread token file
         except _BadShard as exc:
             if on_skip is None:
-                raise DataError(str(exc), source=source, shard=shard_name) from None
+                raise DataError(str(exc), source=source, shard=shard_name,
+                                skippable=True) from None
             on_skip(None, str(exc))
             return np.zeros(0, np.int64)
         return np.diff(offsets).astype(np.int64, copy=False)

@@ -46,7 +46,7 @@ from typing import Mapping, Optional, Sequence, Union
 import msgspec
 import numpy as np
 
-from ..errors import DataError
+from ..errors import ConfigError, DataError
 from ..storage.base import ObjectInfo, ObjectStore
 from ..tokenizer import TextTokenizer
 from .base import LENGTHS_CHUNK_BYTES, RawRecord, SkipCallback
@@ -411,7 +411,7 @@ class WebdatasetStream:
         """Records already complete go out; the rest of the shard is not read."""
         out, self._out = self._out, []
         if self._on_skip is None:
-            raise DataError(reason, source=self._source, shard=self._shard_name)
+            raise DataError(reason, source=self._source, shard=self._shard_name, skippable=True)
         self._failed = True
         self._sample = None
         self._on_skip(None, reason)
@@ -438,12 +438,12 @@ class WebdatasetFormat:
                  named: bool = False):
         text_field = "txt" if text_field is None else text_field
         if not text_field:
-            raise ValueError("text_field must be a non-empty string")
+            raise ConfigError.at("text_field", "must be a non-empty string")
         self.text_field = text_field
         self.tokens = tokens_field is not None
         if self.tokens:
             if not tokens_field:
-                raise ValueError("tokens_field must be a non-empty string")
+                raise ConfigError.at("tokens_field", "must be a non-empty string")
             self.member, self.field = tokens_field.lower(), None
         else:
             self.member, self.field = text_source(text_field)
@@ -456,7 +456,7 @@ class WebdatasetFormat:
     async def open(self, store: ObjectStore, shard: ObjectInfo, *, source: str, shard_name: str,
                    on_skip: SkipCallback | None, chunk_bytes: int) -> WebdatasetStream:
         if chunk_bytes <= 0:
-            raise ValueError(f"chunk_bytes must be positive, got {chunk_bytes}")
+            raise ConfigError.at("chunk_bytes", f"must be positive, got {chunk_bytes}")
         compression = compression_of(shard.uri)
         return WebdatasetStream(shard, source=source, shard_name=shard_name, on_skip=on_skip,
                                 chunk_bytes=chunk_bytes,
@@ -483,7 +483,7 @@ def write_webdataset_shard(path: str | os.PathLike,
     `keys[k]` (default `%06d` of k). `.tar.gz` / `.tgz` names are gzip-compressed."""
     path = Path(path)
     if keys is not None and len(keys) != len(samples):
-        raise ValueError(f"{len(keys)} keys for {len(samples)} samples")
+        raise ConfigError.at("keys", f"{len(keys)} keys for {len(samples)} samples")
     path.parent.mkdir(parents=True, exist_ok=True)
     mode = "w:gz" if compression_of(str(path)) == "gzip" else "w"
     with tarfile.open(path, mode, format=format) as tar:

@@ -13,6 +13,7 @@ import msgspec
 import numpy as np
 import zstandard
 
+from ..errors import ConfigError
 from .tokens import OFFSETS_SUFFIX, TOKENS_SUFFIX
 
 _COMPRESSION_NAMES = {"gz": "gzip", "gzip": "gzip", "zst": "zstd", "zstd": "zstd"}
@@ -35,13 +36,15 @@ def write_jsonl(path: str | os.PathLike, texts: Iterable[str], compression: str 
     elif compression in _COMPRESSION_NAMES:
         kind = _COMPRESSION_NAMES[compression]
     else:
-        raise ValueError(f"compression must be None, 'plain', 'gz' or 'zst', got {compression!r}")
+        raise ConfigError.at("compression",
+                             f"must be None, 'plain', 'gz' or 'zst', got {compression!r}")
 
     encode = msgspec.json.Encoder().encode
     per_record = extra_fields is not None and not isinstance(extra_fields, Mapping)
     texts = list(texts)
     if per_record and len(extra_fields) != len(texts):
-        raise ValueError(f"extra_fields has {len(extra_fields)} entries for {len(texts)} texts")
+        raise ConfigError.at("extra_fields",
+                             f"has {len(extra_fields)} entries for {len(texts)} texts")
     lines = []
     for i, text in enumerate(texts):
         extra = extra_fields[i] if per_record else (extra_fields or {})
@@ -63,14 +66,14 @@ def write_token_shard(path_stem: str | os.PathLike, docs: Sequence[np.ndarray],
     `<stem>.offsets.npy` (int64, n_docs + 1 entries). Returns both paths."""
     dtype = np.dtype(dtype)
     if dtype not in {np.dtype(t) for t in _TOKEN_DTYPES}:
-        raise ValueError(f"dtype must be uint16, uint32, int32 or int64, got {dtype}")
+        raise ConfigError.at("dtype", f"must be uint16, uint32, int32 or int64, got {dtype}")
     info = np.iinfo(dtype)
     arrays = [np.asarray(doc).reshape(-1) for doc in docs]
     for i, doc in enumerate(arrays):
         if doc.size and doc.dtype.kind not in "iub":
-            raise ValueError(f"document {i} has non-integer dtype {doc.dtype}")
+            raise ConfigError.at(f"docs[{i}]", f"has non-integer dtype {doc.dtype}")
         if doc.size and (doc.min() < max(info.min, 0) or doc.max() > info.max):
-            raise ValueError(f"document {i} has token ids outside [0, {info.max}] for {dtype}")
+            raise ConfigError.at(f"docs[{i}]", f"has token ids outside [0, {info.max}] for {dtype}")
     lengths = np.array([doc.size for doc in arrays], dtype=np.int64)
     offsets = np.zeros(len(arrays) + 1, dtype=np.int64)
     np.cumsum(lengths, out=offsets[1:])

@@ -15,10 +15,12 @@ through JSON and TOML), and the schedule is a pure function of (step, tokens con
         quotas=[sl.LengthQuota(source="books", min_length=8192, fraction=0.2)],
     )
 
-Weights are relative (any scale; 0 leaves a source out). Without a schedule they are `weights`,
-or each Source.weight when `weights` is None. With a schedule, every point lists every source,
-and `weights` is not given. Before the first point the first point's weights apply, after the
-last point the last's.
+Weights are relative (any scale). 0 leaves a source out while the others have data: it is read
+only once they have run out (or when a schedule gives it weight). The same holds for each
+Source.weight, and at every point at least one weight must be positive. Without a schedule
+they are `weights`, or each Source.weight when `weights` is None. With a schedule, every point
+lists every source, and `weights` is not given. Before the first point the first point's
+weights apply, after the last point the last's.
 
 A `LengthQuota` asks that at least `fraction` of every step's total (tokens, or samples when
 `by="samples"`) come from items with `min_length <= length < max_length`: of one source, or of
@@ -230,8 +232,12 @@ class Mixture(msgspec.Struct, kw_only=True):
         labels = [f"schedule[{i}]" for i in range(len(self.schedule))] or ["weights"]
         for label, row in zip(labels, table):
             if not row.sum() > 0:
-                fail(f"{label}.weights" if self.schedule else "weights",
-                     "every source's weight is 0; at least one must be positive", where=where)
+                if self.schedule or self.weights is not None:
+                    fail(f"{label}.weights" if self.schedule else "weights",
+                         "every source's weight is 0; at least one must be positive",
+                         where=where)
+                fail("sources", "every source's weight is 0; at least one must be positive "
+                                "(weight 0 leaves a source out while others have data)")
             shares = row / row.sum()
             for i, q in enumerate(self.quotas):
                 if q.source is None:

@@ -8,6 +8,7 @@ the directory above its first wildcard.
 from __future__ import annotations
 
 import asyncio
+import difflib
 import errno
 import os
 import time
@@ -184,7 +185,17 @@ class FsspecStore(_ThreadedStore):
 
         super().__init__(retry=retry, max_concurrency=max_concurrency)
         self.protocol = protocol
-        self.fs = fsspec.filesystem(protocol, **(storage_options or {}))
+        try:
+            self.fs = fsspec.filesystem(protocol, **(storage_options or {}))
+        except ImportError as exc:   # fsspec knows the protocol; its package is not installed
+            raise ConfigError(f"{protocol}:// URIs: {exc}", key="uri") from None
+        except ValueError as exc:   # "Protocol not known: gcss"
+            close = difflib.get_close_matches(protocol, fsspec.available_protocols(), n=1)
+            hint = f"; did you mean {close[0]}://?" if close else ""
+            raise ConfigError(f"{protocol}:// URIs: {exc}{hint}", key="uri") from None
+        except TypeError as exc:   # an option the filesystem does not take
+            raise ConfigError(f"storage_options for {protocol}:// URIs: {exc}",
+                              key="storage_options") from None
 
     def _uri(self, path: str) -> str:
         return f"{self.protocol}://{path}"

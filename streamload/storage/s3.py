@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import asyncio
+import difflib
 import os
 import time
 from collections.abc import Awaitable, Callable
@@ -15,8 +16,15 @@ from botocore.config import Config
 from botocore.exceptions import (
     BotoCoreError,
     ClientError,
+    CredentialRetrievalError,
     HTTPClientError,
     IncompleteReadError,
+    NoCredentialsError,
+    PartialCredentialsError,
+    ProfileNotFound,
+    SSOTokenLoadError,
+    TokenRetrievalError,
+    UnauthorizedSSOTokenError,
 )
 from botocore.exceptions import ConnectionError as BotoConnectionError
 from botocore.loaders import create_loader
@@ -49,6 +57,36 @@ _CLIENT_OPTIONS = {
     "aws_session_token": "aws_session_token", "token": "aws_session_token",
 }
 _OTHER_OPTIONS = ("profile", "anon")
+_SECRET_OPTIONS = ("aws_access_key_id", "key", "aws_secret_access_key", "secret",
+                   "aws_session_token", "token")   # not passed on when anon=True
+
+# Errors finding or loading credentials, before any request is sent.
+_CREDENTIAL_ERRORS = (NoCredentialsError, PartialCredentialsError, ProfileNotFound,
+                      CredentialRetrievalError, SSOTokenLoadError, TokenRetrievalError,
+                      UnauthorizedSSOTokenError)
+
+# How to give credentials, another endpoint or anonymous access: the end of every credential
+# or permission error. Names of options and variables only, never values.
+_GIVE_CREDENTIALS = (
+    'give credentials in storage_options={"key": ..., "secret": ...} (add "token" for '
+    'temporary ones) or {"profile": ...}, or in the environment: AWS_ACCESS_KEY_ID and '
+    'AWS_SECRET_ACCESS_KEY, or AWS_PROFILE')
+_OTHER_ENDPOINT = ('another endpoint: storage_options={"endpoint_url": ...} or '
+                   'AWS_ENDPOINT_URL_S3')
+_CREDENTIALS_HELP = (f"To fix: {_GIVE_CREDENTIALS}; {_OTHER_ENDPOINT}; a public bucket: "
+                     f'storage_options={{"anon": True}} (unsigned requests).')
+
+# Where botocore found the credentials it signs with (Credentials.method): never the keys.
+_CREDENTIAL_METHODS = {
+    "env": "the environment (AWS_ACCESS_KEY_ID)",
+    "shared-credentials-file": "the shared credentials file (AWS_SHARED_CREDENTIALS_FILE, "
+                               "~/.aws/credentials)",
+    "config-file": "the AWS config file (AWS_CONFIG_FILE, ~/.aws/config)",
+    "iam-role": "the instance's IAM role",
+    "container-role": "the container's role",
+    "assume-role": "an assumed role (AWS config)",
+    "sso": "AWS SSO",
+}
 
 # Botocore's service models, parsed once per process rather than once per store's session
 # (about 0.1 s each). The loader only reads bundled JSON files: nothing loop- or user-specific.
@@ -84,8 +122,40 @@ def is_retryable(exc: BaseException) -> bool:
     ))
 
 
-def _storage_error(exc: Exception, uri: str, bucket: str) -> StorageError:
-    """A final error, said in terms of the bucket and URI the user wrote."""
+class _Access:
+    """What a credential or permission error says about the request: never the keys."""
+
+    def __init__(self, endpoint: str, anon: bool, credentials: str | None):
+        self.endpoint, self.anon, self.credentials = endpoint, anon, credentials
+
+    def describe(self) -> str:
+        """' Endpoint: http://.... Credentials: from the environment (AWS_ACCESS_KEY_ID).'"""
+        text = f" Endpoint: {self.endpoint}."
+        if self.credentials:
+            text += f" Credentials: from {self.credentials}."
+        return text
+
+
+def _is_access_problem(exc: BaseException) -> bool:
+    if isinstance(exc, _CREDENTIAL_ERRORS):
+        return True
+    if isinstance(exc, ClientError):
+        code, status = _error_code(exc)
+        return code in _CREDENTIAL_CODES or code in ("AccessDenied", "AllAccessDisabled") \
+            or status == 403
+    return False
+
+
+def _storage_error(exc: Exception, uri: str, bucket: str,
+                   access: _Access | None = None) -> StorageError:
+    """A final error, said in terms of the bucket and URI the user wrote; a credential or
+    permission error also names the endpoint, where the credentials came from (never what
+    they are) and how to give others."""
+    where = access.describe() if access is not None else ""
+    if isinstance(exc, _CREDENTIAL_ERRORS):
+        problem = f"no S3 credentials found for {uri}" if isinstance(exc, NoCredentialsError) \
+            else f"cannot load S3 credentials for {uri}: {describe(exc)}"
+        return StorageError(f"{problem}.{where} {_CREDENTIALS_HELP}", uri=uri)
     if not isinstance(exc, ClientError):
         return StorageError(f"{uri}: {describe(exc)}", uri=uri)
     code, status = _error_code(exc)
@@ -94,9 +164,16 @@ def _storage_error(exc: Exception, uri: str, bucket: str) -> StorageError:
     elif code in ("NoSuchKey", "NotFound") or status == 404:
         message = f"no such object: {uri}"
     elif code in _CREDENTIAL_CODES:
-        message = f"S3 rejected the credentials used for {uri} ({code})"
+        message = f"S3 rejected the credentials used for {uri} ({code}).{where} " \
+                  f"{_CREDENTIALS_HELP}"
     elif code in ("AccessDenied", "AllAccessDisabled") or status == 403:
-        message = f"access denied to {uri} (check the credentials and the bucket policy)"
+        if access is not None and access.anon:
+            message = (f"access denied to {uri} for an anonymous request (storage_options "
+                       f'"anon": True).{where} To fix: the bucket must allow public reads, or '
+                       f'drop "anon" and {_GIVE_CREDENTIALS}; {_OTHER_ENDPOINT}.')
+        else:
+            message = (f"access denied to {uri} ({code or status}).{where} Check the "
+                       f"credentials and the bucket policy. {_CREDENTIALS_HELP}")
     else:
         detail = exc.response.get("Error", {}).get("Message", "")
         message = f"{uri}: S3 error {code or status}" + (f": {detail}" if detail else "")
@@ -130,31 +207,44 @@ class S3Store:
         if max_concurrency < 1:
             raise ConfigError(f"max_concurrency must be >= 1, got {max_concurrency}")
         options = dict(storage_options or {})
-        unknown = sorted(set(options) - set(_CLIENT_OPTIONS) - set(_OTHER_OPTIONS))
+        allowed = sorted((*_CLIENT_OPTIONS, *_OTHER_OPTIONS))
+        unknown = sorted(set(options) - set(allowed))
         if unknown:
-            allowed = ", ".join(sorted((*_CLIENT_OPTIONS, *_OTHER_OPTIONS)))
-            raise ConfigError(f"unknown S3 storage_options {unknown}; allowed: {allowed}")
+            close = difflib.get_close_matches(unknown[0], allowed, n=1)
+            hint = f"; did you mean {close[0]!r}?" if close else ""
+            raise ConfigError(f"unknown S3 storage_options {unknown}{hint} (allowed: "
+                              f"{', '.join(allowed)})", key=unknown[0])
+        anon = options.get("anon", False)
+        if not isinstance(anon, bool):
+            raise ConfigError(f"S3 storage_options anon: must be True or False, got {anon!r}",
+                              key="anon")
+        # anon=True wins over keys (a public source beside the loader's shared credentials):
+        # its requests are unsigned, and the keys never leave this store.
+        self._anon = anon
         self.counters = StoreCounters()
         self.retry = retry or RetryPolicy()
         self.max_concurrency = max_concurrency
         # Credentials stay in this private dict: never in a repr, a message or saved state.
         self._client_kwargs: dict[str, Any] = {
-            _CLIENT_OPTIONS[k]: v for k, v in options.items() if k in _CLIENT_OPTIONS}
-        self._client_kwargs.setdefault("endpoint_url", os.environ.get("AWS_ENDPOINT_URL") or None)
+            _CLIENT_OPTIONS[k]: v for k, v in options.items() if k in _CLIENT_OPTIONS
+            and not (anon and k in _SECRET_OPTIONS)}
+        self._client_kwargs.setdefault("endpoint_url", os.environ.get("AWS_ENDPOINT_URL_S3")
+                                       or os.environ.get("AWS_ENDPOINT_URL") or None)
         self._client_kwargs.setdefault("region_name", os.environ.get("AWS_DEFAULT_REGION")
                                        or os.environ.get("AWS_REGION") or "us-east-1")
-        self._profile = options.get("profile")
+        self._profile = None if anon else options.get("profile")
         timeout = self.retry.request_timeout_s
         self._config = Config(
             max_pool_connections=max_concurrency,
             retries={"total_max_attempts": 1, "mode": "standard"},  # RetryPolicy retries instead
             connect_timeout=min(10.0, timeout),
             read_timeout=timeout,
-            signature_version=UNSIGNED if options.get("anon") else None,
+            signature_version=UNSIGNED if anon else None,
         )
         self._slots = asyncio.Semaphore(max_concurrency)
         self._client_lock = asyncio.Lock()
         self._client: Any = None
+        self._session: AioSession | None = None
         self._exit_stack: AsyncExitStack | None = None
 
     async def __aenter__(self) -> S3Store:
@@ -169,29 +259,61 @@ class S3Store:
                 stack = AsyncExitStack()
                 session = AioSession(profile=self._profile)
                 session.register_component("data_loader", _SHARED_LOADER)
-                self._client = await stack.enter_async_context(
-                    session.create_client("s3", config=self._config, **self._client_kwargs))
-                self._exit_stack = stack
+                try:
+                    self._client = await stack.enter_async_context(
+                        session.create_client("s3", config=self._config, **self._client_kwargs))
+                except ValueError as exc:   # botocore's "Invalid endpoint: ..."
+                    raise ConfigError(f"S3 storage_options endpoint_url: {exc} (expected "
+                                      f"http(s)://host[:port])", key="endpoint_url") from None
+                self._session, self._exit_stack = session, stack
         return self._client
+
+    def _endpoint(self) -> str:
+        if self._client is not None:
+            return str(self._client.meta.endpoint_url)
+        return self._client_kwargs.get("endpoint_url") or \
+            f"AWS S3 in {self._client_kwargs.get('region_name')}"
+
+    async def _access(self, exc: BaseException) -> _Access:
+        """For an error about credentials or permissions: the endpoint, and where the
+        credentials came from (botocore's record of it, never the keys)."""
+        source = None
+        if self._anon:   # unsigned: no credentials are used
+            pass
+        elif "aws_access_key_id" in self._client_kwargs:
+            source = "storage_options"
+        elif isinstance(exc, ClientError) and self._session is not None:
+            try:   # the session's credentials, resolved when the client was made (cached)
+                credentials = await self._session.get_credentials()
+            except Exception:   # noqa: BLE001 - a better message is not worth a new failure
+                credentials = None
+            method = getattr(credentials, "method", None)
+            if method:
+                source = _CREDENTIAL_METHODS.get(method, f"the AWS credential chain ({method})")
+            if self._profile and source:
+                source += f", profile {self._profile!r}"
+        return _Access(self._endpoint(), self._anon, source)
 
     async def aclose(self) -> None:
         async with self._client_lock:
             stack, self._exit_stack, self._client = self._exit_stack, None, None
+            self._session = None
             if stack is not None:
                 await stack.aclose()
 
     async def _call(self, uri: str, bucket: str, op: Callable[[Any], Awaitable[T]],
                     counters: StoreCounters | None = None) -> T:
         """One request under the concurrency bound, retried, with final errors translated."""
-        client = self._client or await self._get_client()
-        # The slot is held across retries, so backing off also lowers our request rate.
-        async with self._slots:
-            try:
+        try:
+            client = self._client or await self._get_client()
+            # The slot is held across retries, so backing off also lowers our request rate.
+            async with self._slots:
                 return await with_retries(lambda: op(client), policy=self.retry, what=uri,
                                           counters=counters or self.counters,
                                           is_retryable=is_retryable)
-            except (ClientError, BotoCoreError) as exc:
-                raise _storage_error(exc, uri, bucket) from exc
+        except (ClientError, BotoCoreError) as exc:
+            access = await self._access(exc) if _is_access_problem(exc) else None
+            raise _storage_error(exc, uri, bucket, access) from exc
 
     async def read_range(self, uri: str, start: int, end: int, *,
                          counters: StoreCounters | None = None) -> bytes:

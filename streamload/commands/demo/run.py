@@ -28,7 +28,8 @@ from collections import Counter
 import numpy as np
 
 from ...config import make_config
-from ...errors import ConfigError
+from ...observe import MetricsLog, read_metrics
+from ...errors import ConfigError, StreamloadError
 from . import corpus as corpus_module
 from .report import (MAX_EMPTY_STEPS, fmt_count, print_corpus, print_header,
                      print_step, print_summary, should_print, summarize)
@@ -37,6 +38,9 @@ BUCKET = "streamload-demo"
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--plot", default="streamload-demo.png",
+                   help="where to write the run's plot (mix, fill, balance, deferrals; needs "
+                        "matplotlib); '' for none")
     p.add_argument("--workdir", default=None,
                    help="where to write the corpus (kept afterwards); default: a temporary "
                         "directory that is removed at the end")
@@ -64,7 +68,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 # --- the ranks -------------------------------------------------------------------------------
 
-class DemoError(RuntimeError):
+class DemoError(StreamloadError, RuntimeError):
     """The ranks failed or hung; the message holds what they reported."""
 
 
@@ -134,8 +138,10 @@ def _iterate(rank: int, world: int, job: dict) -> dict:
     stalled = None
     stopped_early = False
     lines = 0
+    metrics_log = MetricsLog(job["metrics_log"]) if rank == 0 and job.get("metrics_log") else None
     with sl.Loader(sources, micro_batch_tokens=C, micro_batches=M, seed=job["seed"], epochs=1,
-                   planner=job["planner"], storage_options=job["storage_options"]) as loader:
+                   planner=job["planner"], storage_options=job["storage_options"],
+                   on_step=metrics_log) as loader:
         for batch in loader:
             if first_batch_s is None:
                 first_batch_s = time.perf_counter() - started
@@ -182,6 +188,7 @@ def _iterate(rank: int, world: int, job: dict) -> dict:
                           f"stopping (the loader is stuck)", flush=True)
                 break
         stats = loader.stats()
+        loader_summary = loader.summary()
     elapsed = time.perf_counter() - started
     if rank == 0 and live:
         print("\r\x1b[2K", end="")
@@ -194,7 +201,23 @@ def _iterate(rank: int, world: int, job: dict) -> dict:
         "first_batch_s": first_batch_s, "stats": stats, "sources": names,
         "stalled_at_step": stalled, "stopped_early": stopped_early,
         "all_rank_tokens": rank_tokens_total.tolist(), "step_source_tokens": step_source_tokens,
+        "loader_summary": loader_summary,
     }
+
+
+def _write_plot(path: str, metrics_log: str, corpus) -> None:
+    """The run's plot from rank 0's metrics log, and where it went."""
+    if not path:
+        return
+    from ..plots import plot_run
+    total = sum(s.weight for s in corpus.sources)
+    try:
+        plot_run(read_metrics(metrics_log), path,
+                 target_shares={s.name: s.weight / total for s in corpus.sources})
+    except ImportError as exc:   # matplotlib is an optional extra
+        print(f"no plot: {exc}")
+        return
+    print(f"plot of the run (mix, fill, balance, deferrals): {os.path.abspath(path)}")
 
 
 def _describe_exit(code: int) -> str:
@@ -314,6 +337,7 @@ def run(args: argparse.Namespace) -> int:
                 "micro_batch_tokens": C, "micro_batches": M, "seed": args.seed,
                 "planner": args.planner, "steps": args.steps, "print_first": args.print_first,
                 "print_every": print_every, "env": s3.env,
+                "metrics_log": os.path.join(workdir, "metrics.jsonl"),
             }
             print(f"running {world} gloo ranks: C={C} tokens per row, M={M} rows per rank, "
                   f"planner={args.planner!r}, about {est_steps} steps of {step_tokens:,} tokens",
@@ -326,6 +350,8 @@ def run(args: argparse.Namespace) -> int:
         wall = time.perf_counter() - started
         summary = summarize(corpus, ranks, args, wall)
         print_summary(summary)
+        print(ranks[0]["loader_summary"])
+        _write_plot(args.plot, job["metrics_log"], corpus)
         print(json.dumps(summary), flush=True)
         return 0 if summary["ok"] else 1
     finally:
