@@ -51,6 +51,20 @@ class ShardStream(Protocol):
     def finish(self) -> list[RawRecord]: ...
 
 
+class EmptyStream:
+    """A shard that yields nothing: one that failed to open in skip mode, or a copy of a shard
+    read elsewhere (MDS keeps a raw and a compressed copy)."""
+
+    def ranges(self) -> list[tuple[int, int]]:
+        return []
+
+    def decode(self, chunk: bytes) -> list[RawRecord]:
+        return []
+
+    def finish(self) -> list[RawRecord]:
+        return []
+
+
 class ShardFormat(Protocol):
     name: str
     # How `document_lengths` measures: "index" (a length index, no records read) or "scan"

@@ -54,7 +54,7 @@ import zstandard
 from ..errors import ConfigError, DataError
 from ..storage.base import ObjectInfo, ObjectStore
 from ..tokenizer import TextTokenizer
-from .base import LENGTHS_CHUNK_BYTES, RawRecord, SkipCallback
+from .base import EmptyStream, LENGTHS_CHUNK_BYTES, RawRecord, SkipCallback
 from .lengths import stream_lengths
 from .tokens import plan_groups
 
@@ -573,18 +573,6 @@ class LitdataStream:
         self._on_skip(None, reason)
 
 
-class _EmptyStream:
-    """What a chunk that failed to open yields in skip mode: nothing."""
-
-    def ranges(self) -> list[tuple[int, int]]:
-        return []
-
-    def decode(self, chunk: bytes) -> list[RawRecord]:
-        return []
-
-    def finish(self) -> list[RawRecord]:
-        return []
-
 
 def _parse_header(data, size: int, expected: int) -> tuple[int, np.ndarray]:
     """(items, item offsets) from a chunk's first bytes; checks them against the index."""
@@ -798,7 +786,7 @@ class LitdataFormat:
                 raise DataError(str(exc), source=source, shard=shard_name,
                                 skippable=True) from None
             on_skip(None, str(exc))
-            return _EmptyStream()
+            return EmptyStream()
         return LitdataStream(plan, dataset.layout, source=source, shard_name=shard_name,
                              on_skip=on_skip, expected_items=chunk.items, dim=chunk.dim)
 

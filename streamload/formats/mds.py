@@ -48,7 +48,7 @@ import zstandard
 from ..errors import ConfigError, DataError
 from ..storage.base import ObjectInfo, ObjectStore
 from ..tokenizer import TextTokenizer
-from .base import LENGTHS_CHUNK_BYTES, RawRecord, SkipCallback
+from .base import EmptyStream, LENGTHS_CHUNK_BYTES, RawRecord, SkipCallback
 from .lengths import stream_lengths
 
 INDEX_NAME = "index.json"
@@ -411,18 +411,6 @@ class _Decoder:
 # ---------------------------------------------------------------- streams
 
 
-class _EmptyStream:
-    """A shard that yields nothing: skipped, or a compressed copy whose raw copy is read."""
-
-    def ranges(self) -> list[tuple[int, int]]:
-        return []
-
-    def decode(self, chunk: bytes) -> list[RawRecord]:
-        return []
-
-    def finish(self) -> list[RawRecord]:
-        return []
-
 
 class MdsRawStream:
     """An uncompressed shard: samples read by range, consecutive ones coalesced."""
@@ -637,19 +625,19 @@ class MdsFormat:
 
     async def open(self, store: ObjectStore, shard: ObjectInfo, *, source: str, shard_name: str,
                    on_skip: SkipCallback | None, chunk_bytes: int
-                   ) -> MdsRawStream | MdsCompressedStream | _EmptyStream:
+                   ) -> MdsRawStream | MdsCompressedStream | EmptyStream:
         return await self._open(store, shard, source=source, shard_name=shard_name,
                                 on_skip=on_skip, chunk_bytes=chunk_bytes, report_missing=True)
 
     async def _open(self, store: ObjectStore, shard: ObjectInfo, *, source: str,
                     shard_name: str, on_skip: SkipCallback | None, chunk_bytes: int,
-                    report_missing: bool) -> MdsRawStream | MdsCompressedStream | _EmptyStream:
+                    report_missing: bool) -> MdsRawStream | MdsCompressedStream | EmptyStream:
         if chunk_bytes <= 0:
             raise ConfigError.at("chunk_bytes", f"must be positive, got {chunk_bytes}")
         resolved = await self._resolve(store, shard, source=source, shard_name=shard_name,
                                        on_skip=on_skip, report_missing=report_missing)
         if resolved is None or resolved[1] == "copy":
-            return _EmptyStream()
+            return EmptyStream()
         entry, kind, layout = resolved
         decoder = _Decoder(layout, source=source, shard_name=shard_name, on_skip=on_skip)
         if kind == "zip":
@@ -664,7 +652,7 @@ class MdsFormat:
                 raise DataError(str(exc), source=source, shard=shard_name,
                                 skippable=True) from None
             on_skip(None, str(exc))
-            return _EmptyStream()
+            return EmptyStream()
         return MdsRawStream(decoder, offsets, chunk_bytes, source=source, shard_name=shard_name)
 
     async def document_lengths(self, store: ObjectStore, shard: ObjectInfo, *, source: str,

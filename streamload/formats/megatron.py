@@ -35,7 +35,7 @@ import numpy as np
 from ..errors import ConfigError, DataError
 from ..storage.base import ObjectInfo, ObjectStore
 from ..tokenizer import TextTokenizer
-from .base import LENGTHS_CHUNK_BYTES, RawRecord, SkipCallback
+from .base import EmptyStream, LENGTHS_CHUNK_BYTES, RawRecord, SkipCallback
 from .litdata import CHUNK_NAME as LITDATA_CHUNK
 from .tokens import plan_groups
 
@@ -261,18 +261,6 @@ class MegatronStream:
         return out
 
 
-class _EmptyStream:
-    """What a shard that failed to open yields in skip mode: nothing."""
-
-    def ranges(self) -> list[tuple[int, int]]:
-        return []
-
-    def decode(self, chunk: bytes) -> list[RawRecord]:
-        return []
-
-    def finish(self) -> list[RawRecord]:
-        return []
-
 
 class MegatronFormat:
     """`<prefix>.bin` shards with their `<prefix>.idx` companions (Megatron-LM's
@@ -306,13 +294,13 @@ class MegatronFormat:
 
     async def open(self, store: ObjectStore, shard: ObjectInfo, *, source: str, shard_name: str,
                    on_skip: SkipCallback | None,
-                   chunk_bytes: int) -> MegatronStream | _EmptyStream:
+                   chunk_bytes: int) -> MegatronStream | EmptyStream:
         if chunk_bytes <= 0:
             raise ConfigError.at("chunk_bytes", f"must be positive, got {chunk_bytes}")
         index = await self._index(store, shard, source=source, shard_name=shard_name,
                                   on_skip=on_skip)
         if index is None:
-            return _EmptyStream()
+            return EmptyStream()
         keep = _fitting(index, shard.size, source=source, shard_name=shard_name, on_skip=on_skip)
         return MegatronStream(source=source, shard_name=shard_name, on_skip=on_skip, index=index,
                               keep=keep, chunk_bytes=chunk_bytes)

@@ -46,7 +46,7 @@ import numpy as np
 from ..errors import ConfigError, DataError
 from ..storage.base import ObjectInfo, ObjectStore
 from ..tokenizer import TextTokenizer
-from .base import LENGTHS_CHUNK_BYTES, RawRecord, SkipCallback
+from .base import EmptyStream, LENGTHS_CHUNK_BYTES, RawRecord, SkipCallback
 from .lengths import stream_lengths
 
 _SUFFIX = ".parquet"
@@ -301,18 +301,6 @@ class ParquetStream:
         self._on_skip(None, reason)
 
 
-class _EmptyStream:
-    """What a shard that failed to open yields in skip mode: nothing."""
-
-    def ranges(self) -> list[tuple[int, int]]:
-        return []
-
-    def decode(self, chunk: bytes) -> list[RawRecord]:
-        return []
-
-    def finish(self) -> list[RawRecord]:
-        return []
-
 
 class ParquetFormat:
     """`*.parquet` files: the text of column `text_field` (default "text"), or with
@@ -339,7 +327,7 @@ class ParquetFormat:
                 and not name.startswith((".", "_")))
 
     async def open(self, store: ObjectStore, shard: ObjectInfo, *, source: str, shard_name: str,
-                   on_skip: SkipCallback | None, chunk_bytes: int) -> ParquetStream | _EmptyStream:
+                   on_skip: SkipCallback | None, chunk_bytes: int) -> ParquetStream | EmptyStream:
         """Reads the footer; `chunk_bytes` is not used (a range is a row group's column chunk)."""
         if chunk_bytes <= 0:
             raise ConfigError.at("chunk_bytes", f"must be positive, got {chunk_bytes}")
@@ -355,7 +343,7 @@ class ParquetFormat:
                 raise DataError(str(exc), source=source, shard=shard_name,
                                 skippable=True) from None
             on_skip(None, str(exc))
-            return _EmptyStream()
+            return EmptyStream()
 
     def _check_column(self, pa, metadata) -> None:
         try:

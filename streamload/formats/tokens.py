@@ -21,7 +21,7 @@ import numpy as np
 from ..errors import ConfigError, DataError
 from ..storage.base import ObjectInfo, ObjectStore
 from ..tokenizer import TextTokenizer
-from .base import LENGTHS_CHUNK_BYTES, RawRecord, SkipCallback
+from .base import EmptyStream, LENGTHS_CHUNK_BYTES, RawRecord, SkipCallback
 
 TOKENS_SUFFIX = ".tokens.npy"
 OFFSETS_SUFFIX = ".offsets.npy"
@@ -226,18 +226,6 @@ class TokensStream:
         return set(docs)
 
 
-class _EmptyStream:
-    """What a shard that failed to open yields in skip mode: nothing."""
-
-    def ranges(self) -> list[tuple[int, int]]:
-        return []
-
-    def decode(self, chunk: bytes) -> list[RawRecord]:
-        return []
-
-    def finish(self) -> list[RawRecord]:
-        return []
-
 
 class TokensFormat:
     """`*.tokens.npy` shards with their `*.offsets.npy` companions."""
@@ -253,7 +241,7 @@ class TokensFormat:
         return uri.endswith(TOKENS_SUFFIX) and len(uri.rsplit("/", 1)[-1]) > len(TOKENS_SUFFIX)
 
     async def open(self, store: ObjectStore, shard: ObjectInfo, *, source: str, shard_name: str,
-                   on_skip: SkipCallback | None, chunk_bytes: int) -> TokensStream | _EmptyStream:
+                   on_skip: SkipCallback | None, chunk_bytes: int) -> TokensStream | EmptyStream:
         if chunk_bytes <= 0:
             raise ConfigError.at("chunk_bytes", f"must be positive, got {chunk_bytes}")
         try:
@@ -263,7 +251,7 @@ class TokensFormat:
                 raise DataError(str(exc), source=source, shard=shard_name,
                                 skippable=True) from None
             on_skip(None, str(exc))
-            return _EmptyStream()
+            return EmptyStream()
         return TokensStream(source=source, shard_name=shard_name, on_skip=on_skip, dtype=dtype,
                             data_start=data_start, offsets=offsets, chunk_bytes=chunk_bytes)
 
