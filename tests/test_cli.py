@@ -153,6 +153,8 @@ def test_demo_small_delivers_everything_exactly_once(tmp_path):
     assert summary["ranks"] == 2 and summary["equal_steps_on_every_rank"]
     assert set(summary["mix"]) == {"web", "code", "books", "math"}
     assert summary["skipped"]["records"] == 0
+    # The dry run drives the loader's step machine: it predicts the run step for step.
+    assert summary["predicted_steps"] == summary["steps"] and summary["prediction_matches"]
     out = proc.stdout
     assert "predicted cost" in out and "exactly-once   OK" in out
     assert "s3://streamload-demo/web/" in out

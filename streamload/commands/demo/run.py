@@ -127,6 +127,7 @@ def _iterate(rank: int, world: int, job: dict) -> dict:
     source_samples = Counter()
     imbalances: list[float] = []
     step_source_tokens: list[list[int]] = []      # [step][source] tokens this rank received
+    job_tokens: list[int] = []                     # [step] the job's tokens
     rank_tokens_total = np.zeros(world)
     printed_last = -1
     last = None
@@ -160,6 +161,7 @@ def _iterate(rank: int, world: int, job: dict) -> dict:
             if len(batch.micro_batches) != M:
                 raise AssertionError(f"step {batch.step}: {len(batch.micro_batches)} rows, not {M}")
             imbalances.append(batch.imbalance)
+            job_tokens.append(int(batch.rank_tokens.sum()))
             # Every rank sees the same rank_tokens, so every rank stops at the same step.
             empty_steps = empty_steps + 1 if not batch.rank_tokens.any() else 0
             rank_tokens_total += batch.rank_tokens
@@ -201,8 +203,24 @@ def _iterate(rank: int, world: int, job: dict) -> dict:
         "first_batch_s": first_batch_s, "stats": stats, "sources": names,
         "stalled_at_step": stalled, "stopped_early": stopped_early,
         "all_rank_tokens": rank_tokens_total.tolist(), "step_source_tokens": step_source_tokens,
-        "loader_summary": loader_summary,
+        "loader_summary": loader_summary, "job_tokens": job_tokens,
     }
+
+
+def _predict(corpus, workdir: str, C: int, M: int, world: int, args) -> list[int]:
+    """The job's tokens per step, as `streamload plan` predicts them (the same step machine on
+    the corpus's scanned lengths, from its local copy: the shard names are the same)."""
+    from ..dryrun import scan, simulate
+    from ...configfile import load_config
+    path = os.path.join(workdir, "demo.toml")
+    with open(path, "w") as f:
+        f.write(f'[loader]\nmicro_batch_tokens = {C}\nmicro_batches = {M}\nepochs = 1\n'
+                f'seed = {args.seed}\nplanner = "{args.planner}"\n')
+        for s in corpus.sources:
+            f.write(f'[[source]]\nuri = "{s.local_dir}/"\nname = "{s.name}"\nweight = {s.weight}\n')
+    spec = load_config(path)
+    steps = args.steps if args.steps is not None else 10 ** 9
+    return [int(r.tokens.sum()) for r in simulate(spec, scan(spec), steps=steps, ranks=world)]
 
 
 def _write_plot(path: str, metrics_log: str, corpus) -> None:
@@ -325,9 +343,8 @@ def run(args: argparse.Namespace) -> int:
                 else:
                     s.uri = s.local_dir + "/"
             step_tokens = world * M * C
-            est_steps = max(1, math.ceil(corpus.tokens / step_tokens))
-            if args.steps is not None:
-                est_steps = min(est_steps, args.steps)
+            predicted = _predict(corpus, workdir, C, M, world, args)
+            est_steps = len(predicted)
             print_every = args.print_every or max(1, math.ceil(
                 max(0, est_steps - args.print_first) / 10))
             job = {
@@ -340,7 +357,8 @@ def run(args: argparse.Namespace) -> int:
                 "metrics_log": os.path.join(workdir, "metrics.jsonl"),
             }
             print(f"running {world} gloo ranks: C={C} tokens per row, M={M} rows per rank, "
-                  f"planner={args.planner!r}, about {est_steps} steps of {step_tokens:,} tokens",
+                  f"planner={args.planner!r}; the dry run (streamload plan) predicts {est_steps} "
+                  f"steps of up to {step_tokens:,} tokens",
                   flush=True)
             try:
                 ranks = _run_ranks(world, job, args.timeout)
@@ -349,7 +367,13 @@ def run(args: argparse.Namespace) -> int:
                 return 1
         wall = time.perf_counter() - started
         summary = summarize(corpus, ranks, args, wall)
+        summary["predicted_steps"] = len(predicted)
+        # The dry run drives the loader's own step machine: every step's tokens should match.
+        summary["prediction_matches"] = predicted == ranks[0]["job_tokens"]
         print_summary(summary)
+        print(f"  prediction     the dry run predicted {len(predicted)} steps: "
+              + ("every step's tokens as run" if summary["prediction_matches"] else
+                 f"DIFFERENT from the run's {summary['steps']} steps"))
         print(ranks[0]["loader_summary"])
         _write_plot(args.plot, job["metrics_log"], corpus)
         print(json.dumps(summary), flush=True)
