@@ -22,8 +22,10 @@ import weakref
 from typing import Any, Callable, Iterable, Iterator, Optional, TypeVar
 
 import msgspec
+import numpy as np
 
 from .batch import Batch
+from .metrics import job_totals
 from .configfile import load_config
 from .plan.mix_spec import Mixture
 from .config import LoaderConfig, Source, check_fields, make_config
@@ -181,6 +183,9 @@ class Loader:
         else:
             comm = connect(timeout, self.topology)
         self.comm: Optional[Comm] = comm   # None: this rank builds no batch (a `Follower`)
+        # stats(scope="job") gathers over every rank of the job on a group of its own, so it
+        # never interleaves with the step loop's collectives.
+        self._job_comm: Comm = connect(timeout)
         row_config = self.config
         if self.topology is not None and self.topology.cp > 1:   # the CP group shares a row
             row_config = msgspec.structs.replace(
@@ -281,12 +286,23 @@ class Loader:
         self._runtime.load_state(state)
         self._last_snapshot = None
 
-    def stats(self) -> dict:
+    def stats(self, scope: str = "rank") -> dict:
         """This rank's counters: per step, per source, the mix, fill, bytes read; every field is
         described in docs/metrics.md. `steps` counts the batches next() returned;
-        `steps_planned` the steps the loop has planned (it runs up to prefetch_steps ahead)."""
-        return {**self._on_loop(self._runtime.stats), "steps": self._steps_taken,
+        `steps_planned` the steps the loop has planned (it runs up to prefetch_steps ahead).
+
+        `scope="job"`: every rank's stats, gathered (a collective: call it on every rank at
+        the same point), as {"ranks": [each rank's stats], "job": totals over the ranks}."""
+        if scope not in ("rank", "job"):
+            raise ConfigError.at("scope", f"must be 'rank' or 'job', got {scope!r}")
+        mine = {**self._on_loop(self._runtime.stats), "steps": self._steps_taken,
                 "stall_s": self._stall_s}
+        if scope == "rank":
+            return mine
+        payload = np.frombuffer(msgspec.json.encode(mine), dtype=np.uint8).astype(np.int64)
+        ranks = [msgspec.json.decode(part.astype(np.uint8).tobytes())
+                 for part in self._job_comm.all_gather(payload)]
+        return {"ranks": ranks, "job": job_totals(ranks)}
 
     def summary(self) -> str:
         """A few readable lines: steps, tokens per step and fill, balance, the mix against its

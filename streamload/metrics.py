@@ -155,3 +155,24 @@ def rank_stats(runtime) -> dict:
     return {"rank": runtime.comm.rank, "world_size": runtime.comm.world,
             **steps.snapshot(), "mix": mix, "bytes_read": read, "tokens_delivered": delivered,
             "bytes_read_per_token": read / delivered if delivered else None, "sources": sources}
+
+
+def job_totals(ranks: list[dict]) -> dict:
+    """`stats(scope="job")`'s totals over every rank's stats: sums of what each rank counts
+    for itself, the slowest rank's waits, and per source the sums over ranks."""
+    def total(key):
+        return sum(r.get(key) or 0 for r in ranks)
+    sources: dict[str, dict] = {}
+    for r in ranks:
+        for name, s in r.get("sources", {}).items():
+            into = sources.setdefault(name, {})
+            for key in ("shards_read", "records", "delivered_samples", "delivered_tokens",
+                        "skipped_records", "skipped_shards", "bytes_fetched", "requests",
+                        "retries", "step_wait_s", "transform_s"):
+                into[key] = into.get(key, 0) + (s.get(key) or 0)
+    read, delivered = total("bytes_read"), total("tokens_delivered")
+    return {"ranks": len(ranks), "steps": min((r.get("steps", 0) for r in ranks), default=0),
+            "bytes_read": read, "tokens_delivered": delivered,
+            "bytes_read_per_token": read / delivered if delivered else None,
+            "stall_s_max": max((r.get("stall_s", 0.0) for r in ranks), default=0.0),
+            "sources": sources}

@@ -59,3 +59,24 @@ def test_stats_agree_with_the_steps_taken_and_summary_reads_them(tmp_path):
     # on_step: one flat record of numbers per step, in order.
     assert [r["step"] for r in records] == [b.step for b in batches]
     assert all(isinstance(v, (int, float)) for r in records for v in r.values())
+
+
+def job_stats_job(rank, world, root):
+    from pathlib import Path
+    with loader_for(Path(root)) as loader:
+        for _ in zip(range(3), loader):
+            pass
+        return loader.stats(scope="job"), loader.stats()
+
+
+def test_job_stats_gather_every_rank(tmp_path):
+    from distributed import run_ranks
+    write_jsonl_source(tmp_path, "web", shards=3, per_shard=60, seed=1)
+    write_jsonl_source(tmp_path, "tiny", shards=1, per_shard=40, seed=2)
+    results = run_ranks(job_stats_job, 2, str(tmp_path))
+    (job0, mine0), (job1, mine1) = results
+    assert [r["rank"] for r in job0["ranks"]] == [0, 1] and job0["job"] == job1["job"]
+    assert job0["job"]["ranks"] == 2 and job0["job"]["steps"] == 3
+    assert job0["job"]["tokens_delivered"] >= mine0["tokens_delivered"]
+    web = job0["job"]["sources"]["web"]
+    assert web["bytes_fetched"] == sum(r["sources"]["web"]["bytes_fetched"] for r in job0["ranks"])
