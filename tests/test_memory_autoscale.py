@@ -74,5 +74,6 @@ def test_a_slow_source_gets_more_concurrency(tmp_path):
         stats = loader.stats()["sources"]
     assert stats["slow"]["autoscale_changes"], stats["slow"]
     # It grew while it made steps wait (and may shrink again once its buffer sat full).
-    assert max(shards for _, shards, _ in stats["slow"]["autoscale_changes"]) > 1, stats["slow"]
+    assert max(c["shard_concurrency"] for c in stats["slow"]["autoscale_changes"]) > 1, \
+        stats["slow"]
     assert stats["slow"]["step_wait_s"] > stats["fast"]["step_wait_s"]
