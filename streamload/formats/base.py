@@ -25,6 +25,7 @@ from typing import Callable, Protocol, Sequence, Union
 
 import numpy as np
 
+from ..errors import DataError
 from ..storage.base import ObjectInfo, ObjectStore
 from ..tokenizer import TextTokenizer
 
@@ -63,6 +64,44 @@ class EmptyStream:
 
     def finish(self) -> list[RawRecord]:
         return []
+
+
+class PlannedStream:
+    """What every stream over byte ranges planned when its shard opens shares: the ranges
+    (`_ranges`, set by the stream), handed back in order (`_next_range`), and the skip policy.
+
+    `_record_error` raises a DataError naming source, shard and record, or with on_error="skip"
+    counts the record (`on_skip`); `_shard_error` does the same for the whole shard and marks
+    the stream `_failed` (it yields nothing more)."""
+
+    def __init__(self, *, source: str, shard_name: str, on_skip: SkipCallback | None):
+        self._source, self._shard_name, self._on_skip = source, shard_name, on_skip
+        self._ranges: list[tuple[int, int]] = []
+        self._next = 0
+        self._failed = False
+
+    def ranges(self) -> list[tuple[int, int]]:
+        return self._ranges
+
+    def _next_range(self) -> int:
+        """The index of the planned range the chunk being decoded is (they come in order)."""
+        if self._next >= len(self._ranges):
+            raise DataError("more chunks than planned ranges", source=self._source,
+                            shard=self._shard_name)
+        self._next += 1
+        return self._next - 1
+
+    def _record_error(self, index: int, reason: str, **where) -> None:
+        if self._on_skip is None:
+            raise DataError(reason, source=self._source, shard=self._shard_name, record=index,
+                            **where)
+        self._on_skip(index, reason)
+
+    def _shard_error(self, reason: str) -> None:
+        if self._on_skip is None:
+            raise DataError(reason, source=self._source, shard=self._shard_name, skippable=True)
+        self._failed = True
+        self._on_skip(None, reason)
 
 
 class ShardFormat(Protocol):

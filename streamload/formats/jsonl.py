@@ -16,10 +16,10 @@ import msgspec
 import numpy as np
 import zstandard
 
-from ..errors import ConfigError, DataError
+from ..errors import ConfigError
 from ..storage.base import ObjectInfo, ObjectStore
 from ..tokenizer import TextTokenizer
-from .base import LENGTHS_CHUNK_BYTES, RawRecord, SkipCallback
+from .base import LENGTHS_CHUNK_BYTES, PlannedStream, RawRecord, SkipCallback
 from .lengths import stream_lengths
 
 _BOM = b"\xef\xbb\xbf"
@@ -120,22 +120,22 @@ def _fields_present(line: bytes, text_field: str) -> str:
     return f"fields present: {listed}{hint}"
 
 
-class JsonlStream:
-    """State for reading one JSONL shard: the decompressor, the partial line, the line number."""
+class JsonlStream(PlannedStream):
+    """State for reading one JSONL shard: the decompressor, the partial line, the line number.
+    Its ranges are fixed-size slices of the file (`ranges`)."""
 
     def __init__(self, shard: ObjectInfo, *, source: str, shard_name: str,
                  on_skip: SkipCallback | None, chunk_bytes: int, compression: str | None,
                  text_field: str):
+        super().__init__(source=source, shard_name=shard_name, on_skip=on_skip)
         self._size = shard.size
         self._chunk_bytes = chunk_bytes
-        self._source, self._shard_name, self._on_skip = source, shard_name, on_skip
         self._compression = compression
         self._inflater = _inflater(compression)
         self._text_field = text_field
         self._decode_line = _decoder(text_field).decode
         self._pending: list[bytes] = []   # pieces of the line not yet ended by a newline
         self._next_index = 0       # line number of the first line in `_pending`
-        self._failed = False       # a shard-level error in skip mode: produce nothing more
 
     def ranges(self) -> list[tuple[int, int]]:
         step, size = self._chunk_bytes, self._size
@@ -193,18 +193,12 @@ class JsonlStream:
         self._next_index = index
         return records
 
-    def _record_error(self, index: int, reason: str) -> None:
-        if self._on_skip is None:
-            raise DataError(reason, source=self._source, shard=self._shard_name, record=index,
-                            line=index + 1)   # the index is the 0-based line number
-        self._on_skip(index, reason)
+    def _record_error(self, index: int, reason: str, **where) -> None:
+        super()._record_error(index, reason, line=index + 1)   # the index: the 0-based line
 
     def _shard_error(self, reason: str) -> None:
-        if self._on_skip is None:
-            raise DataError(reason, source=self._source, shard=self._shard_name, skippable=True)
-        self._failed = True
         self._pending = []
-        self._on_skip(None, reason)
+        super()._shard_error(reason)
 
 
 class JsonlFormat:

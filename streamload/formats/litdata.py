@@ -54,7 +54,7 @@ import zstandard
 from ..errors import ConfigError, DataError
 from ..storage.base import ObjectInfo, ObjectStore
 from ..tokenizer import TextTokenizer
-from .base import EmptyStream, LENGTHS_CHUNK_BYTES, RawRecord, SkipCallback
+from .base import EmptyStream, PlannedStream, LENGTHS_CHUNK_BYTES, RawRecord, SkipCallback
 from .lengths import stream_lengths
 from .tokens import plan_groups
 
@@ -352,32 +352,25 @@ class _Plan:
     empty_items: bool = False      # TokensLoader items, all empty: records without ranges
 
 
-class LitdataStream:
+class LitdataStream(PlannedStream):
     """Decodes one chunk's planned ranges, in order."""
 
     def __init__(self, plan: _Plan, layout: _Layout, *, source: str, shard_name: str,
                  on_skip: SkipCallback | None, expected_items: int, dim: Optional[int]):
+        super().__init__(source=source, shard_name=shard_name, on_skip=on_skip)
         self._plan, self._layout = plan, layout
-        self._source, self._shard_name, self._on_skip = source, shard_name, on_skip
+        self._ranges = plan.ranges
         self._decoder = _Decoder(layout)
         self._expected_items, self._dim = expected_items, dim
-        self._next = 0
-        self._failed = False
         self._finished = False
-
-    def ranges(self) -> list[tuple[int, int]]:
-        return self._plan.ranges
 
     def decode(self, chunk: bytes) -> list[RawRecord]:
         if self._failed:
             return []
         plan = self._plan
-        if self._next >= len(plan.ranges):
-            raise DataError("more chunks than planned ranges", source=self._source,
-                            shard=self._shard_name)
-        start, end = plan.ranges[self._next]
-        first, stop = plan.groups[self._next]
-        self._next += 1
+        k = self._next_range()
+        start, end = plan.ranges[k]
+        first, stop = plan.groups[k]
         if len(chunk) != end - start:
             self._shard_error(f"expected {end - start} bytes at {start}..{end}, got "
                               f"{len(chunk)}; the chunk is truncated")
@@ -561,16 +554,6 @@ class LitdataStream:
 
     # -- errors
 
-    def _record_error(self, index: int, reason: str) -> None:
-        if self._on_skip is None:
-            raise DataError(reason, source=self._source, shard=self._shard_name, record=index)
-        self._on_skip(index, reason)
-
-    def _shard_error(self, reason: str) -> None:
-        if self._on_skip is None:
-            raise DataError(reason, source=self._source, shard=self._shard_name, skippable=True)
-        self._failed = True
-        self._on_skip(None, reason)
 
 
 

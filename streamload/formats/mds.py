@@ -48,7 +48,7 @@ import zstandard
 from ..errors import ConfigError, DataError
 from ..storage.base import ObjectInfo, ObjectStore
 from ..tokenizer import TextTokenizer
-from .base import EmptyStream, LENGTHS_CHUNK_BYTES, RawRecord, SkipCallback
+from .base import EmptyStream, PlannedStream, LENGTHS_CHUNK_BYTES, RawRecord, SkipCallback
 from .lengths import stream_lengths
 
 INDEX_NAME = "index.json"
@@ -412,14 +412,14 @@ class _Decoder:
 
 
 
-class MdsRawStream:
+class MdsRawStream(PlannedStream):
     """An uncompressed shard: samples read by range, consecutive ones coalesced."""
 
     def __init__(self, decoder: _Decoder, offsets: np.ndarray, chunk_bytes: int, *,
                  source: str, shard_name: str):
+        super().__init__(source=source, shard_name=shard_name, on_skip=None)
         self._decoder = decoder
         self._offsets = offsets
-        self._source, self._shard_name = source, shard_name
         self._groups = []
         n, first = len(offsets) - 1, 0
         while first < n:
@@ -428,18 +428,11 @@ class MdsRawStream:
             self._groups.append((first, end))
             first = end
         self._ranges = [(int(offsets[a]), int(offsets[b])) for a, b in self._groups]
-        self._next = 0
-
-    def ranges(self) -> list[tuple[int, int]]:
-        return self._ranges
 
     def decode(self, chunk: bytes) -> list[RawRecord]:
-        if self._next >= len(self._groups):
-            raise DataError("more chunks than planned ranges", source=self._source,
-                            shard=self._shard_name)
-        first, end = self._groups[self._next]
-        start, stop = self._ranges[self._next]
-        self._next += 1
+        k = self._next_range()
+        first, end = self._groups[k]
+        start, stop = self._ranges[k]
         if len(chunk) != stop - start:
             raise DataError(f"expected {stop - start} bytes for samples {first}..{end - 1}, "
                             f"got {len(chunk)}", source=self._source, shard=self._shard_name)

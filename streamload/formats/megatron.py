@@ -35,7 +35,7 @@ import numpy as np
 from ..errors import ConfigError, DataError
 from ..storage.base import ObjectInfo, ObjectStore
 from ..tokenizer import TextTokenizer
-from .base import EmptyStream, LENGTHS_CHUNK_BYTES, RawRecord, SkipCallback
+from .base import EmptyStream, PlannedStream, LENGTHS_CHUNK_BYTES, RawRecord, SkipCallback
 from .litdata import CHUNK_NAME as LITDATA_CHUNK
 from .tokens import plan_groups
 
@@ -199,29 +199,22 @@ def plan_ranges(index: MegatronIndex, keep: np.ndarray,
     return start, np.array(groups, np.int64).reshape(-1, 2), ranges
 
 
-class MegatronStream:
+class MegatronStream(PlannedStream):
     def __init__(self, *, source: str, shard_name: str, on_skip: SkipCallback | None,
                  index: MegatronIndex, keep: np.ndarray, chunk_bytes: int):
-        self._source, self._shard_name, self._on_skip = source, shard_name, on_skip
+        super().__init__(source=source, shard_name=shard_name, on_skip=on_skip)
         self._dtype = index.dtype
         self._out_dtype = _OUT_DTYPES[index.dtype]
         self._signed = index.dtype.kind == "i" and self._out_dtype == np.int32
         self._keep = keep
         self._lengths = index.lengths[keep].astype(np.int64)
         self._start, self._groups, self._ranges = plan_ranges(index, keep, chunk_bytes)
-        self._next = 0
         self._finished = False
 
-    def ranges(self) -> list[tuple[int, int]]:
-        return self._ranges
-
     def decode(self, chunk: bytes) -> list[RawRecord]:
-        if self._next >= len(self._ranges):
-            raise DataError("more chunks than planned ranges", source=self._source,
-                            shard=self._shard_name)
-        a, b = self._groups[self._next].tolist()
-        begin, end = self._ranges[self._next]
-        self._next += 1
+        k = self._next_range()
+        a, b = self._groups[k].tolist()
+        begin, end = self._ranges[k]
         if len(chunk) != end - begin:
             raise DataError(f"expected {end - begin} bytes for sequences {int(self._keep[a])}.."
                             f"{int(self._keep[b - 1])}, got {len(chunk)}", source=self._source,

@@ -46,7 +46,7 @@ import numpy as np
 from ..errors import ConfigError, DataError
 from ..storage.base import ObjectInfo, ObjectStore
 from ..tokenizer import TextTokenizer
-from .base import EmptyStream, LENGTHS_CHUNK_BYTES, RawRecord, SkipCallback
+from .base import EmptyStream, PlannedStream, LENGTHS_CHUNK_BYTES, RawRecord, SkipCallback
 from .lengths import stream_lengths
 
 _SUFFIX = ".parquet"
@@ -193,31 +193,22 @@ def _plan(metadata, field: str, footer_start: int, size: int
     return ranges, groups, first_rows
 
 
-class ParquetStream:
+class ParquetStream(PlannedStream):
     """State for reading one Parquet shard: the metadata, the planned row groups, the next one."""
 
     def __init__(self, shard: ObjectInfo, *, source: str, shard_name: str,
                  on_skip: SkipCallback | None, metadata, footer_start: int, field: str,
                  tokens: bool):
+        super().__init__(source=source, shard_name=shard_name, on_skip=on_skip)
         self._pa = _pyarrow()
         self._size = shard.size
-        self._source, self._shard_name, self._on_skip = source, shard_name, on_skip
         self._metadata = metadata
         self._field, self._tokens = field, tokens
         self._ranges, self._groups, self._first_rows = _plan(metadata, field, footer_start,
                                                              shard.size)
-        self._next = 0
-        self._failed = False
-
-    def ranges(self) -> list[tuple[int, int]]:
-        return self._ranges
 
     def decode(self, chunk: bytes) -> list[RawRecord]:
-        if self._next >= len(self._ranges):
-            raise DataError("more chunks than planned ranges", source=self._source,
-                            shard=self._shard_name)
-        k = self._next
-        self._next += 1
+        k = self._next_range()
         if self._failed:
             return []
         start, end = self._ranges[k]
@@ -289,16 +280,6 @@ class ParquetStream:
         rows = np.searchsorted(offsets, positions, side="right") - 1
         return sorted(set(r for r in rows.tolist() if 0 <= r < len(offsets) - 1))
 
-    def _record_error(self, index: int, reason: str) -> None:
-        if self._on_skip is None:
-            raise DataError(reason, source=self._source, shard=self._shard_name, record=index)
-        self._on_skip(index, reason)
-
-    def _shard_error(self, reason: str) -> None:
-        if self._on_skip is None:
-            raise DataError(reason, source=self._source, shard=self._shard_name, skippable=True)
-        self._failed = True
-        self._on_skip(None, reason)
 
 
 

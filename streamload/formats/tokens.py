@@ -21,7 +21,7 @@ import numpy as np
 from ..errors import ConfigError, DataError
 from ..storage.base import ObjectInfo, ObjectStore
 from ..tokenizer import TextTokenizer
-from .base import EmptyStream, LENGTHS_CHUNK_BYTES, RawRecord, SkipCallback
+from .base import EmptyStream, PlannedStream, LENGTHS_CHUNK_BYTES, RawRecord, SkipCallback
 
 TOKENS_SUFFIX = ".tokens.npy"
 OFFSETS_SUFFIX = ".offsets.npy"
@@ -168,10 +168,10 @@ def plan_groups(offsets: np.ndarray, capacity_tokens: int) -> list[tuple[int, in
     return groups
 
 
-class TokensStream:
+class TokensStream(PlannedStream):
     def __init__(self, *, source: str, shard_name: str, on_skip: SkipCallback | None,
                  dtype: np.dtype, data_start: int, offsets: np.ndarray, chunk_bytes: int):
-        self._source, self._shard_name, self._on_skip = source, shard_name, on_skip
+        super().__init__(source=source, shard_name=shard_name, on_skip=on_skip)
         self._dtype = dtype
         self._out_dtype = _TOKEN_DTYPES[dtype]
         self._signed = dtype.kind == "i"
@@ -182,19 +182,12 @@ class TokensStream:
         size = dtype.itemsize
         self._ranges = [(data_start + int(offsets[a]) * size, data_start + int(offsets[b]) * size)
                         for a, b in self._groups]
-        self._next_group = 0
         self._finished = False
 
-    def ranges(self) -> list[tuple[int, int]]:
-        return self._ranges
-
     def decode(self, chunk: bytes) -> list[RawRecord]:
-        if self._next_group >= len(self._groups):
-            raise DataError("more chunks than planned ranges", source=self._source,
-                            shard=self._shard_name)
-        first, end = self._groups[self._next_group]
-        start, stop = self._ranges[self._next_group]
-        self._next_group += 1
+        k = self._next_range()
+        first, end = self._groups[k]
+        start, stop = self._ranges[k]
         if len(chunk) != stop - start:
             raise DataError(f"expected {stop - start} bytes for documents {first}..{end - 1}, "
                             f"got {len(chunk)}", source=self._source, shard=self._shard_name)
