@@ -26,6 +26,7 @@ import numpy as np
 
 from .batch import Batch
 from .metrics import job_totals
+from .observe import step_record
 from .configfile import load_config
 from .plan.mix_spec import Mixture
 from .config import LoaderConfig, Source, check_fields, make_config
@@ -260,7 +261,6 @@ class Loader:
         batch, self._last_snapshot = item
         self._steps_taken += 1
         if self._on_step is not None:
-            from .observe import step_record
             self._on_step(step_record(batch, self._runtime_step_tokens, self._source_names))
         return batch
 

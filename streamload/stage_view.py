@@ -42,27 +42,25 @@ def stage_view(batch: Batch, topology: Topology, pad_token_id: int = 0) -> Batch
     metadata = bool(keep) or topology.pipeline_middle == "metadata"
     views = []
     for mb in batch.micro_batches:
-        fields = {name: getattr(mb, name, None) for name in PER_TOKEN}
-        present = {name: t.numpy() for name, t in fields.items() if t is not None}
-        cu_seqlens, max_seqlen = mb.cu_seqlens, mb.max_seqlen
-        padding = getattr(mb, "padding", 0)
+        # Only the fields this stage keeps are split (a middle stage splits none).
+        present = {name: getattr(mb, name).numpy() for name in PER_TOKEN if name in keep}
+        cu_seqlens, max_seqlen, padding = mb.cu_seqlens, mb.max_seqlen, mb.padding
         if topology.cp > 1:
             n = int(mb.cu_seqlens[-1])
-            present["slot"] = np.arange(n)   # which row token each local slot holds (-1: none)
+            if "tokens" in present:   # which row token each local slot holds (-1: none)
+                present["slot"] = np.arange(n)
             local, local_cu, max_seqlen = cp_split(present, mb.cu_seqlens.numpy(), topology.cp,
                                                    topology.cp_rank, {**fill, "slot": -1})
-            slot = local.pop("slot")
-            # This part's padding: the split's own, and its share of a padded row's padding.
-            padding = int((slot < 0).sum() + (slot >= n - padding).sum())
+            slot = local.pop("slot", None)
+            if slot is not None:   # this part's padding: the split's, and its share of the row's
+                padding = int((slot < 0).sum() + (slot >= n - padding).sum())
             present = local
             cu_seqlens = torch.from_numpy(np.asarray(local_cu, dtype=np.int32))
         changes = {name: (torch.from_numpy(np.ascontiguousarray(present[name]))
-                          if name in keep and name in present else None)
-                   for name in PER_TOKEN if hasattr(mb, name)}
+                          if name in present else None) for name in PER_TOKEN}
         changes["cu_seqlens"] = cu_seqlens if metadata else None
         changes["max_seqlen"] = int(max_seqlen) if metadata else 0
-        if hasattr(mb, "padding"):   # what `num_tokens` leaves out (all of it: no tokens)
-            changes["padding"] = padding if changes.get("tokens") is not None else 0
+        changes["padding"] = padding if "tokens" in present else 0   # what num_tokens leaves out
         views.append(dataclasses.replace(mb, **changes))
     return dataclasses.replace(batch, micro_batches=views)
 
