@@ -40,9 +40,11 @@ def train(uris: list[str], steps: int) -> None:
             optimizer.zero_grad()
             if batch.step + 1 >= steps:
                 break
-        print(f"rank {dist.get_rank()} (dp {loader.rank} of {loader.world_size}, tp "
-              f"{loader.topology.tp_rank}): {batch.step + 1} steps, loss {loss.item():.3f}, "
-              f"first ids {batch.micro_batches[0].sample_ids[:2]}", flush=True)
+        # One write of the whole line (atomic on a pipe), so the ranks' lines never interleave.
+        sys.stdout.write(f"rank {dist.get_rank()} (dp {loader.rank} of {loader.world_size}, tp "
+                         f"{loader.topology.tp_rank}): {batch.step + 1} steps, loss "
+                         f"{loss.item():.3f}, first ids {batch.micro_batches[0].sample_ids[:2]}\n")
+        sys.stdout.flush()
 
 
 def rank_main(rank: int, world: int, port: int, uris: list[str], steps: int) -> None:

@@ -100,6 +100,11 @@ class Delivery:
         metrics = self.step_metrics
         metrics.record(rank_tokens, rank_cost)
         metrics.exchanged_tokens += int(lengths[holder != plan.rank].sum())
+        whole = c.length[plan.take]
+        cut = lengths < whole
+        if cut.any():
+            metrics.pieces_cut += int(cut.sum())
+            metrics.cut_work += self.cost.cut_savings(whole[cut], lengths[cut])
         ages = c.age[plan.take]
         deferral = int(ages.max()) if ages.size else 0
         metrics.deferral_max = max(metrics.deferral_max, deferral)

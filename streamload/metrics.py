@@ -61,6 +61,8 @@ class StepMetrics:
     delivered: int = 0
     step_tokens: int = 0        # R·M·C: the tokens a full step holds
     delivered_tokens: int = 0   # over every rank, all steps
+    pieces_cut: int = 0         # pieces of split documents cut to fill a row (the head went)
+    cut_work: float = 0.0       # the attention work those cuts took out (CostModel.cut_savings)
     # The job's mix: tokens taken of each source over all steps, and what the schedule's shares
     # asked for of the same steps' tokens (sources whose share was 0 get 0).
     source_tokens: np.ndarray = field(default_factory=lambda: np.zeros(0))
@@ -114,6 +116,7 @@ class StepMetrics:
             "imbalance_mean": self.imbalance_sum / self.steps if self.steps else None,
             "plan_ms_median": float(np.median(plan)) if plan.size else None,
             "exchanged_tokens": self.exchanged_tokens,
+            "pieces_cut": self.pieces_cut, "cut_work": self.cut_work,
             "deferral_max": self.deferral_max,
             "deferral_mean": self.deferral_sum / self.delivered if self.delivered else None,
         }

@@ -256,3 +256,17 @@ def test_cpu_clock_needs_one_thread():
         assert t > 0
     finally:
         torch.set_num_threads(threads)
+
+
+def test_cut_savings_add_up_over_successive_cuts():
+    """Cutting a piece into parts takes doc_cost(L) − Σ doc_cost(parts) out of the data, however
+    the cuts are made: one head at a time (each cut of the rest), as the planner makes them."""
+    cost = CostModel(a=1 / 24576, b=1.0)
+    rng = np.random.default_rng(0)
+    for _ in range(50):
+        parts = rng.integers(1, 2000, rng.integers(2, 6))
+        total = int(parts.sum())
+        rests = total - np.concatenate([[0], np.cumsum(parts)[:-2]])   # length before each cut
+        saved = cost.cut_savings(rests, parts[:-1])
+        assert saved == pytest.approx(float(cost.doc_cost(total) - cost.doc_cost(parts).sum()))
+    assert CostModel(a=1.0, b=1.0, document_masking=False).cut_savings([100], [40]) == 0.0

@@ -1,6 +1,7 @@
 """The examples run as their docstrings say."""
 from __future__ import annotations
 
+import re
 import runpy
 import sys
 from pathlib import Path
@@ -45,7 +46,8 @@ def test_torchtitan_style_runs_on_a_device_mesh(tmp_path):
                            str(tmp_path / "web"), "--steps", "2"],
                           capture_output=True, text=True, timeout=170)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    lines = sorted(line for line in proc.stdout.splitlines() if line.startswith("rank "))
+    lines = sorted(re.findall(r"rank \d+ \(dp \d+ of \d+, tp \d+\): .*?first ids \[[^\]]*\]",
+                              proc.stdout))
     assert len(lines) == 4, proc.stdout
     by_dp = {}
     for line in lines:   # "rank r (dp d of 2, tp t): 2 steps, loss x, first ids [...]"

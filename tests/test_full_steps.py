@@ -74,14 +74,20 @@ def test_every_planner_fills_its_steps_on_gloo_ranks(skewed, world):
 
 
 def test_balanced_takes_no_more_steps_than_naive_at_one_rank(skewed):
-    """At R = 1 there is nothing to balance: a slot left empty only lengthens the epoch."""
+    """At R = 1 there is nothing to balance: a slot left empty only lengthens the epoch. Every
+    planner fills its steps there, and balanced plans exactly as naive does
+    (`Planner.effective_method`), so it takes the same steps with the same samples."""
     root, _ = skewed
-    steps = {}
-    for planner in ("naive", "balanced"):
+    steps, samples = {}, {}
+    for planner in PLANNERS:
         with sl.Loader(sources(root), micro_batch_tokens=C, micro_batches=M, epochs=1,
                        planner=planner, seed=3) as loader:
-            steps[planner] = sum(1 for _ in loader)
+            batches = [[list(mb.sample_ids) for mb in b.micro_batches] for b in loader]
+            tokens = loader.stats()["tokens_per_step"]
+        steps[planner], samples[planner] = len(batches), batches
+        assert tokens["fill"] >= 0.95, (planner, tokens)
     assert steps["balanced"] <= steps["naive"], steps
+    assert samples["balanced"] == samples["naive"]
 
 
 def test_carries_keep_summing_to_zero_while_sources_run_short_and_leave():
@@ -155,11 +161,12 @@ def long_loader(root, **kw):
 
 
 def test_cut_pieces_fill_the_steps_and_tile_their_documents(long_only):
-    """A cost-aware planner cuts pieces of long documents to fill rows: steps are full, and the
-    parts of every piece (":k", ":k+offset") put its tokens back together exactly once."""
+    """Every planner (naive too: full steps are the loader's guarantee) cuts pieces of long
+    documents to fill rows: steps are full, and the parts of every piece (":k", ":k+offset")
+    put its tokens back together exactly once."""
     import json
     from streamload.commands.demo.corpus import check_delivery
-    for planner in ("balanced", "lookahead"):
+    for planner in PLANNERS:
         with long_loader(long_only, planner=planner) as loader:
             batches = list(loader)
         parts = delivered_parts(batches)
@@ -253,3 +260,28 @@ def test_a_version_2_state_resumes_with_its_pieces_renumbered():
     assert tuple(unit.skip_through) == (4, 2 << 32)
     assert [tuple(e) for e in unit.extras] == [(3, 1 << 32), (5, -1)]
     assert [tuple(a) for a in state.ages] == [(0, 0, 3, 1 << 32, 2), (0, 0, 5, -1, 1)]
+
+
+def test_the_dry_run_counts_the_work_the_loader_cut_out(long_only, tmp_path):
+    """The dry run's `cut_work` (attention work that cutting pieces took out of the data) adds
+    up to what the loader's delivered parts show: a piece of L tokens delivered in parts n_i
+    saved a·(L² − Σ n_i²). At R = 1 the dry run predicts the loader's plan exactly."""
+    from streamload.commands.dryrun import scan, simulate
+    from streamload.configfile import LoaderSpec
+    a = 1 / 24576
+    kw = dict(micro_batch_tokens=C, micro_batches=M, epochs=1, seed=1, cost_a=a, cost_b=1.0)
+    srcs = [sl.Source(f"{long_only}/books", weight=0.9), sl.Source(f"{long_only}/notes", weight=0.1)]
+    with sl.Loader(srcs, **kw) as loader:
+        batches = list(loader)
+        stats = loader.stats()
+    pieces = {}
+    for sid, tokens in delivered_parts(batches):
+        pieces.setdefault(sid.partition("+")[0], []).append(tokens.size)
+    delivered = sum(a * (sum(ns) ** 2 - sum(n * n for n in ns)) for ns in pieces.values())
+    assert delivered > 0, "no piece was cut"
+    assert stats["pieces_cut"] == sum(len(ns) - 1 for ns in pieces.values())   # a cut per part
+    assert stats["cut_work"] == pytest.approx(delivered, rel=1e-9)
+    spec = LoaderSpec("test", srcs, {**kw, "planner": "naive"}, sl.Mixture())
+    reports = simulate(spec, scan(spec), steps=10_000, ranks=1)
+    assert len(reports) == len(batches)
+    assert sum(r.cut_work for r in reports) == pytest.approx(delivered, rel=1e-9)

@@ -118,6 +118,20 @@ def test_a_document_the_tokenizer_fails_on_is_named_or_skipped_and_counted(corpu
     assert all(got[k] == failing_tokenizer(docs[k]) for k in got)
 
 
+def test_a_tokenizer_giving_no_ids_makes_an_empty_document_not_an_error(tmp_path):
+    """A Python tokenizer returns [] for a text it has nothing for; np.asarray([]) is float64,
+    which is no reason to refuse it: the document is empty, counted, and the rest arrive."""
+    write_jsonl(tmp_path / "web" / "part-000.jsonl", ["alpha", "-", "gamma", "--", "delta"])
+    def tokenizer(text):
+        return [] if text.startswith("-") else [ord(c) for c in text]
+    with sl.Loader([sl.Source(str(tmp_path / "web"))], micro_batch_tokens=64, epochs=1,
+                   tokenizer=tokenizer) as loader:
+        got = [i for b in loader for mb in b.micro_batches for i in mb.sample_ids]
+        web = loader.stats()["sources"]["web"]
+    assert sorted(got) == [f"web/part-000.jsonl/{r}" for r in (0, 2, 4)]
+    assert web["empty_documents"] == 2 and web["skipped_records"] == 0
+
+
 class ShortBatch:
     def encode_texts(self, texts):
         return [[1, 2, 3] for _ in texts[1:]]

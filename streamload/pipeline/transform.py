@@ -77,7 +77,10 @@ def to_tokens(payload) -> np.ndarray:
 
 def token_ids(ids: np.ndarray) -> np.ndarray:
     """`ids` as int32, the dtype batches carry between ranks; raises TokenIdError for ids it
-    cannot hold (a cast would wrap them silently)."""
+    cannot hold (a cast would wrap them silently). An empty document is empty whatever its
+    dtype (`np.asarray([])`, what a Python tokenizer gives for "", is float64)."""
+    if ids.size == 0:
+        return np.zeros(0, dtype=np.int32)
     if ids.dtype.kind not in "iu":
         raise TokenIdError(f"token ids must be integers, got an array of {ids.dtype}")
     if ids.size and not (ids.dtype.kind == "u" and ids.dtype.itemsize <= 2):

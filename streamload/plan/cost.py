@@ -120,6 +120,18 @@ class CostModel:
         lengths = np.asarray(lengths, dtype=np.float64)
         return self.a * lengths * lengths + self.b * lengths
 
+    def cut_savings(self, lengths, taken) -> float:
+        """The attention work that cutting items of `lengths` tokens to their first `taken`
+        tokens takes out of the data (the rest stays in its buffer, a document of its own):
+        doc_cost(L) - doc_cost(h) - doc_cost(L - h) = 2·a·h·(L - h) summed, with document
+        masking; 0 without it (a row's cost does not see document boundaries). Successive cuts
+        of one piece add up to what cutting it into all its parts saves."""
+        if not self.document_masking:
+            return 0.0
+        lengths = np.asarray(lengths, dtype=np.float64)
+        taken = np.asarray(taken, dtype=np.float64)
+        return float((2.0 * self.a * taken * (lengths - taken)).sum())
+
     @staticmethod
     def extra_cost(hook: SampleCostHook | None, lengths) -> np.ndarray:
         """Apply a per-sample cost hook to `lengths`; zeros when there is no hook."""

@@ -15,9 +15,10 @@ refinement's drops, the top-up's refusals) asks this one question.
 
 `top_up` runs after a planning method, on a step below FULL: rows with room take the step's
 leftovers (selected but not placed first, then the rest of the windows in arrival order,
-interleaved across sources as `select` interleaves them), never past a row's capacity; then,
-for the cost-aware methods, rows with room left take the head of a piece of a split document,
-cut to fit, its rest staying in its buffer. The mixer's carry sees what was taken, so the mix
+interleaved across sources as `select` interleaves them), never past a row's capacity; then
+rows with room left take the head of a piece of a split document,
+cut to fit, its rest staying in its buffer (every method: full steps are the loader's
+guarantee, whatever the planner). The mixer's carry sees what was taken, so the mix
 stays exact over any window of steps.
 """
 from __future__ import annotations
@@ -153,9 +154,9 @@ def top_up(c: Candidates, take: np.ndarray, rank: np.ndarray, row: np.ndarray,
     leaving it out would not gain the epoch (`deferral_gain` <= 0); then, while the step is
     still below FULL, a second pass places what fits regardless: the step's tokens are the
     recipe's batch size, so the epoch rule may only trade the last percent. Otherwise first fit
-    in (rank, row) order, as a token-balanced loader packs. Last (`cost_aware` only: the
-    naive baseline packs whole items), rows with room left take the head of a divisible item
-    (a piece of a long document) cut to fit (`cut_to_fill`)."""
+    in (rank, row) order, as a token-balanced loader packs. Last, for every method (full steps
+    are the loader's guarantee, not a planner's), rows with room left take the head of a
+    divisible item (a piece of a long document) cut to fit (`cut_to_fill`)."""
     R, M = geometry.ranks, geometry.micro_batches
     pool = np.asarray(pool, dtype=np.int64)
     rows = _Rows(c, take, rank, row, geometry, cost)
@@ -168,7 +169,7 @@ def top_up(c: Candidates, take: np.ndarray, rank: np.ndarray, row: np.ndarray,
                           stop_at=full, budget=budget)
     if cost_aware and left:
         rows.fill_pass(left, cost_aware=False, overhead=overhead, stop_at=full, budget=budget)
-    if cost_aware and rows.fill.sum() < full:
+    if rows.fill.sum() < full:
         added = np.zeros(len(c), dtype=bool)
         added[rows.added] = True
         rows.cut_to_fill(pool[c.divisible[pool] & ~added[pool]])

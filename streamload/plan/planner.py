@@ -7,6 +7,9 @@ Methods:
 - ``lookahead``: selection over a window of `lookahead` steps so that documents costlier than a
   rank's share land in steps where they balance (`lookahead.select_lookahead`), then assigned
   like ``balanced``. No item waits more than `lookahead` steps (or `max_age`, when smaller).
+
+On one rank every method plans as ``naive`` does (`Planner.effective_method`): there is nothing
+to balance. Every method fills its steps (`fill.top_up`): full steps are the loader's guarantee.
 """
 from __future__ import annotations
 
@@ -60,7 +63,8 @@ class Planner:
         if length.sum() >= FULL * self.geometry.step_tokens:
             return take, rank, row, length
         return top_up(c, take, rank, row, self._leftovers(c, selected, take), self.geometry,
-                      self.cost, overhead=self.overhead, cost_aware=self.method != "naive")
+                      self.cost, overhead=self.overhead,
+                      cost_aware=self.effective_method != "naive")
 
     @staticmethod
     def _leftovers(c: Candidates, selected: np.ndarray, take: np.ndarray) -> np.ndarray:
@@ -72,6 +76,13 @@ class Planner:
         unplaced = unplaced[~placed[unplaced]]
         placed[unplaced] = True
         return np.concatenate([unplaced, interleaved(c, np.flatnonzero(~placed))])
+
+    @property
+    def effective_method(self) -> str:
+        """The method that plans: `method`, except on one rank, where there is nothing to
+        balance and a slot left empty never pays (fill.py): every method plans the naive way
+        there (its deferral bound kept), so balanced and lookahead cost the same as naive."""
+        return "naive" if self.geometry.ranks == 1 else self.method
 
     @property
     def force_age(self) -> int | None:
@@ -94,10 +105,11 @@ class Planner:
         toward its source's target, as in `select`), targets in that unit (naive, balanced)."""
         if counts is not None and self.method == "lookahead":
             raise ValueError("the lookahead method plans token targets only")
-        if self.method == "naive":
-            selected = select(c, targets, max_age=self.max_age, counts=counts)
+        method = self.effective_method
+        if method == "naive":
+            selected = select(c, targets, max_age=self.force_age, counts=counts)
             take, rank, row = assign_naive(c, selected, self.geometry)
-        elif self.method == "balanced":
+        elif method == "balanced":
             selected = select(c, targets, max_age=self.max_age, counts=counts)
             forced = None if self.max_age is None else c.age[selected] >= self.max_age
             take, rank, row = assign_balanced(c, selected, self.geometry, self.cost, forced=forced,
@@ -107,7 +119,7 @@ class Planner:
                                                 window=self.lookahead, force_age=self.force_age)
             take, rank, row = assign_balanced(c, selected, self.geometry, self.cost, forced=forced,
                                               overhead=self.overhead)
-        if self.method != "naive" and 0 < len(take) == len(selected) <= NAIVE_CHECK_ITEMS:
+        if method != "naive" and 0 < len(take) == len(selected) <= NAIVE_CHECK_ITEMS:
             # The cost-aware heuristics can, rarely, end a little above the plain arrival-order
             # fill (hypothesis found 2014 against 1949 with 22 items). For a few dozen items
             # that fill costs little (0.2 ms): when it places everything too and its largest rank
@@ -119,7 +131,7 @@ class Planner:
         # Full steps: rows with room take what is left (module fill.py), unless leaving it
         # out gains the epoch.
         take, rank, row, length = self._fill(c, selected, take, rank, row)
-        if self.method != "naive" and length.sum() < FULL * self.geometry.step_tokens:
+        if method != "naive" and length.sum() < FULL * self.geometry.step_tokens:
             # Cost-aware assignment evens out rows; with items near C that can leave no row
             # with room for what is left. The same selection packed largest first (first-fit
             # decreasing) and filled up is the alternative: the plan that costs the epoch less

@@ -8,6 +8,7 @@ import numpy as np
 
 from ...configfile import LoaderSpec
 from ...errors import ConfigError
+from ...plan.cost import CostModel
 from ...plan.stepper import Stepper
 from ...plan.types import Candidates, Geometry
 from ...state import deal, deal_epoch
@@ -36,6 +37,8 @@ class StepReport:
     max_age: int                # the most steps a taken item had waited
     fill: float                 # tokens / (R * M * C)
     active: np.ndarray          # bool [S]: sources with data in their windows
+    cut_work: float = 0.0       # attention work the step's cuts took out of the data
+                                # (`CostModel.cut_savings`): the same data uncut costs this more
 
     @property
     def units(self) -> float:
@@ -54,7 +57,8 @@ class StepReport:
                 "rank_cost": [float(c) for c in self.rank_cost],
                 "rank_tokens": [int(t) for t in self.rank_tokens],
                 "imbalance": round(self.imbalance, 6), "deferred": self.deferred,
-                "max_age": self.max_age, "fill": round(self.fill, 6)}
+                "max_age": self.max_age, "fill": round(self.fill, 6),
+                "cut_work": round(self.cut_work, 3)}
 
 
 class _Window:
@@ -255,7 +259,7 @@ def simulate(spec: LoaderSpec, lengths: Sequence[Union[SourceScan, np.ndarray]],
         take = np.asarray(assignment.take, dtype=np.int64)
         units = stepper.commit(step, take, assignment.length)
         reports.append(_report(step.index, stepper.epoch, c, step.quota, assignment, take, units,
-                               stepper.geometry, S))
+                               stepper.geometry, S, stepper.cost))
         # Taken items leave their windows; the others age.
         taken = np.zeros(len(c), dtype=np.int64)   # tokens taken of each candidate
         taken[take] = assignment.length
@@ -267,8 +271,9 @@ def simulate(spec: LoaderSpec, lengths: Sequence[Union[SourceScan, np.ndarray]],
 
 
 def _report(step, epoch, c: Candidates, quota, assignment, take, units, geometry: Geometry,
-            S: int) -> StepReport:
+            S: int, cost: CostModel) -> StepReport:
     lengths = assignment.length
+    cut = lengths < c.length[take]
     source = c.source[take]
     tokens = np.bincount(source, weights=lengths, minlength=S).astype(np.int64)
     samples = np.bincount(source, minlength=S).astype(np.int64)
@@ -297,4 +302,5 @@ def _report(step, epoch, c: Candidates, quota, assignment, take, units, geometry
         rank_cost=rank_cost, rank_tokens=rank_tokens, imbalance=imbalance,
         deferred=int(len(c) - take.size),
         max_age=int(c.age[take].max()) if take.size else 0,
-        fill=float(lengths.sum()) / geometry.step_tokens, active=np.asarray(quota.active))
+        fill=float(lengths.sum()) / geometry.step_tokens, active=np.asarray(quota.active),
+        cut_work=cost.cut_savings(c.length[take][cut], lengths[cut]))
