@@ -285,3 +285,29 @@ def test_the_dry_run_counts_the_work_the_loader_cut_out(long_only, tmp_path):
     reports = simulate(spec, scan(spec), steps=10_000, ranks=1)
     assert len(reports) == len(batches)
     assert sum(r.cut_work for r in reports) == pytest.approx(delivered, rel=1e-9)
+
+
+def test_the_top_up_never_fills_rows_from_a_source_the_schedule_leaves_out(tmp_path):
+    """A source at weight 0 sits the mix out while others have data (docs/mixing.md), and the
+    top-up must not leak it into rows with room either: next to a source that restarts (never
+    runs out) it is never read; under a schedule it starts at the step its weight does."""
+    write_jsonl_source(tmp_path, "web", shards=2, per_shard=50, median=300, sigma=1.2, seed=1)
+    write_jsonl_source(tmp_path, "math", shards=1, per_shard=40, median=200, seed=2)
+    web, math_ = f"{tmp_path}/web", f"{tmp_path}/math"
+    with sl.Loader([sl.Source(web, weight=1.0, on_exhausted="restart"),
+                    sl.Source(math_, weight=0.0)], micro_batch_tokens=C, micro_batches=M,
+                   seed=1) as loader:
+        for step, batch in enumerate(loader):
+            if step == 300:
+                break
+        stats = loader.stats()
+    assert stats["sources"]["math"]["delivered_samples"] == 0
+    assert stats["tokens_per_step"]["fill"] >= 0.95
+    mixture = sl.Mixture(schedule_unit="steps", interpolate="step", schedule=[
+        sl.MixPoint(at=0, weights={"web": 1.0, "math": 0.0}),
+        sl.MixPoint(at=20, weights={"web": 0.5, "math": 0.5})])
+    with sl.Loader([sl.Source(web), sl.Source(math_)], mixture=mixture, micro_batch_tokens=C,
+                   micro_batches=M, seed=1, epochs=1) as loader:
+        first_math = next(b.step for b in loader
+                          for mb in b.micro_batches for i in mb.sample_ids if i.startswith("math/"))
+    assert first_math == 20

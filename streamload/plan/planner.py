@@ -55,14 +55,17 @@ class Planner:
         rank_cost = finish(c, take, rank, row, self.geometry, self.cost, length).rank_cost
         return epoch_cost(rank_cost, int(length.sum()), self.geometry, self.overhead)
 
-    def _fill(self, c: Candidates, selected, take, rank, row):
-        """`top_up` with what the plan left: the step's leftovers, then the windows. A step
-        already FULL is left as it is (and the leftovers, a sort of every candidate, are not
-        worked out)."""
+    def _fill(self, c: Candidates, selected, take, rank, row, eligible=None):
+        """`top_up` with what the plan left: the step's leftovers, then the windows of the
+        `eligible` sources (bool per source; None: all). A step already FULL is left as it is
+        (and the leftovers, a sort of every candidate, are not worked out)."""
         length = c.length[take]
         if length.sum() >= FULL * self.geometry.step_tokens:
             return take, rank, row, length
-        return top_up(c, take, rank, row, self._leftovers(c, selected, take), self.geometry,
+        pool = self._leftovers(c, selected, take)
+        if eligible is not None:
+            pool = pool[np.asarray(eligible, dtype=bool)[c.source[pool]]]
+        return top_up(c, take, rank, row, pool, self.geometry,
                       self.cost, overhead=self.overhead,
                       cost_aware=self.effective_method != "naive")
 
@@ -95,14 +98,20 @@ class Planner:
         """Plan a `QuotaMixer` step (a `StepQuota`). A mixture by samples is selected by sample
         counts, so it stays exact when overdue items jump their source's queue; the lookahead
         method plans in tokens (the quota's token targets)."""
+        # A source the schedule gives no share now sits the step out: the top-up must not
+        # fill rows from it either (a curriculum's source at weight 0 waits for its stage).
+        eligible = quota.shares[quota.virtual_source] > 0
         if quota.counts is not None and self.method != "lookahead":
-            return self.assign(quota.candidates, quota.targets, step, counts=quota.counts)
-        return self.assign(quota.candidates, quota.token_targets, step)
+            return self.assign(quota.candidates, quota.targets, step, counts=quota.counts,
+                               eligible=eligible)
+        return self.assign(quota.candidates, quota.token_targets, step, eligible=eligible)
 
     def assign(self, c: Candidates, targets: np.ndarray, step: int,
-             counts: np.ndarray | None = None) -> Assignment:
+               counts: np.ndarray | None = None, eligible: np.ndarray | None = None
+               ) -> Assignment:
         """`targets[s]`: tokens of source s this step; with `counts` (what each candidate counts
-        toward its source's target, as in `select`), targets in that unit (naive, balanced)."""
+        toward its source's target, as in `select`), targets in that unit (naive, balanced).
+        `eligible` (bool per source; None: all): the sources the top-up may fill rows from."""
         if counts is not None and self.method == "lookahead":
             raise ValueError("the lookahead method plans token targets only")
         method = self.effective_method
@@ -130,14 +139,15 @@ class Planner:
                 take, rank, row = naive
         # Full steps: rows with room take what is left (module fill.py), unless leaving it
         # out gains the epoch.
-        take, rank, row, length = self._fill(c, selected, take, rank, row)
+        take, rank, row, length = self._fill(c, selected, take, rank, row, eligible)
         if method != "naive" and length.sum() < FULL * self.geometry.step_tokens:
             # Cost-aware assignment evens out rows; with items near C that can leave no row
             # with room for what is left. The same selection packed largest first (first-fit
             # decreasing) and filled up is the alternative: the plan that costs the epoch less
             # is the plan (`fill.epoch_cost`), as long as it keeps every overdue item.
             largest_first = selected[np.argsort(-c.length[selected], kind="stable")]
-            packed = self._fill(c, selected, *assign_naive(c, largest_first, self.geometry))
+            packed = self._fill(c, selected, *assign_naive(c, largest_first, self.geometry),
+                                eligible)
             overdue = selected[c.age[selected] >= self.force_age] \
                 if self.force_age is not None else selected[:0]
             if np.isin(overdue, packed[0]).all() and \
@@ -145,8 +155,12 @@ class Planner:
                 take, rank, row, length = packed
         if len(take) == 0 and len(c) > 0:
             # Progress guarantee: a plan that takes nothing while candidates exist would repeat
-            # forever. The oldest item of the first non-empty window fits any empty row.
-            first = int(np.lexsort((c.position, c.rank, -c.age))[0])
+            # forever. The oldest item of the first non-empty window (of an eligible source,
+            # when there is one) fits any empty row.
+            order = np.lexsort((c.position, c.rank, -c.age))
+            if eligible is not None and np.asarray(eligible, bool)[c.source[order]].any():
+                order = order[np.asarray(eligible, bool)[c.source[order]]]
+            first = int(order[0])
             take = np.array([first], dtype=np.int64)
             rank, row = np.zeros(1, dtype=np.int32), np.zeros(1, dtype=np.int32)
             length = c.length[take]
