@@ -43,26 +43,42 @@ class ReadUnit(msgspec.Struct, array_like=True, frozen=True):
     skip_through: Optional[tuple[int, int]] = None    # None: every item of the shard
     extras: tuple[tuple[int, int], ...] = ()
 
-    def keep_filter(self):
-        """None when the whole shard is kept; else `start(record, chunk)`: the offset to start
-        an item at (0: whole), or None to leave it out. An extra whose chunk carries an offset
-        (`pieces`) is the rest of a piece the planner cut: the piece is kept from there."""
-        if self.skip_through is None:
-            return None
-        skip = tuple(self.skip_through)
-        extras, rests = set(), {}
-        for record, chunk in self.extras:
+    def keep_filter(self) -> Optional["KeepFilter"]:
+        """None when the whole shard is kept; else a `KeepFilter`."""
+        return None if self.skip_through is None else KeepFilter(self)
+
+
+class KeepFilter:
+    """What a resumed shard still has to deliver: every item after `skip_through`, plus the
+    extras (items at or before it that were pending). An extra whose chunk carries an offset
+    (`pieces`) is the rest of a piece the planner cut: the piece is kept from there."""
+
+    def __init__(self, unit: ReadUnit):
+        self.skip = tuple(unit.skip_through)
+        self.extras, self.rests = set(), {}
+        for record, chunk in unit.extras:
             offset = chunk & pieces.OFFSET_MASK if chunk >= 0 else 0
             if offset:
-                rests[(record, chunk - offset)] = offset
+                self.rests[(record, chunk - offset)] = offset
             else:
-                extras.add((record, chunk))
+                self.extras.add((record, chunk))
+        self.records = {record for record, _ in unit.extras}
 
-        def start(record, chunk):
-            if (record, chunk) in rests:
-                return rests[(record, chunk)]
-            return 0 if (record, chunk) > skip or (record, chunk) in extras else None
-        return start
+    def __call__(self, record: int, chunk: int) -> Optional[int]:
+        """The offset to start item (record, chunk) at (0: whole), or None to leave it out."""
+        if (record, chunk) in self.rests:
+            return self.rests[(record, chunk)]
+        return 0 if (record, chunk) > self.skip or (record, chunk) in self.extras else None
+
+    def wants(self, record: int) -> bool:
+        """Whether any item of `record` may still be delivered. A record that is not is only
+        read past (its place in the shard), never tokenized: resuming late in a shard costs
+        its bytes, not its tokenizer time."""
+        return record >= self.skip[0] or record in self.records
+
+    def wants_any(self, first: int, end: int) -> bool:
+        """Whether any record in [first, end) is wanted (`wants`)."""
+        return end - 1 >= self.skip[0] or any(first <= r < end for r in self.records)
 
 
 class SourceProgress(msgspec.Struct, frozen=True):

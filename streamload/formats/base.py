@@ -79,17 +79,32 @@ class PlannedStream:
         self._ranges: list[tuple[int, int]] = []
         self._next = 0
         self._failed = False
+        self._read: list[int] | None = None   # the planned ranges still read (`keep_only`)
 
     def ranges(self) -> list[tuple[int, int]]:
-        return self._ranges
+        return self._ranges if self._read is None else [self._ranges[k] for k in self._read]
 
     def _next_range(self) -> int:
         """The index of the planned range the chunk being decoded is (they come in order)."""
-        if self._next >= len(self._ranges):
+        if self._next >= (len(self._ranges) if self._read is None else len(self._read)):
             raise DataError("more chunks than planned ranges", source=self._source,
                             shard=self._shard_name)
         self._next += 1
-        return self._next - 1
+        return self._next - 1 if self._read is None else self._read[self._next - 1]
+
+    def _record_spans(self) -> Sequence[tuple[int, int]] | None:
+        """Per planned range, the records [first, end) it holds (a superset will do); None when
+        the format's ranges are not runs of records (then `keep_only` keeps them all)."""
+        return None
+
+    def keep_only(self, wants_any: Callable[[int, int], bool]) -> None:
+        """Read only the ranges holding a record in [first, end) that `wants_any(first, end)`:
+        a resumed shard skips the bytes of what it delivered before the stop (a format without
+        a record index, JSONL, still reads them). Call before `ranges()`."""
+        spans = self._record_spans()
+        if spans is not None:
+            self._read = [k for k, (first, end) in enumerate(spans)
+                          if wants_any(int(first), int(end))]
 
     def _record_error(self, index: int, reason: str, **where) -> None:
         if self._on_skip is None:

@@ -364,6 +364,10 @@ class LitdataStream(PlannedStream):
         self._expected_items, self._dim = expected_items, dim
         self._finished = False
 
+    def _record_spans(self) -> Optional[list[tuple[int, int]]]:
+        # Item and block ranges decode on their own; frames and whole chunks are kept.
+        return self._plan.groups if self._plan.mode in ("items", "blocks") else None
+
     def decode(self, chunk: bytes) -> list[RawRecord]:
         if self._failed:
             return []

@@ -429,6 +429,9 @@ class MdsRawStream(PlannedStream):
             first = end
         self._ranges = [(int(offsets[a]), int(offsets[b])) for a, b in self._groups]
 
+    def _record_spans(self) -> list[tuple[int, int]]:
+        return self._groups
+
     def decode(self, chunk: bytes) -> list[RawRecord]:
         k = self._next_range()
         first, end = self._groups[k]

@@ -211,6 +211,9 @@ class MegatronStream(PlannedStream):
         self._start, self._groups, self._ranges = plan_ranges(index, keep, chunk_bytes)
         self._finished = False
 
+    def _record_spans(self) -> list[tuple[int, int]]:
+        return [(int(self._keep[a]), int(self._keep[b - 1]) + 1) for a, b in self._groups.tolist()]
+
     def decode(self, chunk: bytes) -> list[RawRecord]:
         k = self._next_range()
         a, b = self._groups[k].tolist()

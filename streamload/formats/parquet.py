@@ -207,6 +207,10 @@ class ParquetStream(PlannedStream):
         self._ranges, self._groups, self._first_rows = _plan(metadata, field, footer_start,
                                                              shard.size)
 
+    def _record_spans(self) -> list[tuple[int, int]]:
+        return [(first, first + self._metadata.row_group(group).num_rows)
+                for first, group in zip(self._first_rows, self._groups)]
+
     def decode(self, chunk: bytes) -> list[RawRecord]:
         k = self._next_range()
         if self._failed:

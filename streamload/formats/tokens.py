@@ -184,6 +184,9 @@ class TokensStream(PlannedStream):
                         for a, b in self._groups]
         self._finished = False
 
+    def _record_spans(self) -> list[tuple[int, int]]:
+        return self._groups
+
     def decode(self, chunk: bytes) -> list[RawRecord]:
         k = self._next_range()
         first, end = self._groups[k]

@@ -19,7 +19,7 @@ import numpy as np
 from ..config import LoaderConfig, Source
 from ..errors import ConfigError, DataError, StorageError
 from ..formats import format_for
-from ..formats.base import RawRecord, ShardFormat
+from ..formats.base import PlannedStream, RawRecord, ShardFormat
 from ..metrics import SourceMetrics
 from ..storage import ObjectInfo, ObjectStore, relative_name
 from ..storage.base import CountedStore
@@ -140,6 +140,8 @@ class SourceFetcher:
         stream = await shard.format.open(self.store, shard.info, source=self.source.name,
                                          shard_name=shard.name, on_skip=on_skip,
                                          chunk_bytes=self.config.chunk_bytes)
+        if keep is not None and isinstance(stream, PlannedStream):
+            stream.keep_only(keep.wants_any)   # a resumed shard: what it delivered is not read
 
         in_order = asyncio.Lock()   # FIFO: a shard's fetches reserve memory in range order
 
@@ -155,8 +157,11 @@ class SourceFetcher:
                                     self.config.long_documents, keep, self.ages,
                                     where=(self.source.name, shard.name), on_skip=on_skip)
 
+        def wanted(records):   # a resumed shard: records already delivered go no further
+            return records if keep is None else [r for r in records if keep.wants(r.index)]
+
         def decode_and_tokenize(decode, *args):
-            return to_items(decode(*args))
+            return to_items(wanted(decode(*args)))
 
         async def transform(reserved: int, raw_bytes: int, decode, *args):
             started = time.perf_counter()
@@ -164,7 +169,7 @@ class SourceFetcher:
                 items, counts = await loop.run_in_executor(self.executor, decode_and_tokenize,
                                                            decode, *args)
             else:   # one tokenizer call for the range, on a thread or in a process
-                records = await loop.run_in_executor(self.executor, decode, *args)
+                records = wanted(await loop.run_in_executor(self.executor, decode, *args))
                 records = await self._tokenize(records, shard, on_skip)
                 items, counts = await loop.run_in_executor(self.executor, to_items, records)
             counts.add_to(self.metrics)
