@@ -21,6 +21,7 @@ import numpy as np
 import pytest
 
 import streamload as sl
+from resumecheck import stop_and_resume
 from streamload.errors import DataError
 from streamload.formats import format_for
 from streamload.formats.litdata import LitdataFormat
@@ -316,10 +317,6 @@ def test_two_datasets_under_one_prefix(litdata_root, tmp_path):
     assert len(got) == 2 * sum(1 for t in expected_records("text", sets["text"]).values() if t)
 
 
-def flat(batch) -> list[str]:
-    return [sid for mb in batch.micro_batches for sid in mb.sample_ids]
-
-
 @pytest.mark.parametrize("name, stop", [("text_plain", 3), ("tokens_blocks", 5), ("npy", 4)])
 def test_exact_resume(litdata_root, name, stop):
     root, sets = litdata_root
@@ -330,16 +327,9 @@ def test_exact_resume(litdata_root, name, stop):
                          micro_batch_tokens=256, micro_batches=2, epochs=1, seed=3,
                          chunk_bytes=256)
 
-    with make() as loader:
-        full = [flat(b) for b in loader]
-    with make() as loader:
-        head = [flat(b) for _, b in zip(range(stop), loader)]
-        state = loader.state_dict()
-    with make() as loader:
-        loader.load_state_dict(state)
-        tail = [flat(b) for b in loader]
-    assert head + tail == full
-    ids = [sid for step in full for sid in step]
+    run = stop_and_resume(make, stop)
+    assert run.head + run.tail == run.full
+    ids = [sid for step in run.full for mb in step for sid in mb[0]]
     assert len(ids) == len(set(ids))
     whole = {sid.rsplit(":", 1)[0] for sid in ids}
     want = {f"{name}/{c}/{k}" for (c, k), t in expected_records(name, sets[name]).items() if t}

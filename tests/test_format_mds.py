@@ -26,6 +26,7 @@ import numpy as np
 import pytest
 
 import streamload as sl
+from resumecheck import stop_and_resume
 from streamload.errors import DataError
 from streamload.formats import RawRecord, format_for
 from streamload.formats.mds import MdsFormat
@@ -443,10 +444,6 @@ def test_loader_over_s3(tmp_path, s3_bucket, storage_options):
 # ---------------------------------------------------------------- resume
 
 
-def flat(batch):
-    return [(tuple(mb.sample_ids), int(mb.tokens.sum())) for mb in batch.micro_batches]
-
-
 @pytest.mark.parametrize("stop", [1, 5, 10])
 def test_exact_resume(tmp_path, stop):
     root = make_streams(tmp_path / "corpus")
@@ -455,17 +452,10 @@ def test_exact_resume(tmp_path, stop):
         return loader([sl.Source(str(root))], micro_batch_tokens=1024, micro_batches=1,
                       chunk_bytes=512)
 
-    with make() as ld:
-        full = [flat(b) for b in ld]
-    assert len(full) > stop + 2
-    with make() as ld:
-        head = [flat(b) for _, b in zip(range(stop), ld)]
-        state = ld.state_dict()
-    with make() as ld:
-        ld.load_state_dict(state)
-        tail = [flat(b) for b in ld]
-    assert head + tail == full
-    ids = [i for step in head + tail for mb in step for i in mb[0]]
+    run = stop_and_resume(make, stop)
+    assert len(run.full) > stop + 2
+    assert run.head + run.tail == run.full
+    ids = [i for step in run.head + run.tail for mb in step for i in mb[0]]
     expected = expected_docs(root, tmp_path / "ref", "corpus")
     assert Counter(ids) == Counter(list(expected))   # exactly once
 

@@ -16,6 +16,7 @@ pa = pytest.importorskip("pyarrow")
 pq = pytest.importorskip("pyarrow.parquet")
 
 import streamload as sl  # noqa: E402
+from resumecheck import full_run, stop_and_resume  # noqa: E402
 from streamload.errors import DataError  # noqa: E402
 from streamload.formats import RawRecord, format_for  # noqa: E402
 from streamload.formats.parquet import ParquetFormat  # noqa: E402
@@ -404,10 +405,6 @@ def test_loader_over_s3(tmp_path, s3_bucket, storage_options):
 # ---------------------------------------------------------------- resume
 
 
-def flat(batch):
-    return [(tuple(mb.sample_ids), int(mb.tokens.sum())) for mb in batch.micro_batches]
-
-
 @pytest.mark.parametrize("stop", [1, 5, 10])
 def test_exact_resume(tmp_path, stop):
     root = make_text_source(tmp_path / "web", shards=3, rows=50)
@@ -416,17 +413,10 @@ def test_exact_resume(tmp_path, stop):
         return loader([sl.Source(str(root))], micro_batch_tokens=1024, micro_batches=2,
                       chunk_bytes=4096)
 
-    with make() as ld:
-        full = [flat(b) for b in ld]
-    assert len(full) > stop + 2
-    with make() as ld:
-        head = [flat(b) for _, b in zip(range(stop), ld)]
-        state = ld.state_dict()
-    with make() as ld:
-        ld.load_state_dict(state)
-        tail = [flat(b) for b in ld]
-    assert head + tail == full
-    ids = [i for step in head + tail for mb in step for i in mb[0]]
+    run = stop_and_resume(make, stop)
+    assert len(run.full) > stop + 2
+    assert run.head + run.tail == run.full
+    ids = [i for step in run.head + run.tail for mb in step for i in mb[0]]
     assert Counter(ids) == Counter(list(reference_docs(root, "web")))   # exactly once
 
 
@@ -464,21 +454,15 @@ def test_loader_reads_only_the_text_column_also_when_resumed(tmp_path):
     def make():
         return loader([sl.Source(str(root))], micro_batch_tokens=2048, micro_batches=1)
 
-    with make() as ld:
-        full = [flat(b) for b in ld]
-        fetched = ld.stats()["sources"]["big"]["bytes_fetched"]
+    full = full_run(make)
+    fetched = full[1]["sources"]["big"]["bytes_fetched"]
     print(f"file {size} bytes, a full read fetched {fetched}")
     assert 0 < fetched < size / 10, (fetched, size)
-    stop = len(full) // 2
-    with make() as ld:
-        head = [flat(b) for _, b in zip(range(stop), ld)]
-        state = ld.state_dict()
-    with make() as ld:
-        ld.load_state_dict(state)
-        tail = [flat(b) for b in ld]
-        resumed = ld.stats()["sources"]["big"]["bytes_fetched"]
-    print(f"resumed after {stop} of {len(full)} steps: fetched {resumed}")
-    assert head + tail == full
+    stop = len(full[0]) // 2
+    run = stop_and_resume(make, stop, full)
+    resumed = run.resumed_stats["sources"]["big"]["bytes_fetched"]
+    print(f"resumed after {stop} of {len(run.full)} steps: fetched {resumed}")
+    assert run.head + run.tail == run.full
     assert 0 < resumed < size / 10, (resumed, size)
 
 

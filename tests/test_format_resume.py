@@ -96,20 +96,12 @@ def test_a_resumed_shard_reads_only_what_it_still_delivers(tmp_path, fmt):
     """Resuming late in a shard of an indexed format reads the ranges it still delivers, not
     the bytes of the documents delivered before the stop; the rest arrives exactly as in an
     uninterrupted run."""
-    from resumecheck import flat
+    from resumecheck import full_run, stop_and_resume
     write_one_shard(tmp_path, fmt)
     def loader():
         return loader_for(str(tmp_path), fmt, chunk_bytes=1024, prefetch_steps=1)
-    with loader() as run:
-        full = [flat(b) for b in run]
-        full_bytes = run.stats()["bytes_read"]
-    stop = int(len(full) * 0.7)
-    with loader() as run:
-        head = [flat(b) for _, b in zip(range(stop), run)]
-        state = run.state_dict()
-    with loader() as run:
-        run.load_state_dict(state)
-        tail = [flat(b) for b in run]
-        resumed_bytes = run.stats()["bytes_read"]
-    assert head + tail == full
-    assert resumed_bytes < 0.6 * full_bytes, (resumed_bytes, full_bytes, len(full))
+    full = full_run(loader)
+    run = stop_and_resume(loader, int(len(full[0]) * 0.7), full)
+    assert run.head + run.tail == run.full
+    resumed_bytes, full_bytes = run.resumed_stats["bytes_read"], run.full_stats["bytes_read"]
+    assert resumed_bytes < 0.6 * full_bytes, (resumed_bytes, full_bytes, len(run.full))

@@ -7,7 +7,7 @@ import pytest
 import streamload as sl
 from corpus import base_ids, write_jsonl_source, write_token_source
 from distributed import run_ranks
-from resumecheck import flat, resume_divergence
+from resumecheck import flat, resume_divergence, stop_and_resume
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -188,16 +188,9 @@ def test_a_resumed_shard_tokenizes_only_what_it_still_delivers(tmp_path):
         return sl.Loader([sl.Source(str(tmp_path / "web"))], micro_batch_tokens=1024,
                          micro_batches=2, epochs=1, chunk_bytes=4096, tokenizer=tokenizer,
                          prefetch_steps=1)
-    with loader() as full_run:
-        full = [flat(b) for b in full_run]
-    with loader() as first:
-        head = [flat(b) for _, b in zip(range(20), first)]
-        state = first.state_dict()
-    delivered = {int(i.split("/")[-1].split(":")[0]) for step in head for mb in step for i in mb[0]}
-    seen.clear()
-    with loader() as second:
-        second.load_state_dict(state)
-        tail = [flat(b) for b in second]
-    assert head + tail == full
+    run = stop_and_resume(loader, 20, on_resume=seen.clear)
+    assert run.head + run.tail == run.full
+    delivered = {int(i.split("/")[-1].split(":")[0])
+                 for step in run.head for mb in step for i in mb[0]}
     again = set(seen) & delivered   # at most the record the stop fell in (a later piece)
     assert len(delivered) > 100 and len(again) <= 1, sorted(again)
