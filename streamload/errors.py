@@ -33,9 +33,10 @@ class ConfigError(StreamloadError, ValueError):
 class StorageError(StreamloadError, OSError):
     """An object could not be listed or read (missing bucket, no match, retries exhausted)."""
 
-    def __init__(self, message: str, uri: str | None = None):
+    def __init__(self, message: str, uri: str | None = None, missing: bool = False):
         super().__init__(message)
         self.uri = uri
+        self.missing = missing   # the object does not exist (not found, 404)
 
 
 # What a DataError that on_error="skip" would have skipped says about it: the one place of

@@ -499,3 +499,29 @@ def test_loader_truncated_bin_raises_or_skips(tmp_path):
     del expected[f"meg/part-1.bin/{last}"]
     assert_delivered(docs, expected)
     assert stats["sources"]["meg"]["skipped_records"] == 1
+
+
+@pytest.mark.parametrize("where", ["local", "s3"])
+def test_a_bin_without_its_idx_names_what_is_missing_or_is_skipped(tmp_path, where, request):
+    """A `.bin` whose `.idx` is absent (say a stray model file) is a bad shard whose error says
+    what was expected and how to leave such files out; on_error="skip" skips and counts it."""
+    expected = write_source(tmp_path / "meg", shards=2, per_shard=20, seed=40)
+    (tmp_path / "meg" / "part-1.idx").unlink()
+    uri, options = str(tmp_path / "meg"), {}
+    if where == "s3":
+        client, bucket = request.getfixturevalue("s3_bucket")
+        options = {"storage_options": request.getfixturevalue("storage_options")}
+        for path in sorted((tmp_path / "meg").iterdir()):
+            client.upload_file(str(path), bucket, f"missing/meg/{path.name}")
+        uri = f"s3://{bucket}/missing/meg/"
+    with pytest.raises(DataError, match=r"source 'meg', shard 'part-1.bin': index file "
+                                        r"'part-1.idx' is missing: a Megatron dataset is"):
+        with sl.Loader([sl.Source(uri, name="meg")], micro_batch_tokens=512, epochs=1,
+                       **options) as loader:
+            collect(loader)
+    with sl.Loader([sl.Source(uri, name="meg")], micro_batch_tokens=512, epochs=1,
+                   on_error="skip", **options) as loader:
+        _, docs = collect(loader)
+        stats = loader.stats()["sources"]["meg"]
+    assert_delivered(docs, {k: v for k, v in expected.items() if "/part-1.bin/" not in k})
+    assert stats["skipped_shards"] == 1 and "part-1.idx" in stats["skip_reasons"][0]

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import zstandard
 
-from streamload.errors import ConfigError, DataError
+from streamload.errors import ConfigError, DataError, StorageError
 from streamload.formats import (FORMATS, JsonlFormat, RawRecord, TokensFormat, format_for,
                                 write_jsonl, write_token_shard)
 from streamload import pieces
@@ -35,6 +35,8 @@ class FileStore:
         return sorted(ObjectInfo(str(p), p.stat().st_size) for p in root.rglob("*") if p.is_file())
 
     async def read_range(self, uri: str, start: int, end: int) -> bytes:
+        if not Path(uri).exists():   # as every ObjectStore says it
+            raise StorageError(f"no such file or directory: {uri}", uri=uri, missing=True)
         size = Path(uri).stat().st_size
         assert 0 <= start <= end <= size, f"read {start}-{end} outside {uri} ({size} bytes)"
         self.reads.append((uri, start, end))
@@ -406,6 +408,13 @@ async def test_tokens_bad_offsets(tmp_path, offsets, message):
     np.save(offsets_path, offsets)
     await expect_shard_error(tokens_path, message)
     await expect_shard_error(tokens_path, "offsets file 'o.offsets.npy'")
+
+
+async def test_tokens_missing_offsets_says_what_belongs_beside_it(tmp_path):
+    tokens_path, offsets_path = write_token_shard(tmp_path / "m", [np.arange(3)])
+    offsets_path.unlink()
+    await expect_shard_error(tokens_path, "offsets file 'm.offsets.npy' is missing: a token "
+                                          "shard is <stem>.tokens.npy with <stem>.offsets.npy")
 
 
 async def test_tokens_truncated_or_not_npy(tmp_path):

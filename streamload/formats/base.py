@@ -25,7 +25,7 @@ from typing import Callable, Protocol, Sequence, Union
 
 import numpy as np
 
-from ..errors import DataError
+from ..errors import DataError, StorageError
 from ..storage.base import ObjectInfo, ObjectStore
 from ..tokenizer import TextTokenizer
 
@@ -38,6 +38,24 @@ SkipCallback = Callable[[Union[int, None], str], None]
 
 # Bytes per ranged read when measuring documents (`ShardFormat.document_lengths`).
 LENGTHS_CHUNK_BYTES = 4 << 20
+
+
+class BadShard(Exception):
+    """A shard-level problem (a bad header or index, a truncated file, a missing companion):
+    the format turns it into a DataError naming source and shard, or with on_error="skip"
+    into on_skip(None, reason)."""
+
+
+async def read_companion(store: ObjectStore, uri: str, start: int, end: int, what: str,
+                         expected: str) -> bytes:
+    """Bytes [start, end) of a shard's companion file (its index), `what` naming it in errors.
+    A missing companion is a BadShard that says what was expected beside the shard."""
+    try:
+        return await store.read_range(uri, start, end)
+    except StorageError as exc:
+        if not exc.missing:
+            raise
+        raise BadShard(f"{what} is missing: {expected}") from None
 
 
 @dataclass(frozen=True)

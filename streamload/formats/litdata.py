@@ -54,7 +54,8 @@ import zstandard
 from ..errors import ConfigError, DataError
 from ..storage.base import ObjectInfo, ObjectStore
 from ..tokenizer import TextTokenizer
-from .base import EmptyStream, PlannedStream, LENGTHS_CHUNK_BYTES, RawRecord, SkipCallback
+from .base import (LENGTHS_CHUNK_BYTES, BadShard, EmptyStream, PlannedStream, RawRecord,
+                   SkipCallback)
 from .lengths import stream_lengths
 from .tokens import plan_groups
 
@@ -76,9 +77,6 @@ _TORCH_INT_DTYPES = {11: "u1", 12: "i1", 13: "<i2", 14: "<i2", 15: "<i4", 16: "<
 _FIXED_LEAF_BYTES = {"int": 8, "float": 8, "bool": 1}
 _TEXT_LEAVES = ("str", "text")
 
-
-class _BadShard(Exception):
-    """A shard-level problem: DataError, or on_skip(None, ...) in skip mode."""
 
 
 def _token_dtype(data_format: str) -> Optional[np.dtype]:
@@ -182,28 +180,28 @@ def _glob_escape(text: str) -> str:
 
 def _parse_config(config, *, text_field: str, tokens_field: Optional[str],
                   block_size: Optional[int]) -> _Layout:
-    """The dataset's layout; raises _BadShard for what this format cannot read."""
+    """The dataset's layout; raises BadShard for what this format cannot read."""
     if not isinstance(config, dict):
-        raise _BadShard("its 'config' is missing or not an object")
+        raise BadShard("its 'config' is missing or not an object")
     if config.get("encryption"):
-        raise _BadShard("the dataset is encrypted, which this format does not read")
+        raise BadShard("the dataset is encrypted, which this format does not read")
     if config.get("format") not in (None, "litdata"):
-        raise _BadShard(f"config format {config.get('format')!r} is not a litdata chunk format")
+        raise BadShard(f"config format {config.get('format')!r} is not a litdata chunk format")
     loader = config.get("item_loader") or "PyTreeLoader"
     if loader not in ("PyTreeLoader", "TokensLoader"):
-        raise _BadShard(f"item_loader {loader!r} is not supported (PyTreeLoader and "
+        raise BadShard(f"item_loader {loader!r} is not supported (PyTreeLoader and "
                         "TokensLoader chunks are)")
     formats = config.get("data_format")
     if not isinstance(formats, list) or not formats or not all(isinstance(f, str) for f in formats):
-        raise _BadShard(f"its config has no usable 'data_format' (found {formats!r})")
+        raise BadShard(f"its config has no usable 'data_format' (found {formats!r})")
     compression = config.get("compression")
     level_name = config.get("compression_level")
     if compression:
         if not str(compression).startswith("zstd"):
-            raise _BadShard(f"compression {compression!r} is not supported (zstd is)")
+            raise BadShard(f"compression {compression!r} is not supported (zstd is)")
         level = level_name or "chunk"
         if level not in ("chunk", "batch", "sample"):
-            raise _BadShard(f"compression_level {level_name!r} is not known")
+            raise BadShard(f"compression_level {level_name!r} is not known")
     else:
         level = "none"
     frame_rows = config.get("compression_batch_size")
@@ -213,10 +211,10 @@ def _parse_config(config, *, text_field: str, tokens_field: Optional[str],
     if loader == "TokensLoader":
         dtype = _token_dtype(formats[0])
         if len(formats) != 1 or dtype is None:
-            raise _BadShard(f"TokensLoader data_format {formats!r} is not one 1-D integer array")
+            raise BadShard(f"TokensLoader data_format {formats!r} is not one 1-D integer array")
         size = block_size if block_size is not None else config.get("block_size")
         if size is not None and (not isinstance(size, int) or size < 1):
-            raise _BadShard(f"block_size must be a positive integer, found {size!r}")
+            raise BadShard(f"block_size must be a positive integer, found {size!r}")
         return _Layout(True, tuple(formats), ("",), 0, dtype, True, size, level == "chunk",
                        level, frame_rows, "tokens")
 
@@ -231,19 +229,19 @@ def _parse_config(config, *, text_field: str, tokens_field: Optional[str],
         leaf = 0
     else:
         kind = "tokens_field" if tokens_field is not None else "text_field"
-        raise _BadShard(f"{kind} {wanted!r} is not a field of its items; they have: {described}")
+        raise BadShard(f"{kind} {wanted!r} is not a field of its items; they have: {described}")
     leaf_format = formats[leaf]
     name = names[leaf] or "<item>"
     bare_tokens = names == [""] and _token_dtype(leaf_format) is not None
     if tokens_field is not None or bare_tokens:   # a bare token array needs no field name
         dtype = _token_dtype(leaf_format)
         if dtype is None and leaf_format not in ("json",):   # "json": Arrow-footer lists
-            raise _BadShard(f"field {name!r} holds {leaf_format!r}, not a 1-D integer array "
+            raise BadShard(f"field {name!r} holds {leaf_format!r}, not a 1-D integer array "
                             f"(no_header_numpy / no_header_tensor); fields: {described}")
     else:
         dtype = None
         if leaf_format not in _TEXT_LEAVES:
-            raise _BadShard(f"field {name!r} holds {leaf_format!r}, not text (str); use "
+            raise BadShard(f"field {name!r} holds {leaf_format!r}, not text (str); use "
                             f"tokens_field for token arrays; fields: {described}")
     return _Layout(False, tuple(formats), tuple(names), leaf, dtype,
                    tokens_field is not None or bare_tokens, None, level == "chunk", level,
@@ -263,7 +261,7 @@ class _Decoder:
     def tokens(self, data) -> np.ndarray:
         dtype = self.layout.dtype
         if dtype is None:   # a "json" leaf: only its Arrow-footer rows are read
-            raise _BadShard(f"field {self.layout.field_name!r} is a JSON-encoded leaf, read "
+            raise BadShard(f"field {self.layout.field_name!r} is a JSON-encoded leaf, read "
                             "only from chunks whose rows sit in an Arrow footer")
         if len(data) % dtype.itemsize:
             raise _BadRecord(f"{len(data)} bytes of tokens is not a multiple of "
@@ -391,7 +389,7 @@ class LitdataStream(PlannedStream):
             if plan.mode == "whole":
                 return self._whole(chunk)
             return self._arrow(chunk)
-        except _BadShard as exc:
+        except BadShard as exc:
             self._shard_error(str(exc))
             return []
 
@@ -466,13 +464,13 @@ class LitdataStream(PlannedStream):
             try:
                 raw = _inflate(dctx, data)
             except (zstandard.ZstdError, _Truncated) as exc:
-                raise _BadShard(f"corrupt zstd frame {f}: {exc}") from None
+                raise BadShard(f"corrupt zstd frame {f}: {exc}") from None
             if len(raw) != raw_length:
-                raise _BadShard(f"zstd frame {f} inflated to {len(raw)} bytes, its table "
+                raise BadShard(f"zstd frame {f} inflated to {len(raw)} bytes, its table "
                                 f"says {raw_length}")
             base = int(offsets[item0])
             if int(offsets[item0 + n_items]) - base != raw_length:
-                raise _BadShard(f"zstd frame {f} holds {raw_length} bytes but its items' "
+                raise BadShard(f"zstd frame {f} holds {raw_length} bytes but its items' "
                                 f"offsets span {int(offsets[item0 + n_items]) - base}")
             records += self._items(item0, raw, offsets[item0:item0 + n_items + 1] - base)
         return records
@@ -482,7 +480,7 @@ class LitdataStream(PlannedStream):
         try:
             data = _inflate(zstandard.ZstdDecompressor(), chunk)
         except (zstandard.ZstdError, _Truncated) as exc:
-            raise _BadShard(f"corrupt zstd chunk: {exc}") from None
+            raise BadShard(f"corrupt zstd chunk: {exc}") from None
         n, offsets = _parse_header(data, len(data), self._expected_items)
         if self._layout.tokens_loader:
             _check_token_bytes(offsets, self._layout.dtype, self._dim)
@@ -505,7 +503,7 @@ class LitdataStream(PlannedStream):
         try:
             import pyarrow as pa
         except ImportError:
-            raise _BadShard("this chunk keeps its rows in an Arrow IPC footer; reading it "
+            raise BadShard("this chunk keeps its rows in an Arrow IPC footer; reading it "
                             "needs pyarrow") from None
         try:
             buffer = pa.py_buffer(view)
@@ -513,21 +511,21 @@ class LitdataStream(PlannedStream):
                       else pa.ipc.open_stream(buffer))
             table = reader.read_all()
         except (pa.ArrowException, OSError, ValueError) as exc:
-            raise _BadShard(f"unreadable Arrow footer: {exc}") from None
+            raise BadShard(f"unreadable Arrow footer: {exc}") from None
         if table.num_rows != n:
-            raise _BadShard(f"its Arrow footer holds {table.num_rows} rows, the chunk "
+            raise BadShard(f"its Arrow footer holds {table.num_rows} rows, the chunk "
                             f"{n} items")
         name = self._layout.field_name
         if name not in table.column_names:
             fields = ", ".join(f"{f.name} ({f.type})" for f in table.schema)
-            raise _BadShard(f"field {name!r} is not in the chunk's Arrow rows; they have: "
+            raise BadShard(f"field {name!r} is not in the chunk's Arrow rows; they have: "
                             f"{fields}")
         column = table.column(name).combine_chunks()
         kind = column.type
         records = []
         if not self._layout.want_tokens:
             if not (pa.types.is_string(kind) or pa.types.is_large_string(kind)):
-                raise _BadShard(f"field {name!r} holds {kind}, not text")
+                raise BadShard(f"field {name!r} holds {kind}, not text")
             for i, text in enumerate(column.to_pylist()):
                 if text is None:
                     self._record_error(i, f"field {name!r} is null")
@@ -537,7 +535,7 @@ class LitdataStream(PlannedStream):
         # list<null>: Arrow's type for a chunk whose lists are all empty
         if not ((pa.types.is_list(kind) or pa.types.is_large_list(kind))
                 and (pa.types.is_integer(kind.value_type) or pa.types.is_null(kind.value_type))):
-            raise _BadShard(f"field {name!r} holds {kind}, not a list of integer token ids")
+            raise BadShard(f"field {name!r} holds {kind}, not a list of integer token ids")
         offsets = column.offsets.to_numpy()
         values = (column.values.to_numpy(zero_copy_only=False)
                   if pa.types.is_integer(kind.value_type) else np.zeros(0, np.int64))
@@ -564,20 +562,20 @@ class LitdataStream(PlannedStream):
 def _parse_header(data, size: int, expected: int) -> tuple[int, np.ndarray]:
     """(items, item offsets) from a chunk's first bytes; checks them against the index."""
     if len(data) < 4:
-        raise _BadShard(f"the chunk holds {len(data)} bytes, too few for its header")
+        raise BadShard(f"the chunk holds {len(data)} bytes, too few for its header")
     n = struct.unpack_from("<I", data, 0)[0]
     if bytes(data[:8]) == _FRAMED_MAGIC:
-        raise _BadShard("the chunk is framed zstd (LDFZ01) but index.json does not say "
+        raise BadShard("the chunk is framed zstd (LDFZ01) but index.json does not say "
                         "compression_level='batch'")
     if n != expected:
-        raise _BadShard(f"the chunk's header counts {n} items, index.json {expected}")
+        raise BadShard(f"the chunk's header counts {n} items, index.json {expected}")
     header = 4 + 4 * (n + 1)
     if len(data) < header:
-        raise _BadShard(f"the chunk is truncated inside its offsets table ({len(data)} of "
+        raise BadShard(f"the chunk is truncated inside its offsets table ({len(data)} of "
                         f"{header} bytes)")
     offsets = np.frombuffer(data, "<u4", n + 1, 4).astype(np.int64)
     if offsets[0] != header or (n and np.diff(offsets).min() < 0) or offsets[-1] > size:
-        raise _BadShard(f"the chunk's item offsets are corrupt (first {int(offsets[0])}, "
+        raise BadShard(f"the chunk's item offsets are corrupt (first {int(offsets[0])}, "
                         f"expected {header}; last {int(offsets[-1])} of {size} bytes)")
     return n, offsets
 
@@ -585,7 +583,7 @@ def _parse_header(data, size: int, expected: int) -> tuple[int, np.ndarray]:
 def _check_token_bytes(offsets: np.ndarray, dtype: np.dtype, dim: Optional[int]) -> None:
     data_bytes = int(offsets[-1] - offsets[0])
     if dim is not None and data_bytes != dim * dtype.itemsize:
-        raise _BadShard(f"the chunk holds {data_bytes} bytes of tokens; index.json's dim "
+        raise BadShard(f"the chunk holds {data_bytes} bytes of tokens; index.json's dim "
                         f"says {dim} tokens of {dtype.itemsize} bytes")
 
 
@@ -593,19 +591,19 @@ def _footer_span(tail, size: int) -> tuple[int, int]:
     """(start, end) of the Arrow IPC bytes, from the object's last 12 bytes (`tail`)."""
     tail = bytes(tail[-12:])
     if len(tail) < 12 or tail[-8:] != _ARROW_MAGIC:
-        raise _BadShard("the chunk's items are empty and it has no Arrow row footer "
+        raise BadShard("the chunk's items are empty and it has no Arrow row footer "
                         "(LDARW01); it is truncated or corrupt")
     length = struct.unpack_from("<I", tail, 0)[0]
     start = size - 12 - length
     if length <= 0 or start < 0:
-        raise _BadShard(f"the chunk's Arrow footer length {length} is corrupt")
+        raise BadShard(f"the chunk's Arrow footer length {length} is corrupt")
     return start, size - 12
 
 
 async def _read_exact(store: ObjectStore, uri: str, start: int, end: int) -> bytes:
     data = await store.read_range(uri, start, end)
     if len(data) != end - start:
-        raise _BadShard(f"the chunk is truncated (wanted bytes {start}-{end}, got {len(data)})")
+        raise BadShard(f"the chunk is truncated (wanted bytes {start}-{end}, got {len(data)})")
     return data
 
 
@@ -722,7 +720,7 @@ class LitdataFormat:
             layout, error = _parse_config(index.get("config"), text_field=self.text_field,
                                           tokens_field=self.tokens_field,
                                           block_size=self.block_size), None
-        except _BadShard as exc:
+        except BadShard as exc:
             layout, error = None, f"{INDEX_NAME}: {exc}"
         present = {name: size for name, size in files.items() if name in chunks}
         ordered = sorted(chunks.values(), key=lambda c: c.position)
@@ -734,16 +732,16 @@ class LitdataFormat:
                           on_skip: SkipCallback | None
                           ) -> tuple[_Dataset, _Chunk, Optional[str]]:
         """The dataset, the shard's index entry and, in skip mode, a missing chunk to report
-        (once per pass: by the first chunk of the index that exists); _BadShard for what makes
+        (once per pass: by the first chunk of the index that exists); BadShard for what makes
         the shard unreadable (in raise mode, any chunk the index names but that is missing)."""
         dataset = await self._dataset(store, shard)
         if dataset.layout_error is not None:
-            raise _BadShard(dataset.layout_error)
+            raise BadShard(dataset.layout_error)
         name = shard.uri.rsplit("/", 1)[-1]
         index_name = _index_name(shard_name)
         chunk = dataset.chunks.get(name)
         if chunk is None:
-            raise _BadShard(f"chunk {name!r} is not named in {index_name} (a leftover of "
+            raise BadShard(f"chunk {name!r} is not named in {index_name} (a leftover of "
                             "another run?)")
         if dataset.missing:
             lost = dataset.missing[0]
@@ -752,7 +750,7 @@ class LitdataFormat:
                       + (f", nor {len(dataset.missing) - 1} more" if len(dataset.missing) > 1
                          else ""))
             if on_skip is None:
-                raise _BadShard(reason)
+                raise BadShard(reason)
             if name == dataset.first_present:
                 return dataset, chunk, reason
         return dataset, chunk, None
@@ -768,7 +766,7 @@ class LitdataFormat:
             if missing is not None:
                 on_skip(None, missing)
             plan = await _plan_chunk(store, shard, dataset.layout, chunk, chunk_bytes)
-        except _BadShard as exc:
+        except BadShard as exc:
             if on_skip is None:
                 raise DataError(str(exc), source=source, shard=shard_name,
                                 skippable=True) from None
@@ -790,7 +788,7 @@ class LitdataFormat:
         try:
             dataset, chunk, missing = await self._open_chunk(store, shard, shard_name, on_skip)
             lengths = await _index_lengths(store, shard, dataset.layout, chunk, tokenizer)
-        except _BadShard as exc:
+        except BadShard as exc:
             if on_skip is None:
                 raise DataError(str(exc), source=source, shard=shard_name,
                                 skippable=True) from None
@@ -813,7 +811,7 @@ def _index_name(shard_name: str) -> str:
 async def _read_header(store: ObjectStore, shard: ObjectInfo, chunk: _Chunk) -> np.ndarray:
     header = 4 + 4 * (chunk.items + 1)
     if shard.size < header:
-        raise _BadShard(f"the chunk holds {shard.size} bytes, fewer than its {header}-byte "
+        raise BadShard(f"the chunk holds {shard.size} bytes, fewer than its {header}-byte "
                         f"header for {chunk.items} items")
     data = await _read_exact(store, shard.uri, 0, header)
     return _parse_header(data, shard.size, chunk.items)[1]
@@ -829,18 +827,18 @@ async def _read_frames(store: ObjectStore, shard: ObjectInfo, layout: _Layout,
         end = _FRAMED_PREFIX.size + 4 * (n + 1) + _FRAME_ENTRY.size * n_frames
         data = await _read_exact(store, shard.uri, 0, min(end, shard.size))
         if len(data) < _FRAMED_PREFIX.size or data[:8] != _FRAMED_MAGIC:
-            raise _BadShard("index.json says compression_level='batch' but the chunk has no "
+            raise BadShard("index.json says compression_level='batch' but the chunk has no "
                             "LDFZ01 framed-zstd header")
         _magic, version, _flags, items, frame_rows, frames = _FRAMED_PREFIX.unpack_from(data)
         if version != 1:
-            raise _BadShard(f"framed zstd version {version} is not supported")
+            raise BadShard(f"framed zstd version {version} is not supported")
         if items != n:
-            raise _BadShard(f"the chunk's header counts {items} items, index.json {n}")
+            raise BadShard(f"the chunk's header counts {items} items, index.json {n}")
         if frame_rows != rows and frame_rows > 0:
             rows = frame_rows
             continue
         if frames != n_frames or len(data) < end:
-            raise _BadShard(f"the framed zstd header is corrupt ({frames} frames for {n} items "
+            raise BadShard(f"the framed zstd header is corrupt ({frames} frames for {n} items "
                             f"of {frame_rows} per frame, {len(data)} header bytes)")
         offsets = np.frombuffer(data, "<u4", n + 1, _FRAMED_PREFIX.size).astype(np.int64)
         table = [_FRAME_ENTRY.unpack_from(data, _FRAMED_PREFIX.size + 4 * (n + 1)
@@ -850,12 +848,12 @@ async def _read_frames(store: ObjectStore, shard: ObjectInfo, layout: _Layout,
             if first != covered or count < 1 or offset != position or length < 1 \
                     or offset + length > shard.size \
                     or offsets[first + count] - offsets[first] != raw:
-                raise _BadShard(f"the framed zstd frame table is corrupt at frame {f}")
+                raise BadShard(f"the framed zstd frame table is corrupt at frame {f}")
             position, covered = offset + length, first + count
         if covered != n or offsets[0] != 0 or (n and np.diff(offsets).min() < 0):
-            raise _BadShard("the framed zstd offsets are corrupt")
+            raise BadShard("the framed zstd offsets are corrupt")
         return offsets, table
-    raise _BadShard("the framed zstd header is corrupt")
+    raise BadShard("the framed zstd header is corrupt")
 
 
 async def _plan_chunk(store: ObjectStore, shard: ObjectInfo, layout: _Layout, chunk: _Chunk,
@@ -898,7 +896,7 @@ async def _plan_chunk(store: ObjectStore, shard: ObjectInfo, layout: _Layout, ch
             if shard.size >= int(offsets[-1]) + 12 else b""
         start, end = _footer_span(tail, shard.size)
         if start < offsets[-1]:
-            raise _BadShard("the chunk's Arrow footer overlaps its header")
+            raise BadShard("the chunk's Arrow footer overlaps its header")
         return _Plan("arrow", [(start, end)], [(0, n)], items=n)
     groups = _byte_groups(offsets, chunk_bytes)
     ranges = [(int(offsets[a]), int(offsets[b])) for a, b in groups]

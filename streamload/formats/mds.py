@@ -48,7 +48,8 @@ import zstandard
 from ..errors import ConfigError, DataError
 from ..storage.base import ObjectInfo, ObjectStore
 from ..tokenizer import TextTokenizer
-from .base import EmptyStream, PlannedStream, LENGTHS_CHUNK_BYTES, RawRecord, SkipCallback
+from .base import (LENGTHS_CHUNK_BYTES, BadShard, EmptyStream, PlannedStream, RawRecord,
+                   SkipCallback)
 from .lengths import stream_lengths
 
 INDEX_NAME = "index.json"
@@ -63,9 +64,6 @@ _DTYPE_CODES = {8: "uint8", 9: "int8", 16: "uint16", 17: "int16", 18: "float16",
 _INT_DTYPES = {"uint8", "int8", "uint16", "int16", "uint32", "int32", "uint64", "int64"}
 _SMALL_INTS = {"uint8", "int8", "uint16", "int16", "int32"}   # handed out as int32
 
-
-class _BadShard(Exception):
-    """A shard-level problem, turned into DataError or on_skip(None, ...) by `MdsFormat`."""
 
 
 class _BadSample(Exception):
@@ -117,7 +115,7 @@ def _int_or_none(value, what: str) -> Optional[int]:
     if value is None:
         return None
     if type(value) is not int or value < 0:
-        raise _BadShard(f"{what} must be a non-negative integer, found {value!r}")
+        raise BadShard(f"{what} must be a non-negative integer, found {value!r}")
     return value
 
 
@@ -125,7 +123,7 @@ def _file_info(value, what: str) -> tuple[Optional[str], Optional[int]]:
     if value is None:
         return None, None
     if not isinstance(value, dict) or not isinstance(value.get("basename"), str):
-        raise _BadShard(f"{what} must be an object with a 'basename', found {value!r}")
+        raise BadShard(f"{what} must be an object with a 'basename', found {value!r}")
     return value["basename"], _int_or_none(value.get("bytes"), f"{what}.bytes")
 
 
@@ -134,22 +132,22 @@ def _parse_index(data: bytes, index_uri: str) -> list[_Entry]:
     try:
         obj = msgspec.json.decode(data)
     except msgspec.DecodeError as exc:
-        raise _BadShard(f"{what} is not valid JSON: {exc}") from None
+        raise BadShard(f"{what} is not valid JSON: {exc}") from None
     if not isinstance(obj, dict) or not isinstance(obj.get("shards"), list):
-        raise _BadShard(f"{what} is not an MDS index (no 'shards' list)")
+        raise BadShard(f"{what} is not an MDS index (no 'shards' list)")
     if obj.get("version") != 2:
-        raise _BadShard(f"{what} has version {obj.get('version')!r}; only version 2 is read")
+        raise BadShard(f"{what} has version {obj.get('version')!r}; only version 2 is read")
     entries = []
     for position, shard in enumerate(obj["shards"]):
         where = f"{what}, shard entry {position}"
         if not isinstance(shard, dict):
-            raise _BadShard(f"{where} is not an object")
+            raise BadShard(f"{where} is not an object")
         if shard.get("format") != "mds":
             continue   # another format's shards (json, csv, ...): not ours
         raw, raw_bytes = _file_info(shard.get("raw_data"), f"{where}: raw_data")
         zip_name, zip_bytes = _file_info(shard.get("zip_data"), f"{where}: zip_data")
         if raw is None:
-            raise _BadShard(f"{where} has no raw_data")
+            raise BadShard(f"{where} has no raw_data")
         compression = shard.get("compression")
         if zip_name is not None:
             if not isinstance(compression, str) or not compression:
@@ -157,13 +155,13 @@ def _parse_index(data: bytes, index_uri: str) -> list[_Entry]:
             compression = compression.split(":", 1)[0]
         samples = _int_or_none(shard.get("samples"), f"{where}: samples")
         if samples is None:
-            raise _BadShard(f"{where} has no sample count")
+            raise BadShard(f"{where} has no sample count")
         names, encodings = shard.get("column_names"), shard.get("column_encodings")
         sizes = shard.get("column_sizes")
         if not (isinstance(names, list) and isinstance(encodings, list)
                 and isinstance(sizes, list) and len(names) == len(encodings) == len(sizes)
                 and all(isinstance(x, str) for x in names + encodings)):
-            raise _BadShard(f"{where}: column_names, column_encodings and column_sizes must "
+            raise BadShard(f"{where}: column_names, column_encodings and column_sizes must "
                             f"be lists of one length")
         sizes = tuple(_int_or_none(s, f"{where}: column size") for s in sizes)
         entries.append(_Entry(position, raw, raw_bytes, zip_name, zip_bytes,
@@ -173,7 +171,7 @@ def _parse_index(data: bytes, index_uri: str) -> list[_Entry]:
 
 
 async def _load_directory(store: ObjectStore, uri: str) -> _Directory:
-    """List `uri` (its direct children) and read its index.json. Raises _BadShard when the
+    """List `uri` (its direct children) and read its index.json. Raises BadShard when the
     index is missing or unreadable."""
     prefix = uri + "/"
     files = {}
@@ -183,7 +181,7 @@ async def _load_directory(store: ObjectStore, uri: str) -> _Directory:
             files[name] = info.size
     index_uri = prefix + INDEX_NAME
     if INDEX_NAME not in files:
-        raise _BadShard(f"no {INDEX_NAME} next to the shard (looked for {index_uri})")
+        raise BadShard(f"no {INDEX_NAME} next to the shard (looked for {index_uri})")
     data = await store.read_range(index_uri, 0, files[INDEX_NAME])
     entries = {}
     order = _parse_index(data, index_uri)
@@ -192,7 +190,7 @@ async def _load_directory(store: ObjectStore, uri: str) -> _Directory:
             if name is None:
                 continue
             if name in entries:
-                raise _BadShard(f"index {index_uri} names shard {name!r} twice")
+                raise BadShard(f"index {index_uri} names shard {name!r} twice")
             entries[name] = entry
     missing, reporter = [], None
     for entry in order:
@@ -237,22 +235,22 @@ def _columns_text(entry: _Entry) -> str:
 def _parse_ndarray(encoding: str, field: str) -> tuple[Optional[str], Optional[tuple]]:
     args = encoding.split(":")[1:]
     if len(args) > 2:
-        raise _BadShard(f"column {field!r} has an unknown ndarray encoding {encoding!r}")
+        raise BadShard(f"column {field!r} has an unknown ndarray encoding {encoding!r}")
     dtype = args[0] if args and args[0] else None
     shape = None
     if dtype is not None and dtype not in _DTYPE_CODES.values():
-        raise _BadShard(f"column {field!r} has an unknown ndarray dtype {dtype!r}")
+        raise BadShard(f"column {field!r} has an unknown ndarray dtype {dtype!r}")
     if dtype is not None and dtype not in _INT_DTYPES:
-        raise _BadShard(f"column {field!r} holds {dtype} arrays, not integer token ids")
+        raise BadShard(f"column {field!r} holds {dtype} arrays, not integer token ids")
     if len(args) == 2:
         try:
             shape = tuple(int(d) for d in args[1].split(","))
         except ValueError:
-            raise _BadShard(f"column {field!r} has an unreadable shape in {encoding!r}") from None
+            raise BadShard(f"column {field!r} has an unreadable shape in {encoding!r}") from None
         if not shape or min(shape) < 1:
-            raise _BadShard(f"column {field!r} has an invalid shape in {encoding!r}")
+            raise BadShard(f"column {field!r} has an invalid shape in {encoding!r}")
         if sum(d > 1 for d in shape) > 1:
-            raise _BadShard(f"column {field!r} holds arrays of shape {shape}, not one "
+            raise BadShard(f"column {field!r} holds arrays of shape {shape}, not one "
                             f"sequence of token ids per sample")
     return dtype, shape
 
@@ -260,23 +258,23 @@ def _parse_ndarray(encoding: str, field: str) -> tuple[Optional[str], Optional[t
 def _layout(entry: _Entry, field: str, tokens: bool) -> _Layout:
     if field not in entry.names:
         hint = "" if tokens else "; token ids are read with tokens_field=<ndarray column>"
-        raise _BadShard(f"no column {field!r} in the shard; its columns are "
+        raise BadShard(f"no column {field!r} in the shard; its columns are "
                         f"{_columns_text(entry)}{hint}")
     k = entry.names.index(field)
     encoding = entry.encodings[k]
     if encoding == "pkl":
-        raise _BadShard(f"column {field!r} is pickled (encoding 'pkl'); streamload does not "
+        raise BadShard(f"column {field!r} is pickled (encoding 'pkl'); streamload does not "
                         f"unpickle data (unpickling runs arbitrary code)")
     dtype = shape = None
     if tokens:
         if encoding != "ndarray" and not encoding.startswith("ndarray:"):
-            raise _BadShard(f"column {field!r} has encoding {encoding!r}; token ids must be an "
+            raise BadShard(f"column {field!r} has encoding {encoding!r}; token ids must be an "
                             f"ndarray column (ndarray, ndarray:<int dtype>[:<shape>])")
         dtype, shape = _parse_ndarray(encoding, field)
     elif encoding != "str":
         hint = (" (read ndarray columns with tokens_field)"
                 if encoding.split(":")[0] == "ndarray" else "")
-        raise _BadShard(f"column {field!r} has encoding {encoding!r}; text must be a 'str' "
+        raise BadShard(f"column {field!r} has encoding {encoding!r}; text must be a 'str' "
                         f"column{hint}")
     # As MDSReader does: a column without a (non-zero) fixed size has its size per sample.
     variable = [not s for s in entry.sizes]
@@ -284,7 +282,7 @@ def _layout(entry: _Entry, field: str, tokens: bool) -> _Layout:
     if size is not None and dtype is not None and shape is not None:
         expected = int(np.prod(shape)) * np.dtype(dtype).itemsize
         if size != expected:
-            raise _BadShard(f"column {field!r} ({encoding}) has size {size} in the index, "
+            raise BadShard(f"column {field!r} ({encoding}) has size {size} in the index, "
                             f"but its arrays take {expected} bytes")
     return _Layout(field, tokens, sum(variable), sum(variable[:k]),
                    sum(s for s, v in zip(entry.sizes[:k], variable[:k]) if not v),
@@ -295,19 +293,19 @@ def _check_header(head: bytes, samples: int, size: int, what: str) -> np.ndarray
     """The offsets of a raw shard's header (int64), checked against the index and the size."""
     want = 4 * (samples + 2)
     if len(head) < want:
-        raise _BadShard(f"{what} is truncated: {len(head)} bytes, too short for the header of "
+        raise BadShard(f"{what} is truncated: {len(head)} bytes, too short for the header of "
                         f"{samples} samples")
     count = int.from_bytes(head[:4], "little")
     if count != samples:
-        raise _BadShard(f"{what} holds {count} samples but the index says {samples}")
+        raise BadShard(f"{what} holds {count} samples but the index says {samples}")
     offsets = np.frombuffer(head, "<u4", samples + 1, 4).astype(np.int64)
     if offsets[0] < want or offsets[-1] != size:
-        raise _BadShard(f"{what} has a corrupt offsets table: samples span bytes "
+        raise BadShard(f"{what} has a corrupt offsets table: samples span bytes "
                         f"{int(offsets[0])}..{int(offsets[-1])} of {size}")
     steps = np.diff(offsets)
     if steps.size and steps.min() < 0:
         bad = int(np.argmax(steps < 0))
-        raise _BadShard(f"{what} has a corrupt offsets table: it decreases at sample {bad}")
+        raise BadShard(f"{what} has a corrupt offsets table: it decreases at sample {bad}")
     return offsets
 
 
@@ -465,15 +463,15 @@ class MdsCompressedStream:
         self._done = True
         try:
             if len(chunk) != self._size:
-                raise _BadShard(f"expected {self._size} bytes, got {len(chunk)}")
+                raise BadShard(f"expected {self._size} bytes, got {len(chunk)}")
             data = self._decompress(chunk)
             entry = self._entry
             if entry.raw_bytes is not None and len(data) != entry.raw_bytes:
-                raise _BadShard(f"decompresses to {len(data)} bytes, the index says "
+                raise BadShard(f"decompresses to {len(data)} bytes, the index says "
                                 f"{entry.raw_bytes}")
             offsets = _check_header(data[:4 * (entry.samples + 2)], entry.samples, len(data),
                                     f"the decompressed shard ({entry.raw})")
-        except _BadShard as exc:
+        except BadShard as exc:
             if self._on_skip is None:
                 raise DataError(str(exc), source=self._source, shard=self._shard_name) from None
             self._on_skip(None, str(exc))
@@ -490,13 +488,13 @@ class MdsCompressedStream:
                 inflater = zstandard.ZstdDecompressor().decompressobj()
                 data = inflater.decompress(chunk)
                 if not inflater.eof:
-                    raise _BadShard("corrupt zstd data: the stream is truncated")
+                    raise BadShard("corrupt zstd data: the stream is truncated")
                 return data
             if algo == "gz":
                 return gzip.decompress(chunk)
             return bz2.decompress(chunk)
         except (zstandard.ZstdError, zlib.error, OSError, EOFError, ValueError) as exc:
-            raise _BadShard(f"corrupt {algo} data: {exc}") from None
+            raise BadShard(f"corrupt {algo} data: {exc}") from None
 
 
 # ---------------------------------------------------------------- the format
@@ -578,7 +576,7 @@ class MdsFormat:
             entry = directory.entries.get(name)
             if entry is None:
                 listed = [e.raw for e in directory.order]
-                raise _BadShard(f"the shard is not named in {directory.index_uri} (it names "
+                raise BadShard(f"the shard is not named in {directory.index_uri} (it names "
                                 f"{len(listed)} shard(s): {', '.join(listed[:5])}"
                                 f"{', ...' if len(listed) > 5 else ''})")
             if name == entry.raw:
@@ -588,14 +586,14 @@ class MdsFormat:
             else:
                 kind, expected = "zip", entry.zip_bytes
                 if entry.compression not in _DECOMPRESSORS:
-                    raise _BadShard(f"compression {entry.compression!r} is not supported "
+                    raise BadShard(f"compression {entry.compression!r} is not supported "
                                     f"(zstd, gz and bz2 are)")
             if expected is not None and shard.size != expected:
-                raise _BadShard(f"the shard holds {shard.size} bytes but "
+                raise BadShard(f"the shard holds {shard.size} bytes but "
                                 f"{directory.index_uri} says {expected}: it is truncated, or "
                                 f"the index is not this shard's")
             return entry, kind, _layout(entry, self.field, self.tokens)
-        except _BadShard as exc:
+        except BadShard as exc:
             if on_skip is None:
                 raise DataError(str(exc), source=source, shard=shard_name,
                                 skippable=True) from None
@@ -643,7 +641,7 @@ class MdsFormat:
             want = 4 * (entry.samples + 2)
             head = await store.read_range(shard.uri, 0, min(want, shard.size))
             offsets = _check_header(head, entry.samples, shard.size, "the shard")
-        except _BadShard as exc:
+        except BadShard as exc:
             if on_skip is None:
                 raise DataError(str(exc), source=source, shard=shard_name,
                                 skippable=True) from None

@@ -35,7 +35,8 @@ import numpy as np
 from ..errors import ConfigError, DataError
 from ..storage.base import ObjectInfo, ObjectStore
 from ..tokenizer import TextTokenizer
-from .base import EmptyStream, PlannedStream, LENGTHS_CHUNK_BYTES, RawRecord, SkipCallback
+from .base import (LENGTHS_CHUNK_BYTES, BadShard, EmptyStream, PlannedStream, RawRecord,
+                   SkipCallback, read_companion)
 from .litdata import CHUNK_NAME as LITDATA_CHUNK
 from .tokens import plan_groups
 
@@ -60,8 +61,10 @@ _OUT_DTYPES = {np.dtype("<u1"): np.dtype(np.int32), np.dtype("<i1"): np.dtype(np
 # those to the litdata format; format="megatron" reads every `.bin`.
 
 
-class _BadShard(Exception):
-    """A shard-level problem, turned into DataError or on_skip(None, ...)."""
+
+MISSING_INDEX = ("a Megatron dataset is <prefix>.bin with <prefix>.idx beside it. If these .bin "
+                 "files are not Megatron data, point the source's URI at the data files alone "
+                 "(a glob such as 'dir/*.jsonl') or set Source(format=...)")
 
 
 def idx_uri(bin_uri: str) -> str:
@@ -85,7 +88,7 @@ class MegatronIndex:
 async def _read_exact(store: ObjectStore, uri: str, start: int, end: int, what: str) -> bytes:
     data = await store.read_range(uri, start, end)
     if len(data) != end - start:
-        raise _BadShard(f"{what} is truncated (wanted bytes {start}-{end}, got {len(data)})")
+        raise BadShard(f"{what} is truncated (wanted bytes {start}-{end}, got {len(data)})")
     return data
 
 
@@ -95,23 +98,23 @@ async def read_index(store: ObjectStore, uri: str,
     `max_sequences`, only the lengths and pointers of that many sequences are read (two
     ranges) and the document indices are not."""
     what = _idx_what(uri)
-    head = await store.read_range(uri, 0, HEADER_BYTES)
+    head = await read_companion(store, uri, 0, HEADER_BYTES, what, MISSING_INDEX)
     if not head.startswith(MAGIC):
-        raise _BadShard(f"{what} is not a Megatron index (bad magic bytes "
+        raise BadShard(f"{what} is not a Megatron index (bad magic bytes "
                         f"{head[:len(MAGIC)]!r}, expected {MAGIC!r})")
     if len(head) < HEADER_BYTES:
-        raise _BadShard(f"{what} is truncated ({len(head)} bytes, the header alone needs "
+        raise BadShard(f"{what} is truncated ({len(head)} bytes, the header alone needs "
                         f"{HEADER_BYTES})")
     version, code, n_seq, n_doc = struct.unpack_from("<QBQQ", head, len(MAGIC))
     if version != VERSION:
-        raise _BadShard(f"{what} has version {version}; only version {VERSION} is known")
+        raise BadShard(f"{what} has version {version}; only version {VERSION} is known")
     if code not in DTYPE_CODES:
-        raise _BadShard(f"{what} has an unknown dtype code {code}")
+        raise BadShard(f"{what} has an unknown dtype code {code}")
     dtype = DTYPE_CODES[code]
     if dtype not in _OUT_DTYPES:
-        raise _BadShard(f"{what} holds {dtype.name} values, not token ids (integer dtypes only)")
+        raise BadShard(f"{what} holds {dtype.name} values, not token ids (integer dtypes only)")
     if n_doc < 1:
-        raise _BadShard(f"{what} has no document indices (it needs documents + 1, from 0)")
+        raise BadShard(f"{what} has no document indices (it needs documents + 1, from 0)")
     lengths_at = HEADER_BYTES
     pointers_at = lengths_at + 4 * n_seq
     documents_at = pointers_at + 8 * n_seq
@@ -135,16 +138,16 @@ def _check_index(lengths: np.ndarray, pointers: np.ndarray, documents: Optional[
                  n_seq: int, dtype: np.dtype, what: str) -> None:
     if lengths.size and lengths.min() < 0:
         bad = int(np.argmax(lengths < 0))
-        raise _BadShard(f"{what} gives sequence {bad} a negative length {int(lengths[bad])}")
+        raise BadShard(f"{what} gives sequence {bad} a negative length {int(lengths[bad])}")
     wrong = (pointers < 0) | (pointers % dtype.itemsize != 0)
     if wrong.any():
         bad = int(np.argmax(wrong))
-        raise _BadShard(f"{what} gives sequence {bad} the byte pointer {int(pointers[bad])}, "
+        raise BadShard(f"{what} gives sequence {bad} the byte pointer {int(pointers[bad])}, "
                         f"not a non-negative multiple of {dtype.itemsize} ({dtype.name})")
     if documents is not None:
         steps = np.diff(documents)
         if documents[0] != 0 or documents[-1] != n_seq or (steps.size and steps.min() < 0):
-            raise _BadShard(f"{what} has document indices that do not run from 0 up to the "
+            raise BadShard(f"{what} has document indices that do not run from 0 up to the "
                             f"sequence count {n_seq} (found {int(documents[0])} .. "
                             f"{int(documents[-1])}" + (", decreasing" if steps.size
                                                        and steps.min() < 0 else "") + ")")
@@ -281,7 +284,7 @@ class MegatronFormat:
                      max_sequences: Optional[int] = None) -> Optional[MegatronIndex]:
         try:
             return await read_index(store, idx_uri(shard.uri), max_sequences)
-        except _BadShard as exc:
+        except BadShard as exc:
             if on_skip is None:
                 raise DataError(str(exc), source=source, shard=shard_name,
                                 skippable=True) from None

@@ -46,7 +46,8 @@ import numpy as np
 from ..errors import ConfigError, DataError
 from ..storage.base import ObjectInfo, ObjectStore
 from ..tokenizer import TextTokenizer
-from .base import EmptyStream, PlannedStream, LENGTHS_CHUNK_BYTES, RawRecord, SkipCallback
+from .base import (LENGTHS_CHUNK_BYTES, BadShard, EmptyStream, PlannedStream, RawRecord,
+                   SkipCallback)
 from .lengths import stream_lengths
 
 _SUFFIX = ".parquet"
@@ -58,9 +59,6 @@ _TAIL_PROBE = 64 << 10       # bytes of the file's tail read first (pyarrow read
 # include the same padding so that such files read too.
 _DICT_HEADER_PADDING = 100
 
-
-class _BadShard(Exception):
-    """A shard-level problem, turned into DataError or on_skip(None, ...)."""
 
 
 def _pyarrow():
@@ -112,7 +110,7 @@ class _SparseFile(io.RawIOBase):
 async def _read_exact(store: ObjectStore, uri: str, start: int, end: int) -> bytes:
     data = await store.read_range(uri, start, end)
     if len(data) != end - start:
-        raise _BadShard(f"file is truncated (wanted bytes {start}-{end}, got {len(data)})")
+        raise BadShard(f"file is truncated (wanted bytes {start}-{end}, got {len(data)})")
     return data
 
 
@@ -121,17 +119,17 @@ async def _read_footer(store: ObjectStore, shard: ObjectInfo) -> tuple[Any, int]
     pa = _pyarrow()
     size = shard.size
     if size < 12:
-        raise _BadShard(f"not a Parquet file ({size} bytes, too small)")
+        raise BadShard(f"not a Parquet file ({size} bytes, too small)")
     probe = min(size, _TAIL_PROBE)
     tail = await _read_exact(store, shard.uri, size - probe, size)
     if tail[-4:] == _ENCRYPTED_MAGIC:
-        raise _BadShard("Parquet files with an encrypted footer are not supported")
+        raise BadShard("Parquet files with an encrypted footer are not supported")
     if tail[-4:] != _MAGIC:
-        raise _BadShard("not a Parquet file (no PAR1 magic at its end; truncated?)")
+        raise BadShard("not a Parquet file (no PAR1 magic at its end; truncated?)")
     length = int.from_bytes(tail[-8:-4], "little")
     footer_start = size - 8 - length
     if footer_start < 4:
-        raise _BadShard(f"footer length {length} does not fit in the file's {size} bytes")
+        raise BadShard(f"footer length {length} does not fit in the file's {size} bytes")
     if 8 + length > len(tail):
         tail = await _read_exact(store, shard.uri, footer_start, size - probe) + tail
     footer = tail[len(tail) - 8 - length:]
@@ -139,7 +137,7 @@ async def _read_footer(store: ObjectStore, shard: ObjectInfo) -> tuple[Any, int]
         # A file of the footer alone parses as the same metadata (offsets stay the file's).
         metadata = pa.parquet.read_metadata(io.BytesIO(_MAGIC + footer))
     except (OSError, ValueError, pa.ArrowException) as exc:
-        raise _BadShard(f"unreadable Parquet footer: {exc}") from None
+        raise BadShard(f"unreadable Parquet footer: {exc}") from None
     return metadata, footer_start
 
 
@@ -173,7 +171,7 @@ def _plan(metadata, field: str, footer_start: int, size: int
             for leaf in leaves:
                 chunk = group.column(leaf)
                 if chunk.file_path:
-                    raise _BadShard(f"row group {k}: column {field!r} lies in another file "
+                    raise BadShard(f"row group {k}: column {field!r} lies in another file "
                                     f"({chunk.file_path!r}), which is not supported")
                 begin = chunk.data_page_offset
                 dictionary = chunk.dictionary_page_offset if chunk.has_dictionary_page else None
@@ -181,7 +179,7 @@ def _plan(metadata, field: str, footer_start: int, size: int
                     begin = dictionary
                 stop = begin + chunk.total_compressed_size
                 if begin < 4 or stop > footer_start:
-                    raise _BadShard(f"row group {k}: column {field!r} spans bytes {begin}-{stop}, "
+                    raise BadShard(f"row group {k}: column {field!r} spans bytes {begin}-{stop}, "
                                     f"outside the data before the footer (0-{footer_start}); "
                                     "the file is corrupt")
                 start = begin if start is None else min(start, begin)
@@ -323,7 +321,7 @@ class ParquetFormat:
             return ParquetStream(shard, source=source, shard_name=shard_name, on_skip=on_skip,
                                  metadata=metadata, footer_start=footer_start, field=self.field,
                                  tokens=self.tokens)
-        except _BadShard as exc:
+        except BadShard as exc:
             if on_skip is None:
                 raise DataError(str(exc), source=source, shard=shard_name,
                                 skippable=True) from None
@@ -334,21 +332,21 @@ class ParquetFormat:
         try:
             schema = metadata.schema.to_arrow_schema()
         except (ValueError, pa.ArrowException) as exc:
-            raise _BadShard(f"unreadable Parquet schema: {exc}") from None
+            raise BadShard(f"unreadable Parquet schema: {exc}") from None
         what = "tokens_field" if self.tokens else "text_field"
         if self.field not in schema.names:
             present = ", ".join(repr(n) for n in schema.names) or "none"
-            raise _BadShard(f"no column {self.field!r} ({what}); the file's columns are {present}")
+            raise BadShard(f"no column {self.field!r} ({what}); the file's columns are {present}")
         if schema.names.count(self.field) > 1:
-            raise _BadShard(f"column {self.field!r} ({what}) appears more than once")
+            raise BadShard(f"column {self.field!r} ({what}) appears more than once")
         type_ = schema.field(self.field).type
         if self.tokens and not _is_token_list(pa, type_):
-            raise _BadShard(f"column {self.field!r} ({what}) must be a list of integers, "
+            raise BadShard(f"column {self.field!r} ({what}) must be a list of integers, "
                             f"found {type_}")
         if not self.tokens and not _is_text(pa, type_):
             hint = ("; a column of token ids is read with tokens_field"
                     if _is_token_list(pa, type_) else "")
-            raise _BadShard(f"column {self.field!r} ({what}) must hold strings, "
+            raise BadShard(f"column {self.field!r} ({what}) must hold strings, "
                             f"found {type_}{hint}")
 
     async def document_lengths(self, store: ObjectStore, shard: ObjectInfo, *, source: str,

@@ -21,7 +21,8 @@ import numpy as np
 from ..errors import ConfigError, DataError
 from ..storage.base import ObjectInfo, ObjectStore
 from ..tokenizer import TextTokenizer
-from .base import EmptyStream, PlannedStream, LENGTHS_CHUNK_BYTES, RawRecord, SkipCallback
+from .base import (LENGTHS_CHUNK_BYTES, BadShard, EmptyStream, PlannedStream, RawRecord,
+                   SkipCallback, read_companion)
 
 TOKENS_SUFFIX = ".tokens.npy"
 OFFSETS_SUFFIX = ".offsets.npy"
@@ -39,9 +40,6 @@ _TOKEN_DTYPES = {
 _OFFSET_DTYPE = np.dtype("<i8")
 
 
-class _BadShard(Exception):
-    """A shard-level problem, turned into DataError or on_skip(None, ...) by `TokensFormat.open`."""
-
 
 def offsets_uri(tokens_uri: str) -> str:
     return tokens_uri[: -len(TOKENS_SUFFIX)] + OFFSETS_SUFFIX
@@ -50,13 +48,13 @@ def offsets_uri(tokens_uri: str) -> str:
 def _header_length(prefix: bytes, what: str) -> int:
     """Total bytes of a .npy header (magic, version, length field, dict), from its first bytes."""
     if len(prefix) < 10 or not prefix.startswith(_MAGIC):
-        raise _BadShard(f"{what} is not a .npy file (bad magic bytes)")
+        raise BadShard(f"{what} is not a .npy file (bad magic bytes)")
     major = prefix[6]
     if major == 1:
         return 10 + int.from_bytes(prefix[8:10], "little")
     if major in (2, 3) and len(prefix) >= 12:
         return 12 + int.from_bytes(prefix[8:12], "little")
-    raise _BadShard(f"{what} has unsupported .npy format version {major}")
+    raise BadShard(f"{what} has unsupported .npy format version {major}")
 
 
 def _parse_header(header: bytes, what: str) -> tuple[np.dtype, int]:
@@ -68,16 +66,16 @@ def _parse_header(header: bytes, what: str) -> tuple[np.dtype, int]:
         dtype = np.dtype(fields["descr"])
         shape = tuple(fields["shape"])
     except (ValueError, SyntaxError, TypeError, KeyError) as exc:
-        raise _BadShard(f"{what} has an unreadable .npy header: {exc}") from None
+        raise BadShard(f"{what} has an unreadable .npy header: {exc}") from None
     if len(shape) != 1:
-        raise _BadShard(f"{what} must hold a 1-D array, found shape {shape}")
+        raise BadShard(f"{what} must hold a 1-D array, found shape {shape}")
     return dtype, int(shape[0])
 
 
 async def _read_exact(store: ObjectStore, uri: str, start: int, end: int, what: str) -> bytes:
     data = await store.read_range(uri, start, end)
     if len(data) != end - start:
-        raise _BadShard(f"{what} is truncated (wanted bytes {start}-{end}, got {len(data)})")
+        raise BadShard(f"{what} is truncated (wanted bytes {start}-{end}, got {len(data)})")
     return data
 
 
@@ -90,11 +88,11 @@ async def _read_token_header(store: ObjectStore, shard: ObjectInfo) -> tuple[np.
         head += await _read_exact(store, shard.uri, len(head), total, what)
     dtype, n_tokens = _parse_header(head[:total], what)
     if dtype not in _TOKEN_DTYPES:
-        raise _BadShard(f"token dtype {dtype.str!r} is not supported "
+        raise BadShard(f"token dtype {dtype.str!r} is not supported "
                         "(use little-endian uint16, uint32, int32 or int64)")
     expected = total + n_tokens * dtype.itemsize
     if expected != shard.size:
-        raise _BadShard(f"token file holds {shard.size} bytes but its header describes "
+        raise BadShard(f"token file holds {shard.size} bytes but its header describes "
                         f"{n_tokens} tokens ({expected} bytes); it is truncated or corrupt")
     return dtype, n_tokens, total
 
@@ -104,18 +102,24 @@ async def _read_offsets(store: ObjectStore, uri: str,
     """The offsets array, unchecked. Up to three small reads: its size comes from its header.
     With `max_documents`, only the offsets of the first that many documents are read."""
     what = _offsets_what(uri)
-    head = await _read_exact(store, uri, 0, _MIN_NPY, what)
+    head = await read_companion(store, uri, 0, _MIN_NPY, what, MISSING_OFFSETS)
+    if len(head) != _MIN_NPY:
+        raise BadShard(f"{what} is truncated (wanted bytes 0-{_MIN_NPY}, got {len(head)})")
     total = _header_length(head, what)
     if total > len(head):
         head += await _read_exact(store, uri, len(head), total, what)
     dtype, n = _parse_header(head[:total], what)
     if dtype != _OFFSET_DTYPE:
-        raise _BadShard(f"{what} must hold little-endian int64, found {dtype.str!r}")
+        raise BadShard(f"{what} must hold little-endian int64, found {dtype.str!r}")
     if n < 1:
-        raise _BadShard(f"{what} is empty; it needs n_docs + 1 entries starting with 0")
+        raise BadShard(f"{what} is empty; it needs n_docs + 1 entries starting with 0")
     if max_documents is not None:
         n = min(n, max_documents + 1)
     return np.frombuffer(await _read_exact(store, uri, total, total + 8 * n, what), _OFFSET_DTYPE)
+
+
+MISSING_OFFSETS = ("a token shard is <stem>.tokens.npy with <stem>.offsets.npy beside it "
+                   "(streamload.formats.write_token_shard writes both)")
 
 
 def _offsets_what(uri: str) -> str:
@@ -125,14 +129,14 @@ def _offsets_what(uri: str) -> str:
 def _check_offsets(offsets: np.ndarray, n_tokens: Optional[int], what: str) -> None:
     """Offsets start at 0, never decrease and (when the token count is known) end at it."""
     if n_tokens is None and offsets[0] != 0:
-        raise _BadShard(f"{what} must start at 0, found {int(offsets[0])}")
+        raise BadShard(f"{what} must start at 0, found {int(offsets[0])}")
     if n_tokens is not None and (offsets[0] != 0 or offsets[-1] != n_tokens):
-        raise _BadShard(f"{what} must start at 0 and end at the token count {n_tokens}, "
+        raise BadShard(f"{what} must start at 0 and end at the token count {n_tokens}, "
                         f"found {int(offsets[0])} .. {int(offsets[-1])}")
     steps = np.diff(offsets)
     if steps.size and steps.min() < 0:
         bad = int(np.argmax(steps < 0))
-        raise _BadShard(f"{what} decreases at document {bad} "
+        raise BadShard(f"{what} decreases at document {bad} "
                         f"({int(offsets[bad])} -> {int(offsets[bad + 1])})")
 
 
@@ -242,7 +246,7 @@ class TokensFormat:
             raise ConfigError.at("chunk_bytes", f"must be positive, got {chunk_bytes}")
         try:
             dtype, data_start, offsets = await _read_index(store, shard)
-        except _BadShard as exc:
+        except BadShard as exc:
             if on_skip is None:
                 raise DataError(str(exc), source=source, shard=shard_name,
                                 skippable=True) from None
@@ -267,7 +271,7 @@ class TokensFormat:
         try:
             offsets = await _read_offsets(store, companion, limit)
             _check_offsets(offsets, None, what)   # the token count is in the unread token file
-        except _BadShard as exc:
+        except BadShard as exc:
             if on_skip is None:
                 raise DataError(str(exc), source=source, shard=shard_name,
                                 skippable=True) from None

@@ -49,7 +49,7 @@ import numpy as np
 from ..errors import ConfigError, DataError
 from ..storage.base import ObjectInfo, ObjectStore
 from ..tokenizer import TextTokenizer
-from .base import LENGTHS_CHUNK_BYTES, RawRecord, SkipCallback
+from .base import LENGTHS_CHUNK_BYTES, BadShard, RawRecord, SkipCallback
 from .lengths import stream_lengths
 
 BLOCK = 512
@@ -74,9 +74,6 @@ def compression_of(uri: str) -> Union[str, None, bool]:
     return False
 
 
-class _BadShard(Exception):
-    """A shard-level problem: the rest of the shard cannot be read."""
-
 
 def _number(field: bytes, what: str) -> int:
     """A tar header's numeric field: octal digits, or GNU's base-256 (high bit set)."""
@@ -87,7 +84,7 @@ def _number(field: bytes, what: str) -> int:
     try:
         return int(text or b"0", 8)
     except ValueError:
-        raise _BadShard(f"{what}: bad number field {field!r}") from None
+        raise BadShard(f"{what}: bad number field {field!r}") from None
 
 
 def _name(field: bytes) -> str:
@@ -99,7 +96,7 @@ def _checksum_ok(block: bytes) -> bool:
     with its checksum field counted as spaces."""
     try:
         stored = _number(block[148:156], "checksum")
-    except _BadShard:
+    except BadShard:
         return False
     unsigned = 256 + sum(struct.unpack_from("148B8x356B", block))
     signed = 256 + sum(struct.unpack_from("148b8x356b", block))
@@ -219,7 +216,7 @@ class WebdatasetStream:
                 return self._shard_error(f"corrupt gzip data: {exc}")
         try:
             self._feed(chunk)
-        except _BadShard as exc:
+        except BadShard as exc:
             return self._shard_error(str(exc))
         out, self._out = self._out, []
         return out
@@ -284,7 +281,7 @@ class WebdatasetStream:
             self._done = True
             return
         if not _checksum_ok(block):
-            raise _BadShard(f"corrupt tar header at byte {at} (bad checksum)")
+            raise BadShard(f"corrupt tar header at byte {at} (bad checksum)")
         what = f"tar header at byte {at}"
         kind = block[156:157]
         size = _number(block[124:136], what)
@@ -296,7 +293,7 @@ class WebdatasetStream:
         if kind == b"K":
             return self._start_skip(size)
         if kind == b"S":
-            raise _BadShard(f"{what}: sparse members are not supported")
+            raise BadShard(f"{what}: sparse members are not supported")
         if kind == b"\0" and name.endswith("/"):
             kind = b"5"                  # an old V7 directory
         prefix = _name(block[345:500])
@@ -311,9 +308,9 @@ class WebdatasetStream:
             try:
                 size = int(pax["size"])
             except ValueError:
-                raise _BadShard(f"{what}: bad pax size {pax['size']!r}") from None
+                raise BadShard(f"{what}: bad pax size {pax['size']!r}") from None
         if size < 0:
-            raise _BadShard(f"{what}: negative size {size}")
+            raise BadShard(f"{what}: negative size {size}")
         if kind in _REGULAR:
             self._on_member(name, size)
         elif kind not in _SUPPORTED:     # unknown types carry data, as tarfile reads them

@@ -41,7 +41,7 @@ def is_retryable(exc: BaseException) -> bool:
 
 def _storage_error(exc: OSError, uri: str) -> StorageError:
     if isinstance(exc, FileNotFoundError):
-        return StorageError(f"no such file or directory: {uri}", uri=uri)
+        return StorageError(f"no such file or directory: {uri}", uri=uri, missing=True)
     if isinstance(exc, IsADirectoryError):
         return StorageError(f"{uri} is a directory, not a file", uri=uri)
     if isinstance(exc, PermissionError):

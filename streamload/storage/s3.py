@@ -162,7 +162,7 @@ def _storage_error(exc: Exception, uri: str, bucket: str,
     if code == "NoSuchBucket":
         message = f"bucket {bucket!r} does not exist ({uri})"
     elif code in ("NoSuchKey", "NotFound") or status == 404:
-        message = f"no such object: {uri}"
+        return StorageError(f"no such object: {uri}", uri=uri, missing=True)
     elif code in _CREDENTIAL_CODES:
         message = f"S3 rejected the credentials used for {uri} ({code}).{where} " \
                   f"{_CREDENTIALS_HELP}"
