@@ -2,7 +2,8 @@
 logging; nothing per step unless something is wrong):
 
 - INFO at start: each source's shards, how many this rank reads, its format; the memory budget.
-- WARNING: a source with fewer shards than the ranks reading it; LOW_FILL_STREAK steps in a row
+- WARNING: a source with fewer shards than the ranks reading it; a finite source at weight 0
+  that a restarting source keeps from ever being read; LOW_FILL_STREAK steps in a row
   below LOW_FILL of a full step (once per streak); each source as it runs out of data for the
   epoch, and what happens next (its on_exhausted policy); the run stopping for a "stop" source.
 
@@ -48,8 +49,24 @@ class RunWatch:
                 log.warning("streamload: source %r has %d shard(s) for %d ranks: %d rank(s) read "
                             "none of it and the others read its records in ranges; more shards "
                             "spread the reading", source.name, count, R, R - count)
+        self._never_read()
         log.info("streamload: memory budget %d bytes per rank; buffers of %s tokens",
                  memory.budget, [b.capacity_tokens for b in self.stepper.budgets(self.comm.rank)])
+
+    def _never_read(self) -> None:
+        """A finite source at weight 0 is read only once the weighted sources run out; next to
+        a weighted source that never does (on_exhausted="restart") at every schedule point, it
+        is never read, and its epoch never ends (docs/mixing.md)."""
+        table = self.stepper.mixer.schedule.table   # [points, sources]
+        restart = np.array([source.on_exhausted == "restart" for source in self.sources])
+        if not (table[:, restart] > 0).any(axis=1).all():
+            return
+        endless = [self.sources[s].name for s in np.flatnonzero(restart).tolist()]
+        for s in np.flatnonzero(~restart & (table == 0).all(axis=0)).tolist():
+            log.warning("streamload: source %r has weight 0 at every point of the mix while %s "
+                        "never run(s) out (on_exhausted='restart'): it is never read and its "
+                        "epoch never ends; give it a weight, or a schedule point that does",
+                        self.sources[s].name, endless)
 
     def step(self, step: int, tokens: float) -> None:
         fill = tokens / self.stepper.geometry.step_tokens

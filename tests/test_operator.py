@@ -28,6 +28,26 @@ def test_the_logger_says_what_is_read_and_when_a_source_runs_out(tmp_path, caplo
     assert len(text) < 10 < steps          # nothing per step
 
 
+def test_the_logger_warns_of_a_source_that_can_never_be_read(tmp_path, caplog):
+    """Weight 0 next to a source that restarts forever: the source is never read and its epoch
+    never ends. Said once at start; not said when a schedule point gives it weight."""
+    write_jsonl_source(tmp_path, "web", shards=1, per_shard=20, seed=1)
+    write_jsonl_source(tmp_path, "tiny", shards=1, per_shard=5, seed=2)
+    caplog.set_level(logging.WARNING, logger="streamload")
+    sources = [sl.Source(str(tmp_path / "web"), on_exhausted="restart"),
+               sl.Source(str(tmp_path / "tiny"), weight=0)]
+    with sl.Loader(sources, micro_batch_tokens=1024) as loader:
+        next(iter(loader))
+    never = [r.getMessage() for r in caplog.records if "never read" in r.getMessage()]
+    assert len(never) == 1 and "source 'tiny' has weight 0" in never[0], never
+    caplog.clear()
+    later = sl.Mixture(schedule=[sl.MixPoint(at=0, weights={"web": 1, "tiny": 0}),
+                                 sl.MixPoint(at=100, weights={"web": 1, "tiny": 1})])
+    with sl.Loader(sources, mixture=later, micro_batch_tokens=1024) as loader:
+        next(iter(loader))
+    assert not any("never read" in r.getMessage() for r in caplog.records)
+
+
 def test_the_logger_is_quiet_by_default(tmp_path, capsys):
     write_jsonl_source(tmp_path, "web", shards=1, per_shard=10, seed=1)
     write_jsonl_source(tmp_path, "tiny", shards=1, per_shard=2, seed=2)

@@ -64,9 +64,8 @@ class Planner:
             return take, rank, row, length
         pool = self._leftovers(c, selected, take)
         if eligible is not None:
-            pool = pool[np.asarray(eligible, dtype=bool)[c.source[pool]]]
-        return top_up(c, take, rank, row, pool, self.geometry,
-                      self.cost, overhead=self.overhead,
+            pool = pool[eligible[c.source[pool]]]
+        return top_up(c, take, rank, row, pool, self.geometry, self.cost, overhead=self.overhead,
                       cost_aware=self.effective_method != "naive")
 
     @staticmethod
@@ -115,6 +114,7 @@ class Planner:
         if counts is not None and self.method == "lookahead":
             raise ValueError("the lookahead method plans token targets only")
         method = self.effective_method
+        eligible = None if eligible is None else np.asarray(eligible, dtype=bool)
         if method == "naive":
             selected = select(c, targets, max_age=self.force_age, counts=counts)
             take, rank, row = assign_naive(c, selected, self.geometry)
@@ -158,8 +158,8 @@ class Planner:
             # forever. The oldest item of the first non-empty window (of an eligible source,
             # when there is one) fits any empty row.
             order = np.lexsort((c.position, c.rank, -c.age))
-            if eligible is not None and np.asarray(eligible, bool)[c.source[order]].any():
-                order = order[np.asarray(eligible, bool)[c.source[order]]]
+            if eligible is not None and eligible[c.source[order]].any():
+                order = order[eligible[c.source[order]]]
             first = int(order[0])
             take = np.array([first], dtype=np.int64)
             rank, row = np.zeros(1, dtype=np.int32), np.zeros(1, dtype=np.int32)
