@@ -46,6 +46,16 @@ class BadShard(Exception):
     into on_skip(None, reason)."""
 
 
+def shard_failed(exc: BadShard, source: str, shard_name: str,
+                 on_skip: SkipCallback | None) -> None:
+    """A BadShard that ends a shard before it is read: a DataError naming source and shard
+    (saying that on_error="skip" would skip it), or with `on_skip`, a counted skip (the caller
+    then returns its empty result)."""
+    if on_skip is None:
+        raise DataError(str(exc), source=source, shard=shard_name, skippable=True) from None
+    on_skip(None, str(exc))
+
+
 async def read_companion(store: ObjectStore, uri: str, start: int, end: int, what: str,
                          expected: str) -> bytes:
     """Bytes [start, end) of a shard's companion file (its index), `what` naming it in errors.

@@ -51,11 +51,11 @@ from typing import Optional
 import numpy as np
 import zstandard
 
-from ..errors import ConfigError, DataError
+from ..errors import ConfigError
 from ..storage.base import ObjectInfo, ObjectStore
 from ..tokenizer import TextTokenizer
 from .base import (LENGTHS_CHUNK_BYTES, BadShard, EmptyStream, PlannedStream, RawRecord,
-                   SkipCallback)
+                   SkipCallback, shard_failed)
 from .lengths import stream_lengths
 from .tokens import plan_groups
 
@@ -767,10 +767,7 @@ class LitdataFormat:
                 on_skip(None, missing)
             plan = await _plan_chunk(store, shard, dataset.layout, chunk, chunk_bytes)
         except BadShard as exc:
-            if on_skip is None:
-                raise DataError(str(exc), source=source, shard=shard_name,
-                                skippable=True) from None
-            on_skip(None, str(exc))
+            shard_failed(exc, source, shard_name, on_skip)
             return EmptyStream()
         return LitdataStream(plan, dataset.layout, source=source, shard_name=shard_name,
                              on_skip=on_skip, expected_items=chunk.items, dim=chunk.dim)
@@ -789,10 +786,7 @@ class LitdataFormat:
             dataset, chunk, missing = await self._open_chunk(store, shard, shard_name, on_skip)
             lengths = await _index_lengths(store, shard, dataset.layout, chunk, tokenizer)
         except BadShard as exc:
-            if on_skip is None:
-                raise DataError(str(exc), source=source, shard=shard_name,
-                                skippable=True) from None
-            on_skip(None, str(exc))
+            shard_failed(exc, source, shard_name, on_skip)
             return np.zeros(0, np.int64)
         if lengths is not None and missing is not None:
             on_skip(None, missing)

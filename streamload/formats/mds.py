@@ -49,7 +49,7 @@ from ..errors import ConfigError, DataError
 from ..storage.base import ObjectInfo, ObjectStore
 from ..tokenizer import TextTokenizer
 from .base import (LENGTHS_CHUNK_BYTES, BadShard, EmptyStream, PlannedStream, RawRecord,
-                   SkipCallback)
+                   SkipCallback, shard_failed)
 from .lengths import stream_lengths
 
 INDEX_NAME = "index.json"
@@ -594,10 +594,7 @@ class MdsFormat:
                                 f"the index is not this shard's")
             return entry, kind, _layout(entry, self.field, self.tokens)
         except BadShard as exc:
-            if on_skip is None:
-                raise DataError(str(exc), source=source, shard=shard_name,
-                                skippable=True) from None
-            on_skip(None, str(exc))
+            shard_failed(exc, source, shard_name, on_skip)
             return None
 
     @staticmethod
@@ -642,10 +639,7 @@ class MdsFormat:
             head = await store.read_range(shard.uri, 0, min(want, shard.size))
             offsets = _check_header(head, entry.samples, shard.size, "the shard")
         except BadShard as exc:
-            if on_skip is None:
-                raise DataError(str(exc), source=source, shard=shard_name,
-                                skippable=True) from None
-            on_skip(None, str(exc))
+            shard_failed(exc, source, shard_name, on_skip)
             return EmptyStream()
         return MdsRawStream(decoder, offsets, chunk_bytes, source=source, shard_name=shard_name)
 

@@ -36,7 +36,7 @@ from ..errors import ConfigError, DataError
 from ..storage.base import ObjectInfo, ObjectStore
 from ..tokenizer import TextTokenizer
 from .base import (LENGTHS_CHUNK_BYTES, BadShard, EmptyStream, PlannedStream, RawRecord,
-                   SkipCallback, read_companion)
+                   SkipCallback, read_companion, shard_failed)
 from .litdata import CHUNK_NAME as LITDATA_CHUNK
 from .tokens import plan_groups
 
@@ -285,10 +285,7 @@ class MegatronFormat:
         try:
             return await read_index(store, idx_uri(shard.uri), max_sequences)
         except BadShard as exc:
-            if on_skip is None:
-                raise DataError(str(exc), source=source, shard=shard_name,
-                                skippable=True) from None
-            on_skip(None, str(exc))
+            shard_failed(exc, source, shard_name, on_skip)
             return None
 
     async def open(self, store: ObjectStore, shard: ObjectInfo, *, source: str, shard_name: str,

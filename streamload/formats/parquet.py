@@ -43,11 +43,11 @@ from typing import Any
 
 import numpy as np
 
-from ..errors import ConfigError, DataError
+from ..errors import ConfigError
 from ..storage.base import ObjectInfo, ObjectStore
 from ..tokenizer import TextTokenizer
 from .base import (LENGTHS_CHUNK_BYTES, BadShard, EmptyStream, PlannedStream, RawRecord,
-                   SkipCallback)
+                   SkipCallback, shard_failed)
 from .lengths import stream_lengths
 
 _SUFFIX = ".parquet"
@@ -322,10 +322,7 @@ class ParquetFormat:
                                  metadata=metadata, footer_start=footer_start, field=self.field,
                                  tokens=self.tokens)
         except BadShard as exc:
-            if on_skip is None:
-                raise DataError(str(exc), source=source, shard=shard_name,
-                                skippable=True) from None
-            on_skip(None, str(exc))
+            shard_failed(exc, source, shard_name, on_skip)
             return EmptyStream()
 
     def _check_column(self, pa, metadata) -> None:

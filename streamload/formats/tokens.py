@@ -22,7 +22,7 @@ from ..errors import ConfigError, DataError
 from ..storage.base import ObjectInfo, ObjectStore
 from ..tokenizer import TextTokenizer
 from .base import (LENGTHS_CHUNK_BYTES, BadShard, EmptyStream, PlannedStream, RawRecord,
-                   SkipCallback, read_companion)
+                   SkipCallback, read_companion, shard_failed)
 
 TOKENS_SUFFIX = ".tokens.npy"
 OFFSETS_SUFFIX = ".offsets.npy"
@@ -247,10 +247,7 @@ class TokensFormat:
         try:
             dtype, data_start, offsets = await _read_index(store, shard)
         except BadShard as exc:
-            if on_skip is None:
-                raise DataError(str(exc), source=source, shard=shard_name,
-                                skippable=True) from None
-            on_skip(None, str(exc))
+            shard_failed(exc, source, shard_name, on_skip)
             return EmptyStream()
         return TokensStream(source=source, shard_name=shard_name, on_skip=on_skip, dtype=dtype,
                             data_start=data_start, offsets=offsets, chunk_bytes=chunk_bytes)
@@ -272,9 +269,6 @@ class TokensFormat:
             offsets = await _read_offsets(store, companion, limit)
             _check_offsets(offsets, None, what)   # the token count is in the unread token file
         except BadShard as exc:
-            if on_skip is None:
-                raise DataError(str(exc), source=source, shard=shard_name,
-                                skippable=True) from None
-            on_skip(None, str(exc))
+            shard_failed(exc, source, shard_name, on_skip)
             return np.zeros(0, np.int64)
         return np.diff(offsets).astype(np.int64, copy=False)
