@@ -108,6 +108,7 @@ class PlannedStream:
         self._next = 0
         self._failed = False
         self._read: list[int] | None = None   # the planned ranges still read (`keep_only`)
+        self._runs: list[tuple[int, int]] | None = None   # per range, its records [first, end)
 
     def ranges(self) -> list[tuple[int, int]]:
         return self._ranges if self._read is None else [self._ranges[k] for k in self._read]
@@ -122,8 +123,19 @@ class PlannedStream:
 
     def _record_spans(self) -> Sequence[tuple[int, int]] | None:
         """Per planned range, the records [first, end) it holds (a superset will do); None when
-        the format's ranges are not runs of records (then `keep_only` keeps them all)."""
-        return None
+        the format's ranges are not runs of records (then `keep_only` keeps them all). A
+        stream whose ranges are runs of consecutive records sets `_runs` to them."""
+        return self._runs
+
+    def _next_run(self, chunk: bytes, noun: str) -> tuple[int, int, int]:
+        """For a stream of record runs (`_runs`): (first, end, start byte) of the run that
+        `chunk` is, after checking that it is all there."""
+        k = self._next_range()
+        (first, end), (start, stop) = self._runs[k], self._ranges[k]
+        if len(chunk) != stop - start:
+            raise DataError(f"expected {stop - start} bytes for {noun} {first}..{end - 1}, "
+                            f"got {len(chunk)}", source=self._source, shard=self._shard_name)
+        return first, end, start
 
     def keep_only(self, wants_any: Callable[[int, int], bool]) -> None:
         """Read only the ranges holding a record in [first, end) that `wants_any(first, end)`:

@@ -418,25 +418,17 @@ class MdsRawStream(PlannedStream):
         super().__init__(source=source, shard_name=shard_name, on_skip=None)
         self._decoder = decoder
         self._offsets = offsets
-        self._groups = []
+        self._runs = []
         n, first = len(offsets) - 1, 0
         while first < n:
             end = int(np.searchsorted(offsets, offsets[first] + chunk_bytes, side="right")) - 1
             end = min(max(end, first + 1), n)
-            self._groups.append((first, end))
+            self._runs.append((first, end))
             first = end
-        self._ranges = [(int(offsets[a]), int(offsets[b])) for a, b in self._groups]
-
-    def _record_spans(self) -> list[tuple[int, int]]:
-        return self._groups
+        self._ranges = [(int(offsets[a]), int(offsets[b])) for a, b in self._runs]
 
     def decode(self, chunk: bytes) -> list[RawRecord]:
-        k = self._next_range()
-        first, end = self._groups[k]
-        start, stop = self._ranges[k]
-        if len(chunk) != stop - start:
-            raise DataError(f"expected {stop - start} bytes for samples {first}..{end - 1}, "
-                            f"got {len(chunk)}", source=self._source, shard=self._shard_name)
+        first, end, start = self._next_run(chunk, "samples")
         bounds = self._offsets[first:end + 1] - start
         return self._decoder.records(chunk, bounds[:-1], bounds[1:], first)
 

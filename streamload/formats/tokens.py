@@ -182,22 +182,14 @@ class TokensStream(PlannedStream):
         self._offsets = offsets
         n_tokens = int(offsets[-1])
         capacity = max(1, chunk_bytes // dtype.itemsize)
-        self._groups = plan_groups(offsets, capacity) if n_tokens else []
+        self._runs = plan_groups(offsets, capacity) if n_tokens else []
         size = dtype.itemsize
         self._ranges = [(data_start + int(offsets[a]) * size, data_start + int(offsets[b]) * size)
-                        for a, b in self._groups]
+                        for a, b in self._runs]
         self._finished = False
 
-    def _record_spans(self) -> list[tuple[int, int]]:
-        return self._groups
-
     def decode(self, chunk: bytes) -> list[RawRecord]:
-        k = self._next_range()
-        first, end = self._groups[k]
-        start, stop = self._ranges[k]
-        if len(chunk) != stop - start:
-            raise DataError(f"expected {stop - start} bytes for documents {first}..{end - 1}, "
-                            f"got {len(chunk)}", source=self._source, shard=self._shard_name)
+        first, end, _ = self._next_run(chunk, "documents")
         tokens = np.frombuffer(chunk, self._dtype).astype(self._out_dtype)
         bounds = (self._offsets[first:end + 1] - self._offsets[first]).tolist()
         bad = self._negative_documents(tokens, bounds, first) if self._signed else ()
@@ -208,7 +200,7 @@ class TokensStream(PlannedStream):
         if self._finished:
             return []
         self._finished = True
-        if not self._groups:   # no tokens at all, so no ranges: the documents are all empty
+        if not self._runs:   # no tokens at all, so no ranges: the documents are all empty
             empty = np.empty(0, self._out_dtype)
             return [RawRecord(d, empty) for d in range(len(self._offsets) - 1)]
         return []
