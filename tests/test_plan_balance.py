@@ -177,11 +177,12 @@ def test_lookahead_takes_every_overdue_item_whatever_the_quota():
     R, M, C = 2, 2, 256
     geometry = Geometry(R, M, C)
     windows = [[np.full(6, 40)], [np.full(6, 40)]]
-    ages = [[np.array([4, 4, 4, 0, 0, 0])], [np.array([4, 0, 0, 0, 0, 0])]]
+    ages = [[np.array([8, 8, 8, 0, 0, 0])], [np.array([8, 3, 0, 0, 0, 0])]]
     c = Candidates.from_windows(windows, ages)
-    a = Planner(geometry, CostModel(), method="lookahead", lookahead=4).assign(
-        c, np.array([40.0]), 0)                     # a quota of one item
-    assert np.isin(np.flatnonzero(c.age >= 4), a.take).all()
+    planner = Planner(geometry, CostModel(), method="lookahead", lookahead=4)
+    assert planner.force_age == 8                   # two windows of W = 4
+    a = planner.assign(c, np.array([40.0]), 0)      # a quota of one item
+    assert np.isin(np.flatnonzero(c.age >= 8), a.take).all()
 
 
 def test_step_quotas_move_a_shortfall_to_the_other_sources():
@@ -198,7 +199,7 @@ def test_the_planner_configuration_is_validated_once_at_the_boundary():
     assert info.value.key == "planner"
     with pytest.raises(ConfigError, match="lookahead: must be an integer >= 1"):
         make_config(planner="lookahead", lookahead=0)
-    assert Planner(Geometry(2, 2, 64), CostModel(), method="lookahead").force_age == 4
+    assert Planner(Geometry(2, 2, 64), CostModel(), method="lookahead").force_age == 8
     assert Planner(Geometry(2, 2, 64), CostModel(), method="lookahead", max_age=2).force_age == 2
     assert Planner(Geometry(2, 2, 64), CostModel(), method="balanced").force_age is None
 

@@ -12,8 +12,8 @@ deep) and plans the step as the first of W:
   whole number of *layers* of R heavy documents, the number of layers nearest to that rate
   (more when forced ones need it). Heavy documents left out are deferred; as they accumulate,
   the rate rises and a later step takes another layer, so nothing starves.
-- **Bounded deferral.** Every item that has waited `force_age` steps or more (W by default) is
-  taken now, whatever it costs. Layers are completed around the forced heavy documents.
+- **Bounded deferral.** Every item that has waited `force_age` steps or more (2W by default:
+  `planner.DEFERRAL_WINDOWS`) is taken now, whatever it costs. Layers are completed around the forced heavy documents.
 - **Exact quotas.** Step 0 takes each source's quota in tokens, like single-step selection: the
   forced and heavy documents count against it, and light documents in arrival order fill the
   rest, so every step's selection is within one item of each source's quota, and so is every
