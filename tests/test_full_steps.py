@@ -48,7 +48,8 @@ def epoch_job(rank, world, root, planners):
             for batch in loader:
                 ids += [i for mb in batch.micro_batches for i in mb.sample_ids]
                 tokens.append(sum(mb.num_tokens for mb in batch.micro_batches))
-            out[planner] = (ids, tokens, loader.stats()["tokens_per_step"])
+            stats = loader.stats()
+            out[planner] = (ids, tokens, stats["tokens_per_step"], stats["deferral_max"])
     return out
 
 
@@ -68,6 +69,8 @@ def test_every_planner_fills_its_steps_on_gloo_ranks(skewed, world):
         assert fill >= 0.95, (planner, fill, steps, ideal)
         assert steps <= 1.05 * ideal, (planner, steps, ideal)
         # stats() reports the job's tokens per step, the same on every rank.
+        if planner == "lookahead":   # the deferral bound, two windows of W = 4 steps
+            assert max(r[planner][3] for r in results) <= 8
         reported = results[0][planner][2]
         assert reported["fill"] == pytest.approx(fill)
         assert reported["p50"] <= world * M * C and reported["p1"] <= reported["p50"]

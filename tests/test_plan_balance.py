@@ -220,3 +220,49 @@ def test_finish_predicts_the_cost_of_the_plan():
     a = finish(c, take, rank, row, geometry, cost)
     per_rank = np.bincount(rank, weights=cost.doc_cost(c.length[take]), minlength=geometry.ranks)
     np.testing.assert_allclose(a.rank_cost, per_rank)
+
+
+def _skewed_scans(C: int, seed: int = 0):
+    """Dry-run input shaped like benchmarks/epoch.py's corpus, small: sizes 10x apart, a
+    one-shard source of short documents, and long documents split into C-token pieces."""
+    from streamload import pieces
+    from streamload.commands.dryrun.scan import SourceScan
+    rng = np.random.default_rng(seed)
+    shape = {"web": (8, 1500, 900, 1.3), "code": (4, 500, 1800, 1.4), "chat": (1, 1200, 250, 0.9),
+             "books": (6, 60, 11000, 0.6)}   # shards, documents, median, sigma
+    scans = []
+    for name, (shards, n, median, sigma) in shape.items():
+        docs = np.clip(rng.lognormal(np.log(median), sigma, n), 10, 40_000).astype(np.int64)
+        cuts = pieces.cut_documents(docs, C, "split")
+        per_shard = np.bincount(np.arange(cuts.lengths.size) * shards // cuts.lengths.size,
+                                minlength=shards)
+        scans.append(SourceScan(name, "jsonl", "scan", cuts.lengths, per_shard, shards, shards,
+                                n, divisible=cuts.piece >= 0))
+    return scans
+
+
+@pytest.mark.parametrize("R", [2, 4])
+def test_lookahead_holds_the_mix_like_balanced_with_a_one_shard_source(R):
+    """With a one-shard source of short documents and C-token pieces of long ones, the
+    lookahead's overdue items used to outgrow the step (a deferral bound of one window, the
+    windows' own depth) and, taken past their quotas, put `books` 0.02-0.03 over its share and
+    `chat` as much under. Its shares now stay as close as balanced's, and no item waits longer
+    than the bound, 2W."""
+    import streamload as sl
+    from streamload.commands.dryrun import simulate
+    from streamload.configfile import LoaderSpec
+    C, M, W = 4096, 2, 4
+    scans = _skewed_scans(C)
+    weights = {"web": 0.4, "code": 0.2, "chat": 0.2, "books": 0.2}
+    sources = [sl.Source(f"/data/{n}", weight=w) for n, w in weights.items()]
+    target = np.array(list(weights.values()))
+    devs = {}
+    for planner in ("balanced", "lookahead"):
+        spec = LoaderSpec("test", sources, dict(micro_batch_tokens=C, micro_batches=M,
+                                                planner=planner, lookahead=W, epochs=1))
+        reports = simulate(spec, scans, steps=40 // R * 2, ranks=R)
+        tokens = np.array([r.tokens for r in reports], dtype=np.float64).sum(axis=0)
+        devs[planner] = float(np.abs(tokens / tokens.sum() - target).max())
+        if planner == "lookahead":
+            assert max(r.max_age for r in reports) <= 2 * W
+    assert devs["lookahead"] <= max(0.01, 2 * devs["balanced"]), devs
