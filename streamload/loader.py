@@ -185,8 +185,9 @@ class Loader:
             comm = connect(timeout, self.topology)
         self.comm: Optional[Comm] = comm   # None: this rank builds no batch (a `Follower`)
         # stats(scope="job") gathers over every rank of the job on a group of its own, so it
-        # never interleaves with the step loop's collectives.
-        self._job_comm: Comm = connect(timeout)
+        # never interleaves with the step loop's collectives. Made on its first call (creating
+        # a group is collective, as that call is): a job that never asks holds no extra group.
+        self._job_comm: Optional[Comm] = None
         row_config = self.config
         if self.topology is not None and self.topology.cp > 1:   # the CP group shares a row
             row_config = msgspec.structs.replace(
@@ -299,6 +300,8 @@ class Loader:
                 "stall_s": self._stall_s}
         if scope == "rank":
             return mine
+        if self._job_comm is None:
+            self._job_comm = connect(self.config.collective_timeout_s)
         payload = np.frombuffer(msgspec.json.encode(mine), dtype=np.uint8).astype(np.int64)
         ranks = [msgspec.json.decode(part.astype(np.uint8).tobytes())
                  for part in self._job_comm.all_gather(payload)]
