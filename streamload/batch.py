@@ -74,6 +74,8 @@ class Batch:
     rank_tokens: np.ndarray = field(repr=False)  # tokens planned for each rank this step
     rank_cost: np.ndarray = field(repr=False)    # predicted cost of each rank this step
     max_deferral: int = 0      # steps the longest-waiting sample of this step was deferred
+    # The job's tokens of each source this step, over every DP rank (the Loader's source order)
+    source_tokens: Optional[np.ndarray] = field(default=None, repr=False)
 
     @property
     def num_tokens(self) -> int:

@@ -81,7 +81,10 @@ class Delivery:
                 sample_ids=ids, max_seqlen=row.max_seqlen, padding=row.padding))
         rank_tokens, rank_cost, deferral = self._count(summaries, plan, sources, lengths[entries],
                                                        holder)
-        return Batch(step, epoch, micro_batches, rank_tokens, rank_cost, max_deferral=deferral)
+        job_sources = np.bincount(c.source[plan.take], weights=lengths,
+                                  minlength=len(self.source_names)).astype(np.int64)
+        return Batch(step, epoch, micro_batches, rank_tokens, rank_cost, max_deferral=deferral,
+                     source_tokens=job_sources)
 
     def _count(self, summaries: Summaries, plan: PlanMessage, sources: np.ndarray,
                received: np.ndarray, holder: np.ndarray) -> tuple[np.ndarray, np.ndarray, int]:

@@ -21,6 +21,8 @@ The record is a flat dict of numbers (float), so every key is a time series:
     rank_cost_max, rank_cost_mean   the predicted rank costs
     max_deferral          steps the longest-waiting sample of this step was deferred
     tokens/<source>, samples/<source>   this rank's tokens and documents of each source
+    job_tokens/<source>   the job's tokens of each source this step, over every DP rank (the
+                          mix the schedule is held to; the same on every rank)
 
 Per-source tokens come from the rows' `cu_seqlens`: segment k of a row is `sample_ids[k]`, and a
 padded row's last segment (its padding) has no sample id, so it is not counted. They add up to
@@ -85,6 +87,10 @@ def step_record(batch: "Batch", step_tokens: int, sources: Sequence[str]) -> dic
         record[f"tokens/{name}"] = float(count)
     for name, count in samples.items():
         record[f"samples/{name}"] = float(count)
+    job_sources = getattr(batch, "source_tokens", None)
+    if job_sources is not None and len(job_sources) == len(sources):
+        for name, count in zip(sources, np.asarray(job_sources).tolist()):
+            record[f"job_tokens/{name}"] = float(count)
     return record
 
 

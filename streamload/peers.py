@@ -38,6 +38,7 @@ class StepMessage(msgspec.Struct, frozen=True):
     rank_tokens: list = []
     rank_cost: list = []
     max_deferral: int = 0
+    source_tokens: list = []
     state: bytes = b""              # LoaderState JSON, as of this step
     micro_batches: list = []        # dicts: tensors as [dtype, bytes], ids, numbers
 
@@ -52,8 +53,9 @@ def encode_step(batch: Batch, state: bytes) -> bytes:
         rows.append(row)
     return msgspec.msgpack.encode(StepMessage(
         "step", step=batch.step, epoch=batch.epoch, rank_tokens=batch.rank_tokens.tolist(),
-        rank_cost=batch.rank_cost.tolist(), max_deferral=batch.max_deferral, state=state,
-        micro_batches=rows))
+        rank_cost=batch.rank_cost.tolist(), max_deferral=batch.max_deferral,
+        source_tokens=[] if batch.source_tokens is None else batch.source_tokens.tolist(),
+        state=state, micro_batches=rows))
 
 
 def encode_end(error: Optional[BaseException] = None) -> bytes:
@@ -73,7 +75,8 @@ def decode_step(message: StepMessage) -> Batch:
     return Batch(message.step, message.epoch, micro_batches,
                  np.asarray(message.rank_tokens, dtype=np.float64),
                  np.asarray(message.rank_cost, dtype=np.float64),
-                 max_deferral=message.max_deferral)
+                 max_deferral=message.max_deferral,
+                 source_tokens=np.asarray(message.source_tokens, dtype=np.int64))
 
 
 class Follower:

@@ -269,15 +269,13 @@ class Runtime:
             window_sizes = [int(n) for n in np.bincount(
                 c.source[c.rank == self.comm.rank], minlength=S)]
             stepper.commit(step, plan.take, plan.length)
-            self.step_metrics.record_mix(
-                np.bincount(c.source[plan.take], weights=plan.length, minlength=S),
-                step.quota.shares)
             self.progress.observe(c, summaries.ids, plan.take, plan.length)
             self.watch.step(step.index, float(plan.length.sum()))
             self._resize()
             self._autoscale(step.index)
             batch = await self.delivery.deliver(step.index, stepper.epoch, summaries, plan,
                                                 self.buffers, window_sizes, agreement.run)
+            self.step_metrics.record_mix(batch.source_tokens, step.quota.shares)
             snapshot = self.progress.snapshot(stepper)
             if self.peers is not None:   # broadcast delivery: the whole step to this DP rank's ranks
                 message = encode_step(batch, encode_state(self.progress.state(snapshot)))

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import struct
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -87,6 +88,8 @@ def test_step_record_is_flat_numbers_and_adds_up(run_records):
         assert record["padding"] == padding
         padded += padding > 0
         assert record["job_tokens"] == num_tokens        # one rank: the job is this rank
+        assert record["job_tokens/web"] == record["tokens/web"]
+        assert record["job_tokens/code"] == record["tokens/code"]
         assert record["fill"] == pytest.approx(num_tokens / (512 * 2))
         assert 0 < record["fill"] <= 1
         assert record["imbalance"] >= 1.0 - 1e-9
@@ -94,6 +97,25 @@ def test_step_record_is_flat_numbers_and_adds_up(run_records):
         assert record["max_deferral"] >= 0
     assert padded, "some row should have padding"
     assert sum(r["tokens/code"] for r, *_ in run_records) > 0
+
+
+def job_mix_job(rank, world, root):
+    with sl.Loader(loader_sources(Path(root)), micro_batch_tokens=512, micro_batches=2,
+                   epochs=1) as loader:
+        return [step_record(batch, 512 * 2 * world, ["web", "code"]) for batch in loader]
+
+
+def test_job_tokens_per_source_are_the_jobs_on_every_rank(corpus):
+    """`job_tokens/<source>` is the job's mix: the same on both gloo ranks, the sum of the
+    ranks' own `tokens/<source>`, and adding up to `job_tokens`."""
+    from distributed import run_ranks
+    ranks = run_ranks(job_mix_job, 2, str(corpus), timeout=120)
+    assert len(ranks[0]) == len(ranks[1]) > 3
+    for a, b in zip(*ranks):
+        for name in ("web", "code"):
+            assert a[f"job_tokens/{name}"] == b[f"job_tokens/{name}"] \
+                == a[f"tokens/{name}"] + b[f"tokens/{name}"]
+        assert a["job_tokens/web"] + a["job_tokens/code"] == a["job_tokens"]
 
 
 def test_step_record_counts_segments_by_sample_id():

@@ -92,13 +92,16 @@ def series_from_records(records: Sequence[Mapping], target_shares: Optional[Mapp
     `target/<source>` keys when it has them, else unknown."""
     records = list(records)
     unit = "samples" if by == "samples" else "tokens"
-    names = _source_names(records, f"{unit}/")
+    prefix = unit
+    if unit == "tokens" and _source_names(records, "job_tokens/"):
+        prefix = "job_tokens"   # the job's mix, where the log has it, not this rank's part
+    names = _source_names(records, f"{prefix}/")
     if target_shares:
         names += [n for n in target_shares if n not in names]
     N, S = len(records), len(names)
     units = np.zeros((N, S))
     for s, name in enumerate(names):
-        units[:, s] = np.nan_to_num(_column(records, f"{unit}/{name}", 0.0))
+        units[:, s] = np.nan_to_num(_column(records, f"{prefix}/{name}", 0.0))
     target = None
     if target_shares:
         weights = np.array([float(target_shares.get(n, 0.0)) for n in names])
