@@ -23,6 +23,8 @@ stays exact over any window of steps.
 """
 from __future__ import annotations
 
+import bisect
+
 import numpy as np
 
 from .cost import CostModel
@@ -84,15 +86,26 @@ class _Rows:
         self.lengths.append(length)
 
     def cut_to_fill(self, divisible: np.ndarray) -> None:
-        """Rows with room take, largest room first, the head of the next divisible item (in
-        `divisible`'s order) cut to the room; the rest of the item stays in its buffer. Rows
+        """Rows with room take, largest room first, the head of a divisible item cut to the
+        room (the shortest item longer than it); the rest of the item stays in its buffer. Rows
         with less than MIN_CUT of room are left: a head that short is a document boundary
         for a few tokens."""
         capacity = self.geometry.capacity
         open_rows = np.flatnonzero(self.room >= max(MIN_CUT, capacity // MIN_CUT_SHARE))
         open_rows = open_rows[np.argsort(-self.room[open_rows], kind="stable")]
-        for item, cell in zip(divisible.tolist(), open_rows.tolist()):
-            head = min(int(self.room[cell]), int(self.c.length[item]))
+        # By length (ties in `divisible`'s order): each row cuts the shortest item longer than
+        # its room, so the rest left in the buffer is the shortest, and it packs whole later
+        # instead of starting a chain of cuts (every row a rest plus the head of the next).
+        by_length = np.argsort(self.c.length[divisible], kind="stable")
+        items = divisible[by_length].tolist()
+        lengths = self.c.length[divisible][by_length].tolist()
+        for cell in open_rows.tolist():
+            if not items:
+                break
+            room = int(self.room[cell])
+            k = min(bisect.bisect_right(lengths, room), len(items) - 1)   # else the longest
+            item, length = items.pop(k), lengths.pop(k)
+            head = min(room, length)
             work = float(self.cost.doc_cost(head)) + float(self.c.extra_cost[item])
             self.place(item, cell, work, head)
 
