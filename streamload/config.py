@@ -127,7 +127,7 @@ class LoaderConfig(msgspec.Struct, kw_only=True):
     on_error: OnError = "raise"
     long_documents: LongDocuments = "split"
     planner: PlannerMethod = "balanced"     # "naive" | "balanced" | "lookahead"
-    lookahead: int = 4                      # W for planner="lookahead" (also its max deferral)
+    lookahead: int = 4                      # W for planner="lookahead" (deferral <= 2W)
     max_deferral: Optional[int] = 8         # a sample offered this many steps is taken first
     step_overhead: float = 0.05             # per-step cost the planner weighs against an empty
                                             # slot: this share of a rank's full step at b/token
