@@ -319,6 +319,8 @@ class Loader:
                          f"p50 {per_step['p50']:,}, p99 {per_step['p99']:,} of "
                          f"{s['step_capacity_tokens']:,} (fill {per_step['fill']:.3f}, "
                          f"{per_step['steps_below_90pct']} steps below 90%)")
+        if s.get("pieces_cut"):
+            lines.append(f"  {s['pieces_cut']:,} pieces of long documents cut to fill rows")
         if s.get("imbalance_mean") is not None:
             lines.append(f"  balance: max/mean rank cost {s['imbalance_mean']:.3f} on average; "
                          f"trainer waited {s['stall_s']:.2f} s in next()")

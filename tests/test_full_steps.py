@@ -276,7 +276,8 @@ def test_the_dry_run_counts_the_work_the_loader_cut_out(long_only, tmp_path):
     srcs = [sl.Source(f"{long_only}/books", weight=0.9), sl.Source(f"{long_only}/notes", weight=0.1)]
     with sl.Loader(srcs, **kw) as loader:
         batches = list(loader)
-        stats = loader.stats()
+        stats, summary = loader.stats(), loader.summary()
+    assert f"{stats['pieces_cut']:,} pieces of long documents cut to fill rows" in summary
     pieces = {}
     for sid, tokens in delivered_parts(batches):
         pieces.setdefault(sid.partition("+")[0], []).append(tokens.size)
