@@ -16,10 +16,11 @@ refinement's drops, the top-up's refusals) asks this one question.
 `top_up` runs after a planning method, on a step below FULL: rows with room take the step's
 leftovers (selected but not placed first, then the rest of the windows in arrival order,
 interleaved across sources as `select` interleaves them), never past a row's capacity; then
-rows with room left take the head of a piece of a split document,
-cut to fit, its rest staying in its buffer (every method: full steps are the loader's
-guarantee, whatever the planner). The mixer's carry sees what was taken, so the mix
-stays exact over any window of steps.
+rows with room left take the head of a piece of a split document (the shortest piece longer
+than the room), cut to fit, its rest staying in its buffer (every method: full steps are the
+loader's guarantee, whatever the planner). The pool holds only sources the schedule gives a
+share this step (`Planner._fill`). The mixer's carry sees what was taken, so the mix stays
+exact over any window of steps.
 """
 from __future__ import annotations
 
