@@ -26,8 +26,7 @@ _GLOB = re.compile(r"[*?\[]")
 def convert(value: Any, type_: Any, key: str, *, where: str = "") -> Any:
     """`value` as `type_` the msgspec way (no bool for numbers, ints accepted for floats, a
     table for a struct), or a ConfigError keyed `key`. A Literal's error lists the choices."""
-    if isinstance(value, (int, float)) and type(value) not in (int, float, bool):
-        value = float(value) if isinstance(value, float) else int(value)   # numpy.float64, ...
+    value = _plain_number(value)   # numpy.int64, numpy.float64, ...
     try:
         return msgspec.convert(value, type_)
     except msgspec.ValidationError as exc:
@@ -37,7 +36,7 @@ def convert(value: Any, type_: Any, key: str, *, where: str = "") -> Any:
                                  where=where) from None
         choices = _literal_choices(type_)
         if choices is not None:
-            problem = f"must be one of {', '.join(map(repr, choices))}, got {value!r}"
+            problem = _choices_problem(choices, value)
         else:
             problem = str(exc).replace("`", "")
             if repr(value) not in problem:
@@ -260,10 +259,14 @@ def from_table(values: Any, struct: type, key: str) -> Any:
         choices = _literal_choices(field_types(struct)[field]) \
             if field in field_types(struct) else None
         if choices is not None:
-            problem = f"must be one of {', '.join(map(repr, choices))}, got {values[field]!r}"
+            problem = _choices_problem(choices, values[field])
         else:
             problem = (message[:at.start()] if at else message).replace("`", "")
         raise ConfigError.at(f"{key}{path}", problem) from None
+
+
+def _choices_problem(choices, value: Any) -> str:
+    return f"must be one of {', '.join(map(repr, choices))}, got {value!r}"
 
 
 def _plain_number(value: Any) -> Any:

@@ -60,13 +60,20 @@ class StepMetrics:
     deferral_sum: int = 0
     delivered: int = 0
     step_tokens: int = 0        # R·M·C: the tokens a full step holds
-    delivered_tokens: int = 0   # over every rank, all steps
     pieces_cut: int = 0         # pieces of split documents cut to fill a row (the head went)
     cut_work: float = 0.0       # the attention work those cuts took out (CostModel.cut_savings)
     # The job's mix: tokens taken of each source over all steps, and what the schedule's shares
     # asked for of the same steps' tokens (sources whose share was 0 get 0).
     source_tokens: np.ndarray = field(default_factory=lambda: np.zeros(0))
     target_tokens: np.ndarray = field(default_factory=lambda: np.zeros(0))
+    # Steps by fill (the job's tokens over R·M·C) in 0.1% bins: exact enough percentiles of
+    # tokens per step in constant memory, however long the run.
+    fill_bins: np.ndarray = field(default_factory=lambda: np.zeros(FILL_BINS + 1, np.int64))
+
+    @property
+    def delivered_tokens(self) -> int:
+        """Tokens delivered over every rank, all steps."""
+        return int(self.source_tokens.sum())
 
     def record_mix(self, taken: np.ndarray, shares: np.ndarray) -> None:
         """One step's tokens per source, and the shares the schedule gave the step."""
@@ -74,14 +81,10 @@ class StepMetrics:
             self.source_tokens, self.target_tokens = np.zeros(taken.size), np.zeros(taken.size)
         self.source_tokens += taken
         self.target_tokens += shares * float(taken.sum())
-    # Steps by fill (the job's tokens over R·M·C) in 0.1% bins: exact enough percentiles of
-    # tokens per step in constant memory, however long the run.
-    fill_bins: np.ndarray = field(default_factory=lambda: np.zeros(FILL_BINS + 1, np.int64))
 
     def record(self, rank_tokens: np.ndarray, rank_cost: np.ndarray) -> None:
         self.steps += 1
         tokens = int(rank_tokens.sum())
-        self.delivered_tokens += tokens
         if self.step_tokens:
             self.fill_bins[min(int(round(tokens / self.step_tokens * FILL_BINS)), FILL_BINS)] += 1
         self.last_rank_tokens = rank_tokens.tolist()

@@ -96,8 +96,10 @@ class Follower:
         """Nothing to tell anyone: the leader's closing sends "end", which ends this run (the
         ranks of a DP rank stop at the same step)."""
 
-    def state(self, snapshot: Optional[LoaderState]) -> Optional[LoaderState]:
-        return snapshot if snapshot is not None else self.resume
+    def state(self, snapshot: Optional[bytes]) -> Optional[LoaderState]:
+        """The state as of the last batch returned: its leader's JSON, decoded only when asked
+        (the snapshot is the message's bytes), or the state this rank resumed from."""
+        return decode_state(snapshot) if snapshot is not None else self.resume
 
     def stats(self) -> dict:
         return {"rank": self.topology.dp_rank, "world_size": self.topology.dp, "role": "follower",
@@ -127,6 +129,6 @@ class Follower:
                 if needs_view(self.topology):
                     batch = stage_view(batch, self.topology, self.pad_token_id)
                 self.steps += 1
-                handoff.put(batch, decode_state(message.state))
+                handoff.put(batch, message.state)   # decoded by `state`, if ever
         finally:
             thread.shutdown()

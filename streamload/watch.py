@@ -18,12 +18,12 @@ import numpy as np
 
 from .collective.comm import Comm
 from .config import Source
+from .metrics import LOW_FILL
 from .plan.stepper import Stepper
 from .plan.types import Candidates
 from .progress import JobProgress
 
-LOW_FILL = 0.9            # a step below this share of its capacity is short ...
-LOW_FILL_STREAK = 20      # ... and this many in a row are worth a warning
+LOW_FILL_STREAK = 20      # steps in a row below LOW_FILL (metrics.py) worth a warning
 NEXT = {"renormalize": "the other sources take its share", "stop": "the run stops",
         "restart": "it starts its next pass"}
 

@@ -344,3 +344,16 @@ def test_parse_config_without_a_file():
     assert spec.path == "inline.toml"
     with pytest.raises(ConfigError, match=r"^inline\.toml: source: no sources"):
         parse_config("", "inline.toml")
+
+
+def test_numpy_numbers_are_accepted_as_plain_numbers_in_keywords():
+    """Keyword options convert NumPy scalars as a config file's values do (`_plain_number`):
+    a step size computed with NumPy is an int, not 'Expected int, got numpy.int64'."""
+    import numpy as np
+    from streamload.config import make_config
+    config = make_config(micro_batch_tokens=np.int64(4096), micro_batches=np.int32(2),
+                         step_overhead=np.float32(0.25))
+    assert (config.micro_batch_tokens, config.micro_batches) == (4096, 2)
+    assert type(config.micro_batch_tokens) is int and config.step_overhead == 0.25
+    with pytest.raises(ConfigError, match="micro_batches"):
+        make_config(micro_batches=np.bool_(True))
