@@ -5,7 +5,6 @@ exact resume, ranged reads (only the needed column's chunks), bad input, documen
 from __future__ import annotations
 
 import asyncio
-import io
 from collections import Counter
 from pathlib import Path
 
@@ -602,9 +601,12 @@ async def test_document_lengths(tmp_path):
 
 
 def test_reference_reader_agrees_on_bytes(tmp_path):
-    """The footer-only parse gives the same metadata as pyarrow's own read of the file."""
+    """The loader's footer-only parse (`_read_footer`, from the file's tail) gives the same
+    metadata as pyarrow's own read of the file, and where the footer starts."""
+    from streamload.formats.parquet import _read_footer
     path = write(tmp_path / "a.parquet", {"text": texts(20, 1)}, row_group_size=6)
     data = path.read_bytes()
     length = int.from_bytes(data[-8:-4], "little")
-    footer_only = pq.read_metadata(io.BytesIO(b"PAR1" + data[-8 - length:]))
-    assert footer_only.equals(pq.read_metadata(path))
+    metadata, footer_start = asyncio.run(_read_footer(FileStore(), info(path)))
+    assert metadata.equals(pq.read_metadata(path))
+    assert footer_start == len(data) - 8 - length

@@ -73,6 +73,8 @@ def test_a_slow_source_gets_more_concurrency(tmp_path):
             pass
         stats = loader.stats()["sources"]
     assert stats["slow"]["autoscale_changes"], stats["slow"]
+    assert all(set(c) == {"step", "shard_concurrency", "range_readahead"}   # labelled changes
+               for c in stats["slow"]["autoscale_changes"])
     # It grew while it made steps wait (and may shrink again once its buffer sat full).
     assert max(c["shard_concurrency"] for c in stats["slow"]["autoscale_changes"]) > 1, \
         stats["slow"]

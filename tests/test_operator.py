@@ -55,6 +55,14 @@ def test_the_logger_is_quiet_by_default(tmp_path, capsys):
         list(loader)
     captured = capsys.readouterr()
     assert "streamload" not in captured.err and "streamload" not in captured.out
+    # pytest's own handlers swallow records in this process, so check in a fresh one too: a
+    # warning with no logging configured prints nothing (the library's NullHandler).
+    import subprocess
+    import sys
+    code = ("import logging, streamload; "
+            "logging.getLogger('streamload').warning('streamload: a warning')")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert proc.returncode == 0 and proc.stderr == "" and proc.stdout == "", proc.stderr
 
 
 def test_stats_agree_with_the_steps_taken_and_summary_reads_them(tmp_path):
@@ -68,8 +76,6 @@ def test_stats_agree_with_the_steps_taken_and_summary_reads_them(tmp_path):
     assert stats["steps"] == 6 and stats["steps_planned"] >= 6    # the loop runs ahead
     web = stats["sources"]["web"]
     assert web["shards_started"] >= 1 and web["shards_read"] <= web["shards_started"]
-    assert all(set(c) == {"step", "shard_concurrency", "range_readahead"}
-               for c in web["autoscale_changes"])
     mix = stats["mix"]
     assert set(mix) == {"web", "tiny"}
     assert abs(sum(m["realized"] for m in mix.values()) - 1) < 1e-9

@@ -166,6 +166,7 @@ def test_pipeline_middle_stages_get_metadata_or_nothing(corpus):
     for middle in ("metadata", "nothing"):
         results = run_ranks(epoch_job, 3, str(root), {"pp": 3, "pipeline_middle": middle}, 3)
         first, mid, last = sorted(results, key=lambda r: r["pp_rank"])
+        assert len(first["steps"]) == len(mid["steps"]) == len(last["steps"]) == 3
         for a, b, c in zip(first["steps"], mid["steps"], last["steps"]):
             for f, m, l in zip(a, b, c):
                 assert f["ids"] == m["ids"] == l["ids"]
