@@ -160,7 +160,7 @@ def loader_epoch(fmt: str, path: Path) -> dict:
                 samples += len(mb.sample_ids)
         stats = loader.stats()
     elapsed = time.perf_counter() - started
-    read = sum(s.get("bytes_fetched", 0) for s in stats["sources"].values())
+    read = stats["bytes_read"]
     return {"seconds": elapsed, "tokens": tokens, "samples": samples, "bytes_read": read}
 
 
@@ -172,7 +172,7 @@ def first_step_bytes(fmt: str, path: Path) -> int:
                    chunk_bytes=64 << 10) as loader:
         next(iter(loader))
         stats = loader.stats()
-    return sum(s.get("bytes_fetched", 0) for s in stats["sources"].values())
+    return stats["bytes_read"]
 
 
 def main(argv=None) -> int:

@@ -54,10 +54,10 @@ def rank_main(rank, port, root, layout, delivery, steps, queue):
                 break
         elapsed, cpu = time.perf_counter() - started, time.process_time() - cpu0
         stats = loader.stats()
-    read = sum(s.get("bytes_fetched", 0) for s in stats.get("sources", {}).values())
     queue.put({"rank": rank, "steps": done, "step_ms": elapsed / max(done, 1) * 1e3,
-               "cpu_ms": cpu / max(done, 1) * 1e3, "read_bytes_total": read,
-               "steps_total": stats.get("steps", done + 1),
+               "cpu_ms": cpu / max(done, 1) * 1e3,
+               "read_bytes_total": stats.get("bytes_read", 0),   # 0 on a follower
+               "steps_total": stats["steps"],
                "peer_bytes_total": stats.get("bytes_received", 0)})
     dist.barrier()
     dist.destroy_process_group()

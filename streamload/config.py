@@ -1,7 +1,6 @@
 """Configuration: msgspec structs, validated once at the boundary. Errors name the key."""
 from __future__ import annotations
 
-import difflib
 import functools
 import math
 import numbers
@@ -11,7 +10,7 @@ from typing import Any, Literal, Optional
 
 import msgspec
 
-from .errors import ConfigError
+from .errors import ConfigError, did_you_mean
 from .plan.planner import PlannerMethod
 from .storage.retry import RetryPolicy
 
@@ -196,12 +195,6 @@ class LoaderConfig(msgspec.Struct, kw_only=True):
 # them, but a misspelling of one arrives there, so "did you mean" offers them too.
 LOADER_ARGUMENTS = ("sources", "tokenizer", "storage_options", "mixture", "sample_costs",
                     "parallel", "mesh", "on_step")
-
-
-def did_you_mean(name: str, known) -> str:
-    """"; did you mean 'micro_batch_tokens'?" for the closest of `known`, or ""."""
-    close = difflib.get_close_matches(name, list(known), n=1)
-    return f"; did you mean {close[0]!r}?" if close else ""
 
 
 def make_config(**options) -> LoaderConfig:

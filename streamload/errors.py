@@ -2,6 +2,8 @@
 the source, the URI or shard, and the record where there is one."""
 from __future__ import annotations
 
+import difflib
+
 
 class StreamloadError(Exception):
     """Base class of every error streamload raises on purpose."""
@@ -88,3 +90,9 @@ class DistributedError(StreamloadError, RuntimeError):
 class UsageError(StreamloadError, RuntimeError):
     """A call the object cannot take in its present state (e.g. `Loader.load_state_dict()`
     after iterating began). The message says when the call is allowed."""
+
+
+def did_you_mean(name: str, known) -> str:
+    """"; did you mean 'micro_batch_tokens'?" for the closest of `known`, or ""."""
+    close = difflib.get_close_matches(name, list(known), n=1)
+    return f"; did you mean {close[0]!r}?" if close else ""

@@ -56,16 +56,21 @@ def shard_failed(exc: BadShard, source: str, shard_name: str,
     on_skip(None, str(exc))
 
 
-async def read_companion(store: ObjectStore, uri: str, start: int, end: int, what: str,
-                         expected: str) -> bytes:
-    """Bytes [start, end) of a shard's companion file (its index), `what` naming it in errors.
-    A missing companion is a BadShard that says what was expected beside the shard."""
+async def read_exact(store: ObjectStore, uri: str, start: int, end: int, what: str, *,
+                     exact: bool = True, missing: str | None = None) -> bytes:
+    """Bytes [start, end) of `uri` (`what` names it in errors). `exact`: fewer bytes is a
+    BadShard (the file is truncated). `missing` (for a shard's companion, its index): a file
+    that does not exist is a BadShard saying that, and `missing`, what belongs beside the
+    shard."""
     try:
-        return await store.read_range(uri, start, end)
+        data = await store.read_range(uri, start, end)
     except StorageError as exc:
-        if not exc.missing:
+        if missing is None or not exc.missing:
             raise
-        raise BadShard(f"{what} is missing: {expected}") from None
+        raise BadShard(f"{what} is missing: {missing}") from None
+    if exact and len(data) != end - start:
+        raise BadShard(f"{what} is truncated (wanted bytes {start}-{end}, got {len(data)})")
+    return data
 
 
 @dataclass(frozen=True)

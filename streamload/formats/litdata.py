@@ -55,7 +55,7 @@ from ..errors import ConfigError
 from ..storage.base import ObjectInfo, ObjectStore
 from ..tokenizer import TextTokenizer
 from .base import (LENGTHS_CHUNK_BYTES, BadShard, EmptyStream, PlannedStream, RawRecord,
-                   SkipCallback, shard_failed)
+                   SkipCallback, read_exact, shard_failed)
 from .lengths import stream_lengths
 from .tokens import plan_groups
 
@@ -600,13 +600,6 @@ def _footer_span(tail, size: int) -> tuple[int, int]:
     return start, size - 12
 
 
-async def _read_exact(store: ObjectStore, uri: str, start: int, end: int) -> bytes:
-    data = await store.read_range(uri, start, end)
-    if len(data) != end - start:
-        raise BadShard(f"the chunk is truncated (wanted bytes {start}-{end}, got {len(data)})")
-    return data
-
-
 def _byte_groups(offsets: np.ndarray, chunk_bytes: int) -> list[tuple[int, int]]:
     """Runs [first, end) of consecutive items of about `chunk_bytes` (a longer item alone)."""
     return plan_groups(offsets - offsets[0], max(1, chunk_bytes))
@@ -807,7 +800,7 @@ async def _read_header(store: ObjectStore, shard: ObjectInfo, chunk: _Chunk) -> 
     if shard.size < header:
         raise BadShard(f"the chunk holds {shard.size} bytes, fewer than its {header}-byte "
                         f"header for {chunk.items} items")
-    data = await _read_exact(store, shard.uri, 0, header)
+    data = await read_exact(store, shard.uri, 0, header, "the chunk")
     return _parse_header(data, shard.size, chunk.items)[1]
 
 
@@ -819,7 +812,7 @@ async def _read_frames(store: ObjectStore, shard: ObjectInfo, layout: _Layout,
     for _ in range(2):   # the frame size from the config; read again if the chunk says other
         n_frames = -(-n // rows)
         end = _FRAMED_PREFIX.size + 4 * (n + 1) + _FRAME_ENTRY.size * n_frames
-        data = await _read_exact(store, shard.uri, 0, min(end, shard.size))
+        data = await read_exact(store, shard.uri, 0, min(end, shard.size), "the chunk")
         if len(data) < _FRAMED_PREFIX.size or data[:8] != _FRAMED_MAGIC:
             raise BadShard("index.json says compression_level='batch' but the chunk has no "
                             "LDFZ01 framed-zstd header")
@@ -886,7 +879,7 @@ async def _plan_chunk(store: ObjectStore, shard: ObjectInfo, layout: _Layout, ch
             return _Plan("items", items=n, empty_items=True)
     elif offsets[-1] == offsets[0]:
         # Every item empty: the rows live in an Arrow IPC footer at the end of the chunk.
-        tail = await _read_exact(store, shard.uri, shard.size - 12, shard.size) \
+        tail = await read_exact(store, shard.uri, shard.size - 12, shard.size, "the chunk") \
             if shard.size >= int(offsets[-1]) + 12 else b""
         start, end = _footer_span(tail, shard.size)
         if start < offsets[-1]:

@@ -36,7 +36,7 @@ from ..errors import ConfigError, DataError
 from ..storage.base import ObjectInfo, ObjectStore
 from ..tokenizer import TextTokenizer
 from .base import (LENGTHS_CHUNK_BYTES, BadShard, EmptyStream, PlannedStream, RawRecord,
-                   SkipCallback, read_companion, shard_failed)
+                   SkipCallback, read_exact, shard_failed)
 from .litdata import CHUNK_NAME as LITDATA_CHUNK
 from .tokens import plan_groups
 
@@ -85,20 +85,14 @@ class MegatronIndex:
         self.document_indices = document_indices
 
 
-async def _read_exact(store: ObjectStore, uri: str, start: int, end: int, what: str) -> bytes:
-    data = await store.read_range(uri, start, end)
-    if len(data) != end - start:
-        raise BadShard(f"{what} is truncated (wanted bytes {start}-{end}, got {len(data)})")
-    return data
-
-
 async def read_index(store: ObjectStore, uri: str,
                      max_sequences: Optional[int] = None) -> MegatronIndex:
     """The index at `uri`, checked: two reads (the header, then the arrays). With
     `max_sequences`, only the lengths and pointers of that many sequences are read (two
     ranges) and the document indices are not."""
     what = _idx_what(uri)
-    head = await read_companion(store, uri, 0, HEADER_BYTES, what, MISSING_INDEX)
+    head = await read_exact(store, uri, 0, HEADER_BYTES, what, exact=False,
+                            missing=MISSING_INDEX)
     if not head.startswith(MAGIC):
         raise BadShard(f"{what} is not a Megatron index (bad magic bytes "
                         f"{head[:len(MAGIC)]!r}, expected {MAGIC!r})")
@@ -119,15 +113,15 @@ async def read_index(store: ObjectStore, uri: str,
     pointers_at = lengths_at + 4 * n_seq
     documents_at = pointers_at + 8 * n_seq
     if max_sequences is None:
-        body = await _read_exact(store, uri, lengths_at, documents_at + 8 * n_doc, what)
+        body = await read_exact(store, uri, lengths_at, documents_at + 8 * n_doc, what)
         lengths = np.frombuffer(body, "<i4", n_seq, 0)
         pointers = np.frombuffer(body, "<i8", n_seq, 4 * n_seq)
         documents = np.frombuffer(body, "<i8", n_doc, 12 * n_seq)
     else:
         n = min(n_seq, max_sequences)
-        lengths = np.frombuffer(await _read_exact(store, uri, lengths_at, lengths_at + 4 * n,
+        lengths = np.frombuffer(await read_exact(store, uri, lengths_at, lengths_at + 4 * n,
                                                   what), "<i4")
-        pointers = np.frombuffer(await _read_exact(store, uri, pointers_at, pointers_at + 8 * n,
+        pointers = np.frombuffer(await read_exact(store, uri, pointers_at, pointers_at + 8 * n,
                                                    what), "<i8")
         documents = None
     _check_index(lengths, pointers, documents, n_seq, dtype, what)

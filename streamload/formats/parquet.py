@@ -47,7 +47,7 @@ from ..errors import ConfigError
 from ..storage.base import ObjectInfo, ObjectStore
 from ..tokenizer import TextTokenizer
 from .base import (LENGTHS_CHUNK_BYTES, BadShard, EmptyStream, PlannedStream, RawRecord,
-                   SkipCallback, shard_failed)
+                   SkipCallback, read_exact, shard_failed)
 from .lengths import stream_lengths
 
 _SUFFIX = ".parquet"
@@ -107,13 +107,6 @@ class _SparseFile(io.RawIOBase):
         raise OSError(f"bytes {self._pos}-{self._pos + n} were not fetched")
 
 
-async def _read_exact(store: ObjectStore, uri: str, start: int, end: int) -> bytes:
-    data = await store.read_range(uri, start, end)
-    if len(data) != end - start:
-        raise BadShard(f"file is truncated (wanted bytes {start}-{end}, got {len(data)})")
-    return data
-
-
 async def _read_footer(store: ObjectStore, shard: ObjectInfo) -> tuple[Any, int]:
     """(pyarrow FileMetaData, where the footer starts): the tail read, the footer parsed."""
     pa = _pyarrow()
@@ -121,7 +114,7 @@ async def _read_footer(store: ObjectStore, shard: ObjectInfo) -> tuple[Any, int]
     if size < 12:
         raise BadShard(f"not a Parquet file ({size} bytes, too small)")
     probe = min(size, _TAIL_PROBE)
-    tail = await _read_exact(store, shard.uri, size - probe, size)
+    tail = await read_exact(store, shard.uri, size - probe, size, "file")
     if tail[-4:] == _ENCRYPTED_MAGIC:
         raise BadShard("Parquet files with an encrypted footer are not supported")
     if tail[-4:] != _MAGIC:
@@ -131,7 +124,7 @@ async def _read_footer(store: ObjectStore, shard: ObjectInfo) -> tuple[Any, int]
     if footer_start < 4:
         raise BadShard(f"footer length {length} does not fit in the file's {size} bytes")
     if 8 + length > len(tail):
-        tail = await _read_exact(store, shard.uri, footer_start, size - probe) + tail
+        tail = await read_exact(store, shard.uri, footer_start, size - probe, "file") + tail
     footer = tail[len(tail) - 8 - length:]
     try:
         # A file of the footer alone parses as the same metadata (offsets stay the file's).

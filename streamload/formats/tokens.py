@@ -22,7 +22,7 @@ from ..errors import ConfigError, DataError
 from ..storage.base import ObjectInfo, ObjectStore
 from ..tokenizer import TextTokenizer
 from .base import (LENGTHS_CHUNK_BYTES, BadShard, EmptyStream, PlannedStream, RawRecord,
-                   SkipCallback, read_companion, shard_failed)
+                   SkipCallback, read_exact, shard_failed)
 
 TOKENS_SUFFIX = ".tokens.npy"
 OFFSETS_SUFFIX = ".offsets.npy"
@@ -72,20 +72,13 @@ def _parse_header(header: bytes, what: str) -> tuple[np.dtype, int]:
     return dtype, int(shape[0])
 
 
-async def _read_exact(store: ObjectStore, uri: str, start: int, end: int, what: str) -> bytes:
-    data = await store.read_range(uri, start, end)
-    if len(data) != end - start:
-        raise BadShard(f"{what} is truncated (wanted bytes {start}-{end}, got {len(data)})")
-    return data
-
-
 async def _read_token_header(store: ObjectStore, shard: ObjectInfo) -> tuple[np.dtype, int, int]:
     """(dtype, n_tokens, data_start) of the token array; checks the object's size against them."""
     what = "token file"
-    head = await _read_exact(store, shard.uri, 0, min(shard.size, _HEADER_PROBE), what)
+    head = await read_exact(store, shard.uri, 0, min(shard.size, _HEADER_PROBE), what)
     total = _header_length(head, what)
     if total > len(head):
-        head += await _read_exact(store, shard.uri, len(head), total, what)
+        head += await read_exact(store, shard.uri, len(head), total, what)
     dtype, n_tokens = _parse_header(head[:total], what)
     if dtype not in _TOKEN_DTYPES:
         raise BadShard(f"token dtype {dtype.str!r} is not supported "
@@ -102,12 +95,10 @@ async def _read_offsets(store: ObjectStore, uri: str,
     """The offsets array, unchecked. Up to three small reads: its size comes from its header.
     With `max_documents`, only the offsets of the first that many documents are read."""
     what = _offsets_what(uri)
-    head = await read_companion(store, uri, 0, _MIN_NPY, what, MISSING_OFFSETS)
-    if len(head) != _MIN_NPY:
-        raise BadShard(f"{what} is truncated (wanted bytes 0-{_MIN_NPY}, got {len(head)})")
+    head = await read_exact(store, uri, 0, _MIN_NPY, what, missing=MISSING_OFFSETS)
     total = _header_length(head, what)
     if total > len(head):
-        head += await _read_exact(store, uri, len(head), total, what)
+        head += await read_exact(store, uri, len(head), total, what)
     dtype, n = _parse_header(head[:total], what)
     if dtype != _OFFSET_DTYPE:
         raise BadShard(f"{what} must hold little-endian int64, found {dtype.str!r}")
@@ -115,7 +106,7 @@ async def _read_offsets(store: ObjectStore, uri: str,
         raise BadShard(f"{what} is empty; it needs n_docs + 1 entries starting with 0")
     if max_documents is not None:
         n = min(n, max_documents + 1)
-    return np.frombuffer(await _read_exact(store, uri, total, total + 8 * n, what), _OFFSET_DTYPE)
+    return np.frombuffer(await read_exact(store, uri, total, total + 8 * n, what), _OFFSET_DTYPE)
 
 
 MISSING_OFFSETS = ("a token shard is <stem>.tokens.npy with <stem>.offsets.npy beside it "

@@ -140,7 +140,8 @@ def records_to_items(records: list[RawRecord], shard: int, capacity: int, long_d
         for item in items:
             item.age = ages.get((shard, item.record, item.chunk), 0)
     counts.samples = len(items)
-    counts.tokens = sum([item.tokens.shape[0] for item in items])
+    counts.tokens = int(cuts.lengths.sum()) if keep is None else \
+        sum([item.tokens.shape[0] for item in items])
     return items, counts
 
 

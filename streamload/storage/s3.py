@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import asyncio
-import difflib
 import os
 import time
 from collections.abc import Awaitable, Callable
@@ -29,7 +28,7 @@ from botocore.exceptions import (
 from botocore.exceptions import ConnectionError as BotoConnectionError
 from botocore.loaders import create_loader
 
-from streamload.errors import ConfigError, StorageError
+from streamload.errors import ConfigError, StorageError, did_you_mean
 from streamload.storage.base import ObjectInfo, StoreCounters
 from streamload.storage.listing import glob_regex, has_glob, literal_prefix, scheme_of
 from streamload.storage.retry import RetryPolicy, describe, with_retries
@@ -210,8 +209,7 @@ class S3Store:
         allowed = sorted((*_CLIENT_OPTIONS, *_OTHER_OPTIONS))
         unknown = sorted(set(options) - set(allowed))
         if unknown:
-            close = difflib.get_close_matches(unknown[0], allowed, n=1)
-            hint = f"; did you mean {close[0]!r}?" if close else ""
+            hint = did_you_mean(unknown[0], allowed)
             raise ConfigError(f"unknown S3 storage_options {unknown}{hint} (allowed: "
                               f"{', '.join(allowed)})", key=unknown[0])
         anon = options.get("anon", False)
