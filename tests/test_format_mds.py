@@ -26,11 +26,13 @@ import numpy as np
 import pytest
 
 import streamload as sl
+from corpus import upload_dir
+from formatcheck import (FileStore, Skips, assert_matches, info, loader, read_shard, run,
+                         texts)
 from resumecheck import stop_and_resume
 from streamload.errors import DataError
-from streamload.formats import RawRecord, format_for
+from streamload.formats import format_for
 from streamload.formats.mds import MdsFormat
-from streamload.storage.base import ObjectInfo, StoreCounters
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -52,23 +54,6 @@ def reference():
     writer = importlib.import_module("streaming.base.format.mds.writer")
     dataset = importlib.import_module("streaming.base.dataset")
     return writer.MDSWriter, dataset.StreamingDataset
-
-
-TEXTS = [
-    "hello world",
-    "",                                   # an empty text is a record
-    "ünïcödé — 日本語 テキスト 🙂🙂",
-    "line with \"quotes\" and \\ backslash and \n a newline",
-    "x" * 300,
-    "last",
-]
-
-
-def texts(n: int, seed: int, tag: str = "") -> list[str]:
-    rng = np.random.default_rng(seed)
-    pool = TEXTS + ["word " * 20, "ελληνικά κείμενα", "🙂" * 9]
-    return [f"{tag}{i}:" + pool[int(rng.integers(len(pool)))] * int(rng.integers(1, 4))
-            for i in range(n)]
 
 
 def write(out: Path, columns: dict, samples: list[dict], *, compression=None,
@@ -154,98 +139,6 @@ def expected_docs(root: Path, scratch: Path, source: str, field: str = "text",
         out[f"{source}/{key}"] = (np.asarray(value).reshape(-1).astype(np.int64) if tokens else
                                   np.frombuffer(value.encode("utf-8"), np.uint8).astype(np.int64))
     return out
-
-
-class FileStore:
-    """A minimal local ObjectStore that records its reads; a range past the end fails."""
-
-    def __init__(self):
-        self.counters = StoreCounters()
-        self.reads: list[tuple[str, int, int]] = []
-        self.lists: list[str] = []
-
-    async def list(self, uri: str) -> list[ObjectInfo]:
-        self.lists.append(uri)
-        if uri.endswith("/*"):
-            paths = Path(uri[:-2]).iterdir()
-        else:
-            paths = Path(uri).rglob("*")
-        return sorted(ObjectInfo(str(p), p.stat().st_size) for p in paths if p.is_file())
-
-    async def read_range(self, uri: str, start: int, end: int, *, counters=None) -> bytes:
-        size = Path(uri).stat().st_size
-        assert 0 <= start <= end <= size, f"read {start}-{end} outside {uri} ({size} bytes)"
-        self.reads.append((uri, start, end))
-        with open(uri, "rb") as f:
-            f.seek(start)
-            return f.read(end - start)
-
-    async def aclose(self) -> None:
-        pass
-
-    def reads_of(self, path: Path) -> list[tuple[int, int]]:
-        return [(a, b) for uri, a, b in self.reads if uri == str(path)]
-
-
-class Skips:
-    def __init__(self):
-        self.calls: list[tuple[int | None, str]] = []
-
-    def __call__(self, index, reason):
-        self.calls.append((index, reason))
-
-
-def info(path: Path) -> ObjectInfo:
-    return ObjectInfo(str(path), path.stat().st_size)
-
-
-async def read_shard(fmt, path: Path, *, chunk_bytes: int = 1 << 20, on_skip=None,
-                     store=None) -> list[RawRecord]:
-    """Read one shard as the fetcher does: open, every planned range in order, finish."""
-    store = store or FileStore()
-    shard = info(path)
-    stream = await fmt.open(store, shard, source="src", shard_name=path.name, on_skip=on_skip,
-                            chunk_bytes=chunk_bytes)
-    records, previous = [], 0
-    for start, end in stream.ranges():
-        assert start >= previous and end > start
-        previous = end
-        records += stream.decode(await store.read_range(shard.uri, start, end))
-    return records + stream.finish()
-
-
-def delivered(batches) -> list[tuple[str, np.ndarray]]:
-    """(sample id, tokens) of every document of every micro-batch, in order."""
-    out = []
-    for batch in batches:
-        for mb in batch.micro_batches:
-            cu = mb.cu_seqlens.tolist()
-            tokens = mb.tokens.numpy()
-            for k, sample_id in enumerate(mb.sample_ids):
-                out.append((sample_id, tokens[cu[k]:cu[k + 1]].astype(np.int64)))
-    return out
-
-
-def loader(sources, **options):
-    options.setdefault("micro_batch_tokens", 4096)   # more than every document
-    options.setdefault("micro_batches", 2)
-    options.setdefault("epochs", 1)
-    return sl.Loader(sources, **options)
-
-
-def run(sources, **options):
-    with loader(sources, **options) as ld:
-        docs = delivered(ld)
-        return docs, ld.stats()
-
-
-def assert_matches(docs, expected: dict[str, np.ndarray]) -> None:
-    """Every document delivered once, and exactly what the reference reader read."""
-    ids = [sample_id for sample_id, _ in docs]
-    assert Counter(ids) == Counter(list(expected)), \
-        (sorted(set(ids) ^ set(expected))[:5], [i for i, n in Counter(ids).items() if n > 1][:5])
-    for sample_id, tokens in docs:
-        np.testing.assert_array_equal(tokens, expected[sample_id], err_msg=sample_id)
 
 
 def shards_of(directory: Path) -> list[Path]:
@@ -421,21 +314,15 @@ def test_loader_tokens_local(tmp_path, field):
     assert_matches(docs, expected_docs(root, tmp_path / "ref", "tok", field, tokens=True))
 
 
-def upload(client, bucket: str, root: Path, prefix: str) -> None:
-    for path in sorted(root.rglob("*")):
-        if path.is_file():
-            client.upload_file(str(path), bucket, f"{prefix}/{path.relative_to(root).as_posix()}")
-
-
 def test_loader_over_s3(tmp_path, s3_bucket, storage_options):
     client, bucket = s3_bucket
     root = make_streams(tmp_path / "corpus")
-    upload(client, bucket, root, "corpus")
+    upload_dir(client, bucket, root, "corpus")
     docs, stats = run([sl.Source(f"s3://{bucket}/corpus/", storage_options=storage_options)])
     assert_matches(docs, expected_docs(root, tmp_path / "ref", "corpus"))
     assert stats["sources"]["corpus"]["skipped_shards"] == 0
     tok = write(tmp_path / "tok", TOKEN_COLUMNS, token_samples(40, 8), size_limit=4096)
-    upload(client, bucket, tok, "tok")
+    upload_dir(client, bucket, tok, "tok")
     docs, _ = run([sl.Source(f"s3://{bucket}/tok/", tokens_field="ids",
                              storage_options=storage_options)])
     assert_matches(docs, expected_docs(tok, tmp_path / "ref", "tok", "ids", tokens=True))

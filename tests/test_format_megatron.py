@@ -10,13 +10,14 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+import formatcheck
 import streamload as sl
-from streamload import pieces
+from formatcheck import Skips, assert_delivered, collect, info
+from resumecheck import stop_and_resume
 from streamload.errors import DataError
 from streamload.formats import format_for
 from streamload.formats.megatron import (HEADER_BYTES, MAGIC, MegatronFormat, idx_uri,
                                          write_megatron_dataset)
-from streamload.storage.base import ObjectInfo, StoreCounters
 
 pytestmark = [pytest.mark.timeout(180),
               # megatron-core's builder on NumPy 2 (not ours)
@@ -65,54 +66,15 @@ def reference(prefix: Path) -> list[np.ndarray]:
     return sequences
 
 
-class FileStore:
-    """A local ObjectStore that refuses reads past an object's end and records every read."""
+class FileStore(formatcheck.FileStore):
+    """The shared local store; a read may run past the end of an `.idx`."""
 
-    def __init__(self):
-        self.counters = StoreCounters()
-        self.reads: list[tuple[str, int, int]] = []
-
-    async def list(self, uri: str) -> list[ObjectInfo]:
-        return sorted(ObjectInfo(str(p), p.stat().st_size) for p in Path(uri).rglob("*")
-                      if p.is_file())
-
-    async def read_range(self, uri: str, start: int, end: int, **_) -> bytes:
-        size = Path(uri).stat().st_size
-        self.reads.append((uri, start, end))
-        with open(uri, "rb") as f:
-            f.seek(start)
-            data = f.read(end - start)
-        assert start >= 0 and (end <= size or uri.endswith(".idx")), (uri, start, end, size)
-        return data
-
-    async def aclose(self) -> None:
-        pass
+    past_end = (".idx",)
 
 
-def info(path: Path) -> ObjectInfo:
-    return ObjectInfo(str(path), path.stat().st_size)
-
-
-class Skips:
-    def __init__(self):
-        self.calls: list[tuple[int | None, str]] = []
-
-    def __call__(self, index, reason):
-        self.calls.append((index, reason))
-
-
-async def read_shard(path: Path, *, chunk_bytes: int = 1 << 20, on_skip=None, store=None,
-                     fmt=None):
-    store = store or FileStore()
-    shard = info(path)
-    stream = await (fmt or MegatronFormat()).open(store, shard, source="src", shard_name=path.name,
-                                                  on_skip=on_skip, chunk_bytes=chunk_bytes)
-    records, previous = [], 0
-    for start, end in stream.ranges():
-        assert end > start >= previous
-        previous = end
-        records += stream.decode(await store.read_range(shard.uri, start, end))
-    return records + stream.finish()
+async def read_shard(path: Path, *, fmt=None, store=None, **options):
+    return await formatcheck.read_shard(fmt or MegatronFormat(), path, store=store or FileStore(),
+                                        **options)
 
 
 def assert_records(records, sequences, expected_indices=None):
@@ -400,31 +362,6 @@ def write_source(root: Path, shards: int = 3, per_shard: int = 40, dtype=np.uint
     return expected
 
 
-def collect(loader) -> tuple[list, dict[str, np.ndarray]]:
-    """(per step: its sample ids, token sums) and every document's tokens, pieces joined."""
-    steps, parts = [], {}
-    for batch in loader:
-        step = []
-        for mb in batch.micro_batches:
-            bounds = mb.cu_seqlens.numpy()
-            tokens = mb.tokens.numpy()
-            for k, sid in enumerate(mb.sample_ids):
-                doc, piece, offset = pieces.parse(sid)
-                parts.setdefault(doc, []).append(((piece, offset),
-                                                  tokens[bounds[k]:bounds[k + 1]].copy()))
-            step.append((tuple(mb.sample_ids), int(mb.tokens.sum())))
-        steps.append(step)
-    docs = {doc: np.concatenate([t for _, t in sorted(p, key=lambda x: x[0])])
-            for doc, p in parts.items()}
-    return steps, docs
-
-
-def assert_delivered(docs: dict, expected: dict) -> None:
-    assert sorted(docs) == sorted(expected)
-    for sid, tokens in expected.items():
-        np.testing.assert_array_equal(docs[sid], tokens, err_msg=sid)
-
-
 def test_loader_delivers_every_sequence_once(tmp_path):
     expected = write_source(tmp_path / "meg")
     with sl.Loader([sl.Source(str(tmp_path / "meg"), name="meg")], micro_batch_tokens=512,
@@ -469,18 +406,11 @@ def test_exact_resume(tmp_path, stop_after):
 
     with loader() as full_loader:
         full, docs = collect(full_loader)
+        stats = full_loader.stats()
     assert_delivered(docs, expected)
     assert len(full) > stop_after + 2
-    with loader() as first:
-        head = []
-        for _, batch in zip(range(stop_after), first):
-            head.append([(tuple(mb.sample_ids), int(mb.tokens.sum()))
-                         for mb in batch.micro_batches])
-        state = first.state_dict()
-    with loader() as second:
-        second.load_state_dict(state)
-        tail, _ = collect(second)
-    assert head + tail == full
+    run = stop_and_resume(loader, stop_after, (full, stats))
+    assert run.head + run.tail == run.full
 
 
 def test_loader_truncated_bin_raises_or_skips(tmp_path):

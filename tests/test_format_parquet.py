@@ -14,78 +14,26 @@ import pytest
 pa = pytest.importorskip("pyarrow")
 pq = pytest.importorskip("pyarrow.parquet")
 
+import formatcheck  # noqa: E402
 import streamload as sl  # noqa: E402
+from corpus import upload_dir  # noqa: E402
+from formatcheck import (FileStore, Skips, assert_matches, info, loader, run,  # noqa: E402
+                         texts)
 from resumecheck import full_run, stop_and_resume  # noqa: E402
 from streamload.errors import DataError  # noqa: E402
 from streamload.formats import RawRecord, format_for  # noqa: E402
 from streamload.formats.parquet import ParquetFormat  # noqa: E402
-from streamload.storage.base import ObjectInfo, StoreCounters  # noqa: E402
 from streamload.tokenizer import PerDocument  # noqa: E402
 
 pytestmark = pytest.mark.timeout(120)
-
-TEXTS = [
-    "hello world",
-    "",                                   # an empty text is a record
-    "ünïcödé — 日本語 テキスト 🙂🙂",
-    "line with \"quotes\" and \\ backslash and \n a newline",
-    "x" * 300,
-    "last",
-]
 
 
 # ---------------------------------------------------------------- helpers
 
 
-class FileStore:
-    """A minimal local ObjectStore that records its reads; a range past the end fails."""
-
-    def __init__(self):
-        self.counters = StoreCounters()
-        self.reads: list[tuple[str, int, int]] = []
-
-    async def list(self, uri: str) -> list[ObjectInfo]:
-        return sorted(ObjectInfo(str(p), p.stat().st_size) for p in Path(uri).rglob("*")
-                      if p.is_file())
-
-    async def read_range(self, uri: str, start: int, end: int, *, counters=None) -> bytes:
-        size = Path(uri).stat().st_size
-        assert 0 <= start <= end <= size, f"read {start}-{end} outside {uri} ({size} bytes)"
-        self.reads.append((uri, start, end))
-        with open(uri, "rb") as f:
-            f.seek(start)
-            return f.read(end - start)
-
-    async def aclose(self) -> None:
-        pass
-
-    @property
-    def bytes_read(self) -> int:
-        return sum(end - start for _, start, end in self.reads)
-
-
-class Skips:
-    def __init__(self):
-        self.calls: list[tuple[int | None, str]] = []
-
-    def __call__(self, index, reason):
-        self.calls.append((index, reason))
-
-
-def info(path: Path) -> ObjectInfo:
-    return ObjectInfo(str(path), path.stat().st_size)
-
-
 async def read_shard(fmt, path: Path, *, on_skip=None, store=None) -> list[RawRecord]:
-    """Read one shard as the fetcher does: open, every planned range in order, finish."""
-    store = store or FileStore()
-    shard = info(path)
-    stream = await fmt.open(store, shard, source="src", shard_name=path.name, on_skip=on_skip,
-                            chunk_bytes=1 << 20)
-    records = []
-    for start, end in stream.ranges():
-        records += stream.decode(await store.read_range(shard.uri, start, end))
-    return records + stream.finish()
+    """Read one shard as the fetcher does, its planned ranges unchecked."""
+    return await formatcheck.read_shard(fmt, path, on_skip=on_skip, store=store, order=None)
 
 
 def write(path: Path, columns: dict, row_group_size: int = 7, **options) -> Path:
@@ -93,13 +41,6 @@ def write(path: Path, columns: dict, row_group_size: int = 7, **options) -> Path
     path.parent.mkdir(parents=True, exist_ok=True)
     pq.write_table(pa.table(columns), path, row_group_size=row_group_size, **options)
     return path
-
-
-def texts(n: int, seed: int, tag: str = "") -> list[str]:
-    rng = np.random.default_rng(seed)
-    pool = TEXTS + ["word " * 20, "ελληνικά κείμενα", "🙂" * 9]
-    return [f"{tag}{i}:" + pool[int(rng.integers(len(pool)))] * int(rng.integers(1, 4))
-            for i in range(n)]
 
 
 def reference_docs(root: Path, source: str, field: str = "text",
@@ -116,40 +57,6 @@ def reference_docs(root: Path, source: str, field: str = "text",
                         else np.frombuffer(value.encode("utf-8"), np.uint8).astype(np.int64))
             out[f"{source}/{path.relative_to(root).as_posix()}/{row}"] = expected
     return out
-
-
-def delivered(batches) -> list[tuple[str, np.ndarray]]:
-    """(sample id, tokens) of every document of every micro-batch, in order."""
-    out = []
-    for batch in batches:
-        for mb in batch.micro_batches:
-            cu = mb.cu_seqlens.tolist()
-            tokens = mb.tokens.numpy()
-            for k, sample_id in enumerate(mb.sample_ids):
-                out.append((sample_id, tokens[cu[k]:cu[k + 1]].astype(np.int64)))
-    return out
-
-
-def loader(sources, **options):
-    options.setdefault("micro_batch_tokens", 4096)   # more than every document
-    options.setdefault("micro_batches", 2)
-    options.setdefault("epochs", 1)
-    return sl.Loader(sources, **options)
-
-
-def run(sources, **options):
-    with loader(sources, **options) as ld:
-        docs = delivered(ld)
-        return docs, ld.stats()
-
-
-def assert_matches(docs, expected: dict[str, np.ndarray]) -> None:
-    """Every document delivered once, and exactly what the reference reader read."""
-    ids = [sample_id for sample_id, _ in docs]
-    assert Counter(ids) == Counter(list(expected)), \
-        (sorted(set(ids) ^ set(expected))[:5], [i for i, n in Counter(ids).items() if n > 1][:5])
-    for sample_id, tokens in docs:
-        np.testing.assert_array_equal(tokens, expected[sample_id], err_msg=sample_id)
 
 
 # ---------------------------------------------------------------- detection
@@ -372,19 +279,13 @@ async def test_listing_order_is_sorted_paths(tmp_path):
         "0000.parquet", "0001.parquet", "0002.parquet"]
 
 
-def upload(client, bucket: str, root: Path, prefix: str) -> None:
-    for path in sorted(root.rglob("*")):
-        if path.is_file():
-            client.upload_file(str(path), bucket, f"{prefix}/{path.relative_to(root).as_posix()}")
-
-
 def test_loader_over_s3(tmp_path, s3_bucket, storage_options):
     client, bucket = s3_bucket
     make_hf_layouts(tmp_path)
-    upload(client, bucket, tmp_path / "hub", "hub")
+    upload_dir(client, bucket, tmp_path / "hub", "hub")
     docs, stats = run([sl.Source(f"s3://{bucket}/hub/", storage_options=storage_options)])
     assert_matches(docs, reference_docs(tmp_path / "hub", "hub"))
-    upload(client, bucket, tmp_path / "conv", "conv")
+    upload_dir(client, bucket, tmp_path / "conv", "conv")
     assert asyncio.run(listed(f"s3://{bucket}/hub/", storage_options)) == HUB_SHARDS
     assert asyncio.run(listed(f"s3://{bucket}/conv/", storage_options)) == CONV_SHARDS
     docs, _ = run([sl.Source(f"s3://{bucket}/conv/default/train/", name="train",
@@ -395,7 +296,7 @@ def test_loader_over_s3(tmp_path, s3_bucket, storage_options):
     ids = [rng.integers(0, 1000, int(rng.integers(1, 50))).tolist() for _ in range(40)]
     write(tmp_path / "tok" / "t.parquet", {"ids": pa.array(ids, pa.list_(pa.uint16()))},
           row_group_size=7)
-    upload(client, bucket, tmp_path / "tok", "tok")
+    upload_dir(client, bucket, tmp_path / "tok", "tok")
     docs, _ = run([sl.Source(f"s3://{bucket}/tok/", tokens_field="ids",
                              storage_options=storage_options)])
     assert_matches(docs, reference_docs(tmp_path / "tok", "tok", "ids", tokens=True))

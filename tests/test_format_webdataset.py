@@ -16,13 +16,14 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+import formatcheck
 import streamload as sl
-from streamload import pieces
+from formatcheck import FileStore, Skips, assert_delivered, collect, info
+from resumecheck import stop_and_resume
 from streamload.errors import DataError
 from streamload.formats import format_for
 from streamload.formats.webdataset import (WebdatasetFormat, text_source,
                                            write_webdataset_shard)
-from streamload.storage.base import ObjectInfo, StoreCounters
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -81,55 +82,10 @@ def reference_texts(path: Path, text_field: str = "txt") -> list[tuple[str, str]
     return out
 
 
-class FileStore:
-    """A local ObjectStore that refuses reads past an object's end and records every read."""
-
-    def __init__(self):
-        self.counters = StoreCounters()
-        self.reads: list[tuple[str, int, int]] = []
-
-    async def list(self, uri: str) -> list[ObjectInfo]:
-        return sorted(ObjectInfo(str(p), p.stat().st_size) for p in Path(uri).rglob("*")
-                      if p.is_file())
-
-    async def read_range(self, uri: str, start: int, end: int, **_) -> bytes:
-        size = Path(uri).stat().st_size
-        assert 0 <= start <= end <= size, (uri, start, end, size)
-        self.reads.append((uri, start, end))
-        with open(uri, "rb") as f:
-            f.seek(start)
-            return f.read(end - start)
-
-    async def aclose(self) -> None:
-        pass
-
-
-def info(path: Path) -> ObjectInfo:
-    return ObjectInfo(str(path), path.stat().st_size)
-
-
-class Skips:
-    def __init__(self):
-        self.calls: list[tuple[int | None, str]] = []
-
-    def __call__(self, index, reason):
-        self.calls.append((index, reason))
-
-
-async def read_shard(path: Path, fmt: WebdatasetFormat | None = None, *,
-                     chunk_bytes: int = 1 << 20, on_skip=None, store=None):
-    store = store or FileStore()
-    shard = info(path)
-    stream = await (fmt or WebdatasetFormat()).open(store, shard, source="src",
-                                                    shard_name=path.name, on_skip=on_skip,
-                                                    chunk_bytes=chunk_bytes)
-    records, previous = [], 0
-    for start, end in stream.ranges():
-        assert start == previous and end > start   # sequential, covering the object
-        previous = end
-        records += stream.decode(await store.read_range(shard.uri, start, end))
-    assert previous == shard.size
-    return records + stream.finish()
+async def read_shard(path: Path, fmt: WebdatasetFormat | None = None, **options):
+    """Read one shard as the fetcher does; its planned ranges must cover it in order."""
+    return await formatcheck.read_shard(fmt or WebdatasetFormat(), path, order="contiguous",
+                                        **options)
 
 
 def sample_dicts(n: int, seed: int = 0) -> list[dict]:
@@ -466,31 +422,6 @@ def write_source(root: Path, shards: int = 3, per_shard: int = 30, seed: int = 0
     return expected
 
 
-def collect(loader) -> tuple[list, dict[str, np.ndarray]]:
-    """(per step: its sample ids, token sums) and every document's tokens, pieces joined."""
-    steps, parts = [], {}
-    for batch in loader:
-        step = []
-        for mb in batch.micro_batches:
-            bounds = mb.cu_seqlens.numpy()
-            tokens = mb.tokens.numpy()
-            for k, sid in enumerate(mb.sample_ids):
-                doc, piece, offset = pieces.parse(sid)
-                parts.setdefault(doc, []).append(((piece, offset),
-                                                  tokens[bounds[k]:bounds[k + 1]].copy()))
-            step.append((tuple(mb.sample_ids), int(mb.tokens.sum())))
-        steps.append(step)
-    docs = {doc: np.concatenate([t for _, t in sorted(p, key=lambda x: x[0])])
-            for doc, p in parts.items()}
-    return steps, docs
-
-
-def assert_delivered(docs: dict, expected: dict) -> None:
-    assert sorted(docs) == sorted(expected)
-    for sid, tokens in expected.items():
-        np.testing.assert_array_equal(docs[sid], tokens, err_msg=sid)
-
-
 @pytest.mark.parametrize("text_field", [None, "json.text"])
 def test_loader_delivers_every_sample_once(tmp_path, text_field):
     expected = write_source(tmp_path / "wds", text_field=text_field or "txt")
@@ -534,18 +465,11 @@ def test_exact_resume(tmp_path, stop_after):
 
     with loader() as full_loader:
         full, docs = collect(full_loader)
+        stats = full_loader.stats()
     assert_delivered(docs, expected)
     assert len(full) > stop_after + 2
-    with loader() as first:
-        head = []
-        for _, batch in zip(range(stop_after), first):
-            head.append([(tuple(mb.sample_ids), int(mb.tokens.sum()))
-                         for mb in batch.micro_batches])
-        state = first.state_dict()
-    with loader() as second:
-        second.load_state_dict(state)
-        tail, _ = collect(second)
-    assert head + tail == full
+    run = stop_and_resume(loader, stop_after, (full, stats))
+    assert run.head + run.tail == run.full
 
 
 def test_loader_sample_without_text_raises_or_skips(tmp_path):

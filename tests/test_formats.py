@@ -11,71 +11,15 @@ import numpy as np
 import pytest
 import zstandard
 
-from streamload.errors import ConfigError, DataError, StorageError
+from formatcheck import FileStore, Skips, info, read_shard
+from streamload.errors import ConfigError, DataError
 from streamload.formats import (FORMATS, JsonlFormat, RawRecord, TokensFormat, format_for,
                                 write_jsonl, write_token_shard)
 from streamload import pieces
 from streamload.formats.tokens import plan_groups
 from streamload.pieces import cut_documents
 from streamload.pipeline.transform import records_to_items, to_tokens
-from streamload.storage.base import ObjectInfo, StoreCounters
 from streamload.tokenizer import PerDocument
-
-
-class FileStore:
-    """A minimal local ObjectStore. Strict on purpose: a range past the end of an object fails,
-    so the formats are checked never to read beyond what exists."""
-
-    def __init__(self):
-        self.counters = StoreCounters()
-        self.reads: list[tuple[str, int, int]] = []
-
-    async def list(self, uri: str) -> list[ObjectInfo]:
-        root = Path(uri)
-        return sorted(ObjectInfo(str(p), p.stat().st_size) for p in root.rglob("*") if p.is_file())
-
-    async def read_range(self, uri: str, start: int, end: int) -> bytes:
-        if not Path(uri).exists():   # as every ObjectStore says it
-            raise StorageError(f"no such file or directory: {uri}", uri=uri, missing=True)
-        size = Path(uri).stat().st_size
-        assert 0 <= start <= end <= size, f"read {start}-{end} outside {uri} ({size} bytes)"
-        self.reads.append((uri, start, end))
-        with open(uri, "rb") as f:
-            f.seek(start)
-            return f.read(end - start)
-
-    async def aclose(self) -> None:
-        pass
-
-
-def info(path: Path) -> ObjectInfo:
-    return ObjectInfo(str(path), path.stat().st_size)
-
-
-async def read_shard(fmt, path: Path, *, chunk_bytes: int = 1 << 20, on_skip=None,
-                     store: FileStore | None = None) -> list[RawRecord]:
-    """Read one shard as the fetcher does."""
-    store = store or FileStore()
-    shard = info(path)
-    stream = await fmt.open(store, shard, source="src", shard_name=path.name, on_skip=on_skip,
-                            chunk_bytes=chunk_bytes)
-    records = []
-    previous_end = 0
-    for start, end in stream.ranges():
-        assert start >= previous_end and end > start
-        previous_end = end
-        records += stream.decode(await store.read_range(shard.uri, start, end))
-    records += stream.finish()
-    return records
-
-
-class Skips:
-    def __init__(self):
-        self.calls: list[tuple[int | None, str]] = []
-
-    def __call__(self, index, reason):
-        self.calls.append((index, reason))
-
 
 TEXTS = [
     "hello world",
