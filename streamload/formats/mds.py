@@ -436,23 +436,17 @@ class MdsRawStream(PlannedStream):
         return []
 
 
-class MdsCompressedStream:
-    """A compressed shard: read whole, decompressed, then decoded."""
+class MdsCompressedStream(PlannedStream):
+    """A compressed shard: read whole (one range), decompressed, then decoded."""
 
     def __init__(self, decoder: _Decoder, entry: _Entry, size: int, *, source: str,
                  shard_name: str, on_skip: SkipCallback | None):
+        super().__init__(source=source, shard_name=shard_name, on_skip=on_skip)
         self._decoder, self._entry, self._size = decoder, entry, size
-        self._source, self._shard_name, self._on_skip = source, shard_name, on_skip
-        self._done = False
-
-    def ranges(self) -> list[tuple[int, int]]:
-        return [(0, self._size)]
+        self._ranges = [(0, size)]
 
     def decode(self, chunk: bytes) -> list[RawRecord]:
-        if self._done:
-            raise DataError("more chunks than planned ranges", source=self._source,
-                            shard=self._shard_name)
-        self._done = True
+        self._next_range()
         try:
             if len(chunk) != self._size:
                 raise BadShard(f"expected {self._size} bytes, got {len(chunk)}")
@@ -464,9 +458,7 @@ class MdsCompressedStream:
             offsets = _check_header(data[:4 * (entry.samples + 2)], entry.samples, len(data),
                                     f"the decompressed shard ({entry.raw})")
         except BadShard as exc:
-            if self._on_skip is None:
-                raise DataError(str(exc), source=self._source, shard=self._shard_name) from None
-            self._on_skip(None, str(exc))
+            self._shard_error(str(exc))   # says that on_error="skip" would skip it
             return []
         return self._decoder.records(data, offsets[:-1], offsets[1:], 0)
 
