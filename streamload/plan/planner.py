@@ -39,6 +39,21 @@ NAIVE_CHECK_ITEMS = 64   # up to this many items, a cost-aware plan is never wor
 DEFERRAL_WINDOWS = 2
 
 
+def overdue_first(c: Candidates, selected: np.ndarray, force_age: int | None) -> np.ndarray:
+    """`selected` with the overdue items (age >= `force_age`) moved to the front, longest first
+    (first-fit-decreasing places them all while they take at most half the step), the rest in
+    their order. `select` puts overdue items first within their source only, so an arrival-order
+    fill could fill a row with another source's item first and leave an overdue one out."""
+    if force_age is None or selected.size == 0:
+        return selected
+    overdue = c.age[selected] >= force_age
+    if not overdue.any():
+        return selected
+    first = selected[overdue]
+    first = first[np.argsort(-c.length[first], kind="stable")]
+    return np.concatenate([first, selected[~overdue]])
+
+
 @dataclass
 class Planner:
     geometry: Geometry
@@ -123,7 +138,8 @@ class Planner:
         eligible = None if eligible is None else np.asarray(eligible, dtype=bool)
         if method == "naive":
             selected = select(c, targets, max_age=self.force_age, counts=counts)
-            take, rank, row = assign_naive(c, selected, self.geometry)
+            take, rank, row = assign_naive(c, overdue_first(c, selected, self.force_age),
+                                           self.geometry)
         elif method == "balanced":
             selected = select(c, targets, max_age=self.max_age, counts=counts)
             forced = None if self.max_age is None else c.age[selected] >= self.max_age
