@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import functools
 import queue
 import signal
 import threading
@@ -31,10 +32,11 @@ from .configfile import load_config
 from .plan.mix_spec import Mixture
 from .config import LoaderConfig, Source, check_fields, make_config
 from .collective.comm import Comm, connect, connect_broadcast
+from .collective.launch import check_launch
 from .collective.topology import Parallel, Topology, topology_for
 from .errors import ConfigError, UsageError
 from .peers import Follower
-from .progress import StepSnapshot
+from .progress import StepSnapshot, check_resume, data_options
 from .runtime import Runtime
 from .state import decode_state, encode_state
 from .tokenizer import as_tokenizer
@@ -177,6 +179,7 @@ class Loader:
         self.config: LoaderConfig = make_config(
             micro_batch_tokens=micro_batch_tokens, micro_batches=micro_batches, seed=seed,
             epochs=epochs, **options)
+        check_launch()   # under torchrun, the process group must exist before the loader
         self.topology: Optional[Topology] = topology_for(parallel, mesh)
         timeout, peers = self.config.collective_timeout_s, None
         if self.topology is not None and self.topology.broadcast:
@@ -200,6 +203,9 @@ class Loader:
                                             f"{type(mixture).__name__}")
         # sample_costs: {source name: fn(lengths) -> extra cost per sample}, e.g. a vision
         # encoder's cost per image, in the units of cost_a / cost_b.
+        # What decides the data, checked against a saved state on every rank (`check_resume`),
+        # followers too: a Hugging Face tokenizer's digest is worked out then, if ever.
+        self._data_options = functools.partial(data_options, row_config, self.sources, tokenizer)
         if comm is None:
             self._runtime = Follower(peers, self.topology, self.config.pad_token_id)
         else:
@@ -210,6 +216,7 @@ class Loader:
         self._source_names = [src.name for src in self.sources]
         self._background: Optional[_Background] = None
         self._finished = False
+        self._closed = False   # close() was called: next() is a mistake, not an end
         self._finalizer = None
         self._last_snapshot: Optional[StepSnapshot] = None   # of the last batch returned
         self._stall_s = 0.0   # time the trainer waited in next()
@@ -246,6 +253,10 @@ class Loader:
         return self
 
     def __next__(self) -> Batch:
+        if self._closed:
+            raise UsageError("next() on a closed Loader: it was closed (close() or the end of "
+                             "its `with` block) and delivers nothing more; build a new Loader, "
+                             "from state_dict() to resume")
         if self._finished:
             raise StopIteration
         if self._background is None:
@@ -284,6 +295,7 @@ class Loader:
         if payload is None:
             raise ConfigError("loader state: expected the dict returned by Loader.state_dict()")
         state = decode_state(payload.encode() if isinstance(payload, str) else payload)
+        check_resume(state, self.config.seed, self._data_options())
         self._runtime.load_state(state)
         self._last_snapshot = None
 
@@ -341,8 +353,9 @@ class Loader:
         return self._background.call(fn)
 
     def close(self) -> None:
-        """Stop fetching and release everything. Safe to call twice."""
-        self._finished = True
+        """Stop fetching and release everything. Safe to call twice; next() afterwards
+        raises UsageError."""
+        self._finished = self._closed = True
         if self._finalizer is not None:
             self._finalizer()
 

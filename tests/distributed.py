@@ -57,3 +57,17 @@ def run_ranks(fn, world: int, *args, timeout: float = 90.0, env: dict | None = N
     failed = {r: v for r, (s, v) in out.items() if s != "ok"}
     assert not failed, "ranks failed:\n" + "\n".join(f"rank {r}: {v}" for r, v in failed.items())
     return [out[r][1] for r in range(world)]
+
+
+def torchrun(script, *args, nproc: int = 2, timeout: float = 180.0, env: dict | None = None):
+    """`torchrun --nproc-per-node nproc script *args` for real (python -m torch.distributed.run),
+    its rendezvous on a free loopback port; returns the CompletedProcess (text output).
+    `timeout` is generous: a loaded machine starts torch slowly, and only a hang should fail."""
+    import subprocess
+    import sys
+    command = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1",
+               "--nproc-per-node", str(nproc), "--rdzv-backend", "c10d",
+               "--rdzv-endpoint", f"127.0.0.1:{free_port()}", "--local-addr", "127.0.0.1",
+               str(script), *[str(a) for a in args]]
+    environ = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}
+    return subprocess.run(command, capture_output=True, text=True, timeout=timeout, env=environ)

@@ -46,9 +46,18 @@ def test_close_mid_epoch_stops_the_thread(corpus):
     loader.close()
     assert time.monotonic() - started < 5
     assert wait_until(lambda: not loop_threads())
-    with pytest.raises(StopIteration):
+    with pytest.raises(sl.UsageError, match="closed Loader"):   # not a silent end of data
         next(loader)
     loader.close()   # twice is fine
+
+
+def test_an_epoch_ends_with_stop_iteration_and_a_closed_loader_refuses_next(corpus):
+    with sl.Loader([sl.Source(str(corpus))], micro_batch_tokens=4096, epochs=1) as loader:
+        assert len(list(loader)) > 0
+        with pytest.raises(StopIteration):   # the iterator protocol's end, again and again
+            next(loader)
+    with pytest.raises(sl.UsageError, match="closed Loader"):
+        next(loader)
 
 
 def test_context_manager_and_break(corpus):

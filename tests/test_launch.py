@@ -1,0 +1,64 @@
+"""Refuse the wrong world: a process that the environment calls one of several ranks (torchrun's
+RANK, LOCAL_RANK, WORLD_SIZE) must not build a one-rank Loader and read the whole data set."""
+from __future__ import annotations
+
+import textwrap
+
+import pytest
+
+import streamload as sl
+from corpus import write_jsonl_source
+from distributed import torchrun
+from streamload.collective.launch import launched_ranks
+
+
+@pytest.mark.parametrize("environ, several", [
+    ({}, False),
+    ({"WORLD_SIZE": "1", "RANK": "0", "LOCAL_RANK": "0"}, False),   # torchrun, one process
+    ({"WORLD_SIZE": "2", "RANK": "0", "LOCAL_RANK": "0"}, True),
+    ({"RANK": "3"}, True),
+    ({"LOCAL_RANK": "1"}, True),
+    ({"WORLD_SIZE": "many"}, False),                                  # not a launcher's value
+])
+def test_launched_ranks_reads_the_launchers_variables(environ, several):
+    assert bool(launched_ranks(environ)) is several
+
+
+def test_a_loader_under_a_launcher_without_a_process_group_is_refused(tmp_path, monkeypatch):
+    write_jsonl_source(tmp_path, "web", shards=2, per_shard=10, seed=1)
+    for name, value in {"RANK": "1", "LOCAL_RANK": "1", "WORLD_SIZE": "2"}.items():
+        monkeypatch.setenv(name, value)
+    with pytest.raises(sl.UsageError) as info:
+        sl.Loader([sl.Source(str(tmp_path / "web"))], micro_batch_tokens=1024)
+    message = str(info.value)
+    assert "RANK=1" in message and "WORLD_SIZE=2" in message
+    assert "torch.distributed.init_process_group(" in message and "before building the Loader" \
+        in message
+    monkeypatch.setenv("WORLD_SIZE", "1")   # one process under torchrun: nothing to refuse
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("LOCAL_RANK", "0")
+    with sl.Loader([sl.Source(str(tmp_path / "web"))], micro_batch_tokens=1024) as loader:
+        assert (loader.rank, loader.world_size) == (0, 1)
+
+
+@pytest.mark.timeout(240)
+def test_torchrun_without_init_process_group_fails_on_every_rank(tmp_path):
+    """The issue's run, under a real `torchrun --nproc-per-node 2`: every rank stops with the
+    UsageError (exit status not 0), and no rank reads anything."""
+    write_jsonl_source(tmp_path, "web", shards=2, per_shard=10, seed=1)
+    script = tmp_path / "no_init.py"
+    script.write_text(textwrap.dedent("""
+        import sys
+        import streamload as sl
+        try:
+            sl.Loader([sl.Source(sys.argv[1])], micro_batch_tokens=1024)
+        except sl.UsageError as exc:
+            print(f"refused: {exc}", flush=True)
+            sys.exit(3)
+        print("built a loader", flush=True)
+    """))
+    proc = torchrun(script, tmp_path / "web", timeout=200)
+    assert proc.returncode != 0, proc.stdout + proc.stderr[-3000:]
+    assert "built a loader" not in proc.stdout
+    assert proc.stdout.count("refused: ") == 2, proc.stdout + proc.stderr[-3000:]
+    assert "RANK=1" in proc.stdout and "RANK=0" in proc.stdout
