@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import logging
 import time
 from typing import Optional, Protocol
 
@@ -31,10 +32,11 @@ from .collective.topology import Topology
 from .config import LoaderConfig, Source
 from .delivery import Delivery
 from .errors import ConfigError, DistributedError
+from .formats.catalog import Shard, catalog
 from .metrics import SourceMetrics, StepMetrics, rank_stats
 from .pipeline.autoscale import Autoscaler, Knobs, MemoryGate
 from .pipeline.buffer import SourceBuffer
-from .pipeline.fetch import Shard, SourceFetcher, list_shards
+from .pipeline.fetch import SourceFetcher
 from .pipeline.supervisor import Supervisor
 from .pipeline.transform import tokenizer_pool
 from .pipeline.workers import DaemonExecutor, run_detached
@@ -49,6 +51,7 @@ from .state import LoaderState, encode_state
 from .storage import ObjectStore, open_store, source_store_options
 from .tokenizer import TextTokenizer
 
+log = logging.getLogger("streamload")
 WORKERS_FINISH_S = 30.0   # closing waits this long, at most, for tokenizer calls in flight
 
 
@@ -193,8 +196,12 @@ class Runtime:
     async def _list_shards(self) -> None:
         """List every source; every rank must have listed the same shards."""
         async def listing() -> np.ndarray:
-            self.shards = list(await asyncio.gather(
-                *(list_shards(s, store) for s, store in zip(self.sources, self.stores))))
+            catalogs = await asyncio.gather(
+                *(catalog(s, store) for s, store in zip(self.sources, self.stores)))
+            self.shards = [c.shards for c in catalogs]
+            for c in catalogs:   # objects of no known format: said once, at start (rank 0)
+                if c.left_out and self.comm.rank == 0:
+                    log.warning("streamload: %s", c.warning())
             return np.array([0] + [listing_crc([sh.name for sh in shards])
                                    for shards in self.shards], dtype=np.int64)
 

@@ -261,7 +261,7 @@ CONV_SHARDS = ["default/train/0000.parquet", "default/train/0001.parquet",
 
 async def listed(uri: str, storage_options=None) -> list[str]:
     """The shard names the fetcher lists for a source, in its order (the stable shard ids)."""
-    from streamload.pipeline.fetch import list_shards
+    from streamload.formats.catalog import list_shards
     from streamload.storage import open_store
 
     store = open_store(uri, storage_options)

@@ -1,7 +1,7 @@
 """`streamload inspect URI`: a source's shards, record counts and document-length histogram.
 
-It reads the source with the loader's own code: `list_shards` picks the shards (and leaves out
-companion files), and each shard's format measures its documents (`document_lengths`, as the
+It reads the source with the loader's own code: `formats.catalog` picks the shards (and leaves
+out companion files; objects of no known format are listed, with what to do about them), and each shard's format measures its documents (`document_lengths`, as the
 dry run does): JSONL records are decoded and measured in UTF-8 bytes (the loader's default
 tokenizer); pre-tokenized shards are measured from their offsets index alone, in token ids (the
 token arrays are not read, so a bad token file or negative ids do not show here). Bad records
@@ -19,7 +19,7 @@ import numpy as np
 
 from ..config import FormatName, Source
 from ..formats import LENGTHS_CHUNK_BYTES
-from ..pipeline.fetch import Shard, list_shards
+from ..formats.catalog import LeftOut, Shard, catalog
 from ..storage import ObjectStore, open_store
 
 
@@ -41,6 +41,7 @@ class SourceReport:
     lengths: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
     shards_total: int = 0             # listed; `shards` may hold fewer with max_shards
     problems: list[str] = field(default_factory=list)
+    left_out: list[LeftOut] = field(default_factory=list)   # objects of no known format
 
     @property
     def records(self) -> int:
@@ -65,6 +66,7 @@ class SourceReport:
             "longer_than_capacity": int((lengths > capacity).sum()), "capacity": capacity,
             "length": _quantiles(lengths), "histogram": histogram(lengths),
             "problems": self.problems,
+            "left_out": [{"name": o.name, "hint": o.hint} for o in self.left_out],
         }
 
 
@@ -120,10 +122,12 @@ async def inspect_source(uri: str, *, format: Optional[str] = None, text_field: 
     source = Source(uri, format=format, text_field=text_field, tokens_field=tokens_field)
     store = open_store(uri, storage_options or None)
     try:
-        shards = await list_shards(source, store)
+        listed = await catalog(source, store)
+        shards = listed.shards
         chosen = shards if max_shards is None else shards[:max_shards]
         formats = sorted({s.format.name for s in shards})
-        report = SourceReport(uri, "+".join(formats), shards_total=len(shards))
+        report = SourceReport(uri, "+".join(formats), shards_total=len(shards),
+                              left_out=listed.left_out)
         report.shards = [ShardReport(s.name, s.info.size) for s in chosen]
         slots = asyncio.Semaphore(concurrency)
 
@@ -159,6 +163,13 @@ def format_report(report: SourceReport, capacity: int, width: int = 40,
              f"  format {d['format']}, {d['shards_listed']} shard(s)"
              + (f", {d['shards_read']} read" if d["shards_read"] != d["shards_listed"] else "")
              + f", {_human_bytes(d['bytes'])}, {d['records']:,} records, {d['tokens']:,} tokens"]
+    if report.left_out:
+        lines.append(f"  {len(report.left_out)} object(s) left out, of no format this source "
+                     f"reads:")
+        for o in report.left_out[:shard_lines]:
+            lines.append(f"    {o.name}: {o.hint}")
+        if len(report.left_out) > shard_lines:
+            lines.append(f"    ... {len(report.left_out) - shard_lines} more")
     lines.append("")
     name_width = min(60, max([5] + [len(s.name) for s in report.shards]))
     lines.append(f"  {'shard':<{name_width}} {'size':>10} {'records':>9} {'tokens':>12}")

@@ -1,4 +1,4 @@
-"""Per-source fetchers: list shards, read this rank's shards in a seeded order, fill the buffer.
+"""Per-source fetchers: read this rank's shards in a seeded order, fill the buffer.
 
 Each rank reads a disjoint subset of every source's shards: its read units for the epoch (see
 state.py; a fresh epoch deals the seeded permutation of shards, strided by rank). Several shards
@@ -9,19 +9,17 @@ never depends on which fetch finished first.
 from __future__ import annotations
 
 import asyncio
-import re
 import time
-from dataclasses import dataclass
 from typing import Callable, Iterable, Optional
 
 import numpy as np
 
 from ..config import LoaderConfig, Source
-from ..errors import ConfigError, DataError, StorageError
-from ..formats import format_for
-from ..formats.base import PlannedStream, RawRecord, ShardFormat
+from ..errors import DataError
+from ..formats.base import PlannedStream, RawRecord
+from ..formats.catalog import Shard
 from ..metrics import SourceMetrics
-from ..storage import ObjectInfo, ObjectStore, relative_name
+from ..storage import ObjectStore
 from ..storage.base import CountedStore
 from ..state import EpochLayout, ReadUnit
 from ..tokenizer import TextTokenizer, TokenizerError
@@ -30,47 +28,6 @@ from .buffer import SourceBuffer
 from .prefetch import ordered_prefetch
 from .supervisor import Supervisor
 from .transform import records_to_items, tokenize_texts
-
-
-# A shard's compression suffix: x.jsonl and x.jsonl.zst are one shard in two encodings.
-_COMPRESSION = re.compile(r"\.(gz|zst|zstd|bz2|xz)$", re.IGNORECASE)
-
-
-@dataclass(frozen=True)
-class Shard:
-    index: int            # position in the sorted listing: the stable shard id
-    name: str             # name relative to the source URI, used in sample ids
-    info: ObjectInfo
-    format: ShardFormat
-
-
-async def list_shards(source: Source, store: ObjectStore) -> list[Shard]:
-    """Every shard of a source, sorted; companion and unknown files are left out."""
-    objects = await store.list(source.uri)
-    shards = []
-    for info in sorted(objects):
-        fmt = format_for(info.uri, format_name=source.format, text_field=source.text_field,
-                         tokens_field=source.tokens_field)
-        if fmt is not None:
-            shards.append(Shard(len(shards), relative_name(source.uri, info.uri), info, fmt))
-    encodings: dict[str, list[str]] = {}
-    for shard in shards:   # the same shard in two encodings would be delivered twice (MDS
-        if shard.format.name != "mds":   # reads one of a raw and a compressed copy itself)
-            encodings.setdefault(_COMPRESSION.sub("", shard.name), []).append(shard.name)
-    twice = [names for names in encodings.values() if len(names) > 1]
-    if twice:
-        raise ConfigError.at(
-            "uri", f"{twice[0][0]!r} and {twice[0][1]!r} hold the same shard in two encodings "
-            f"({len(twice)} such pair(s)); every document would come twice. Point the source at "
-            f"one of them with a glob (e.g. {source.uri.rstrip('/')}/*.zst) or remove the copies",
-            where=f"source {source.name!r} ({source.uri}): ")
-    if not shards:
-        seen = ", ".join(o.uri.rsplit("/", 1)[-1] for o in objects[:5])
-        raise StorageError(
-            f"source {source.name!r}: no shards match {source.uri}"
-            + (f" ({len(objects)} object(s) found but none in a known format, e.g. {seen})"
-               if objects else ""), uri=source.uri)
-    return shards
 
 
 class SourceFetcher:

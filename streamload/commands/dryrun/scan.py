@@ -13,7 +13,7 @@ import numpy as np
 from ...configfile import LoaderSpec
 from ...errors import ConfigError, StorageError
 from ...pieces import cut_documents
-from ...pipeline.fetch import Shard, list_shards
+from ...formats.catalog import Shard, list_shards
 from ...storage import open_store, source_store_options
 
 
