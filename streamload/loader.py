@@ -287,7 +287,13 @@ class Loader:
         return {"streamload": encode_state(state).decode()}
 
     def load_state_dict(self, state_dict) -> None:
-        """Resume from `state_dict()`'s output (a dict, or its JSON bytes). Call before iterating."""
+        """Resume from `state_dict()`'s output (a dict, or its JSON bytes). Call before iterating.
+
+        Raises ConfigError, naming every difference, when the state was saved with another seed
+        or another option that decides which tokens are delivered (micro_batch_tokens,
+        long_documents, the tokenizer, a source's text_field, tokens_field, format,
+        on_exhausted, repeat: `progress.check_resume`). The world size, the weights, the
+        planner and micro_batches may change."""
         if self._background is not None:
             raise UsageError("load_state_dict() must be called before iterating the loader: "
                              "build a Loader, call load_state_dict(state), then iterate")

@@ -13,13 +13,14 @@ from typing import Optional, Sequence
 
 import numpy as np
 
-from .config import Source
+from .config import LoaderConfig, Source
 from .errors import ConfigError
 from .plan.quota_mixer import MixtureState
 from .plan.stepper import Stepper
 from .plan.types import Candidates
-from .state import (STATE_VERSION, EpochLayout, LoaderState, RankProgress, SourceTracker,
-                    fresh_layout, layout_from_progress)
+from .state import (STATE_VERSION, DataOptions, EpochLayout, LoaderState, RankProgress,
+                    SourceData, SourceTracker, fresh_layout, layout_from_progress)
+from .tokenizer import TextTokenizer, identity
 
 
 @dataclass(frozen=True)
@@ -38,9 +39,61 @@ def listing_crc(names: Sequence[str]) -> int:
     return zlib.crc32("\n".join(names).encode())
 
 
+def data_options(config: LoaderConfig, sources: Sequence[Source],
+                 tokenizer: Optional[TextTokenizer]) -> DataOptions:
+    """The options that decide which tokens the job delivers (`DataOptions`). `config`: the
+    Runtime's, whose micro_batch_tokens is a row's (times cp)."""
+    return DataOptions(
+        micro_batch_tokens=config.micro_batch_tokens, long_documents=config.long_documents,
+        tokenizer=identity(tokenizer),
+        sources=tuple(SourceData(name=s.name, text_field=s.text_field, tokens_field=s.tokens_field,
+                                 format=s.format, on_exhausted=s.on_exhausted, repeat=s.repeat)
+                      for s in sources))
+
+
+def data_mismatches(saved: DataOptions, now: DataOptions) -> list[tuple[str, str]]:
+    """(key, 'saved X, this loader has Y') for every option that differs. Sources are compared
+    by name (a changed list of sources is `apply_resume`'s error); an unknown tokenizer on
+    either side is not compared."""
+    out = []
+    for key in ("micro_batch_tokens", "long_documents", "tokenizer"):
+        old, new = getattr(saved, key), getattr(now, key)
+        if old != new and not (key == "tokenizer" and None in (old, new)):
+            out.append((key, f"{key}: saved with {old!r}, this loader has {new!r}"))
+    current = {s.name: s for s in now.sources}
+    for old in saved.sources:
+        new = current.get(old.name)
+        for key in () if new is None else ("text_field", "tokens_field", "format",
+                                           "on_exhausted", "repeat"):
+            if getattr(old, key) != getattr(new, key):
+                out.append((key, f"source {old.name!r} {key}: saved with {getattr(old, key)!r}, "
+                                 f"this loader has {getattr(new, key)!r}"))
+    return out
+
+
+def check_resume(state: LoaderState, seed: int, data: DataOptions) -> None:
+    """Refuse a saved state that this job would resume into other data: another seed, or
+    other `DataOptions`; one ConfigError names every mismatch (its key: the first one's). The
+    shards are checked once listed (`JobProgress.apply_resume`)."""
+    problems = []
+    if state.seed != seed:
+        problems.append(("seed", f"seed: saved with {state.seed}, this loader has {seed}"))
+    problems += data_mismatches(state.data, data)
+    if problems:
+        raise ConfigError(
+            "loader state: resuming would deliver other data than the saved run did (samples "
+            "twice, or never): " + "; ".join(p for _, p in problems)
+            + ". Resume with the saved values, or start without the state", key=problems[0][0])
+
+
 class JobProgress:
-    def __init__(self, sources: Sequence[Source], seed: int, world: int, states_in_flight: int):
+    def __init__(self, sources: Sequence[Source], seed: int, world: int, states_in_flight: int,
+                 data: Optional[DataOptions] = None):
+        """`data`: the options that decide the data, recorded in the state and checked on a
+        resume (`data_options`); a DataOptions, or a function giving it (a Hugging Face
+        tokenizer's digest is worked out when a state is first saved or loaded)."""
         self.sources, self.seed, self.world = list(sources), seed, world
+        self._data = data
         self.states_in_flight = states_in_flight
         self.num_shards = [0] * len(self.sources)   # listed shards per source (`listed`)
         self.listing_crcs = [0] * len(self.sources)
@@ -61,17 +114,21 @@ class JobProgress:
         """Shards per epoch: each listed shard once per pass (`Source.repeat`)."""
         return self.num_shards[source] * self.sources[source].repeat
 
+    @property
+    def data(self) -> DataOptions:
+        if callable(self._data):
+            self._data = self._data()
+        return self._data
+
     # -- resumption --------------------------------------------------------------------------------
     def load(self, state: LoaderState) -> None:
+        """Take a saved state, checked already (`check_resume`)."""
         self.resume = state
 
-    def apply_resume(self, stepper: Stepper, seed: int) -> None:
-        """Check the saved state against this job (after listing) and set the stepper, the
-        layouts and the pending items' ages from it."""
+    def apply_resume(self, stepper: Stepper) -> None:
+        """Check the saved state against this job's shards (after listing) and set the stepper,
+        the layouts and the pending items' ages from it."""
         state = self.resume
-        if state.seed != seed:
-            raise ConfigError(f"loader state: saved with seed {state.seed}, "
-                              f"but this loader has seed {seed}", key="seed")
         R, S = self.world, len(self.sources)
         holding = None
         if state.holding is not None and state.world_size == R and state.sources:
@@ -152,7 +209,8 @@ class JobProgress:
         if snapshot is None:
             if self.resume is not None:
                 return self.resume
-            return LoaderState(STATE_VERSION, self.seed, self.world, 0, 0, None, ())
+            return LoaderState(STATE_VERSION, self.seed, self.world, 0, 0, None, (),
+                               data=self.data)
         sources, ages = [], []
         for s, (source, (tracker, ranks)) in enumerate(zip(self.sources, snapshot.sources)):
             progress, pending = tracker.progress(ranks, source.name, self.listing_crcs[s],
@@ -161,4 +219,4 @@ class JobProgress:
             ages += [(s, *a) for a in pending]
         return LoaderState(STATE_VERSION, self.seed, self.world, snapshot.epoch, snapshot.step,
                            snapshot.mixture, tuple(sources), tuple(ages),
-                           np.packbits(snapshot.holding).tobytes())
+                           np.packbits(snapshot.holding).tobytes(), self.data)

@@ -44,7 +44,7 @@ from .plan.cost import CostModel
 from .plan.mix_spec import Mixture
 from .plan.stepper import Stepper
 from .peers import encode_end, encode_step
-from .progress import JobProgress, StepSnapshot, listing_crc
+from .progress import JobProgress, StepSnapshot, data_options, listing_crc
 from .watch import RunWatch
 from .stage_view import needs_view, stage_view
 from .state import LoaderState, encode_state
@@ -81,7 +81,8 @@ class Runtime:
         self.storage_options = storage_options or {}
         self.stepper = Stepper.build(config, sources, mixture, comm.world)
         batches_held = config.prefetch_steps + 2   # queued, held by the trainer, being packed
-        self.progress = JobProgress(sources, config.seed, comm.world, batches_held)
+        self.progress = JobProgress(sources, config.seed, comm.world, batches_held,
+                                    functools.partial(data_options, config, sources, tokenizer))
         self.agreement = Agreement(comm, config.collective_timeout_s)
         self.source_metrics = [SourceMetrics() for _ in sources]
         self.step_metrics = StepMetrics(step_tokens=self.stepper.geometry.step_tokens)
@@ -137,7 +138,7 @@ class Runtime:
         try:
             await self._list_shards()
             if self.progress.resume is not None:
-                self.progress.apply_resume(self.stepper, self.config.seed)
+                self.progress.apply_resume(self.stepper)
             holding = self.progress.start_epoch(self.stepper.epoch)
             if not self.progress.resumed() or self.progress.resume.holding is None \
                     or self.progress.resume.world_size != self.comm.world:

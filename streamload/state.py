@@ -34,7 +34,7 @@ from . import pieces
 from .errors import ConfigError
 from .plan.quota_mixer import MixtureState
 
-STATE_VERSION = 3
+STATE_VERSION = 4   # 4: the options that decide the data (`DataOptions`) are recorded
 _END = (2**62, 2**62)   # skip_through for "only the extras"
 
 
@@ -95,6 +95,27 @@ class SourceProgress(msgspec.Struct, frozen=True):
                                          # before sources were rotated)
 
 
+class SourceData(msgspec.Struct, frozen=True, kw_only=True):
+    """A source's options that decide its items: resumed with others, the saved positions
+    would name other items (duplicates and gaps). Its weight, URI and storage may change."""
+    name: str
+    text_field: Optional[str]
+    tokens_field: Optional[str]
+    format: Optional[str]                # None: detected from the file names
+    on_exhausted: str                    # "restart" reads the state's positions as passes
+    repeat: int
+
+
+class DataOptions(msgspec.Struct, frozen=True, kw_only=True):
+    """What decides which tokens a job delivers, besides the seed and the shards (checked by
+    `listing_crc`). The world size, the mixture's weights, the planner and the step's rows may
+    change on a resume; these may not (docs/reliability.md)."""
+    micro_batch_tokens: int              # a row's tokens (x cp): long documents are cut to it
+    long_documents: str
+    tokenizer: Optional[str]             # `tokenizer.identity`; None: unknown, not checked
+    sources: tuple[SourceData, ...]
+
+
 class LoaderState(msgspec.Struct, frozen=True):
     version: int
     seed: int
@@ -107,6 +128,7 @@ class LoaderState(msgspec.Struct, frozen=True):
     # [world_size, sources] bits, row-major: which ranks still held data of which source after
     # the last step. Head windows are sized from it (`MemoryPlan`), so an exact resume needs it.
     holding: Optional[bytes] = None
+    data: Optional[DataOptions] = None   # always written (version 4); `decode_state` requires it
 
 
 def encode_state(state: LoaderState) -> bytes:
@@ -122,29 +144,21 @@ def decode_state(data) -> LoaderState:
             state = msgspec.convert(data, LoaderState)
     except msgspec.MsgspecError as exc:
         raise ConfigError(f"loader state: not a valid streamload state: {exc}") from None
-    if state.version == 2:
-        state = _from_version_2(state)
+    if state.version < STATE_VERSION:
+        raise ConfigError(
+            f"loader state: version {state.version} was saved by an older streamload, which did "
+            f"not record the options that decide the data (micro_batch_tokens, long_documents, "
+            f"the sources' text_field, tokens_field and format, the tokenizer), so a resume "
+            f"cannot be checked against them; resume it with the streamload that saved it, or "
+            f"start without it", key="version")
     if state.version != STATE_VERSION:
         raise ConfigError(f"loader state: version {state.version} is not supported "
-                          f"(this streamload writes version {STATE_VERSION})")
+                          f"(this streamload writes version {STATE_VERSION})", key="version")
+    if state.data is None:
+        raise ConfigError("loader state: version 4 without its 'data' record (the options that "
+                          "decide the data); not a state written by Loader.state_dict()",
+                          key="data")
     return state
-
-
-def _from_version_2(state: LoaderState) -> LoaderState:
-    """Version 2 numbered the pieces of a split document 0, 1, ...; version 3 keeps an offset
-    beside the piece number (`pieces`): piece k is `k << 32`. Nothing else changed."""
-    def chunk(c: int) -> int:   # (_END's 2**62 is no piece number: it stays)
-        return pieces.piece(c) if 0 <= c < 1 << pieces.SHIFT else c
-
-    def unit(u: ReadUnit) -> ReadUnit:
-        skip = None if u.skip_through is None else (u.skip_through[0], chunk(u.skip_through[1]))
-        return ReadUnit(u.shard, skip, tuple((r, chunk(c)) for r, c in u.extras))
-
-    sources = tuple(msgspec.structs.replace(p, units=tuple(tuple(unit(u) for u in units)
-                                                            for units in p.units))
-                    for p in state.sources)
-    ages = tuple((s, shard, r, chunk(c), age) for s, shard, r, c, age in state.ages)
-    return msgspec.structs.replace(state, version=3, sources=sources, ages=ages)
 
 
 def shard_permutation(num_shards: int, seed: int, epoch: int, source_index: int) -> np.ndarray:

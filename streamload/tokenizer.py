@@ -12,13 +12,15 @@ accepts:
   release it, so transform threads calling it tokenize no faster than one
   (`benchmarks/tokenizing.py`);
 - any object with an `encode_texts(list[str]) -> list[sequence of int]` method (and, if that
-  runs native code that takes the GIL back, `native_calls = True`).
+  runs native code that takes the GIL back, `native_calls = True`; and, so that a resume with
+  another tokenizer is refused, an `identity` string, e.g. its name and version).
 
 A tokenizer that fails on one document raises `TokenizerError` with that document's index in
 the batch, so the loader can name the record (or skip it, with `on_error="skip"`).
 """
 from __future__ import annotations
 
+import hashlib
 from typing import Any, Callable, Optional, Protocol, Sequence
 
 import numpy as np
@@ -52,6 +54,12 @@ class PerDocument:
     def __init__(self, fn: Callable[[str], Sequence[int]]):
         self.fn = fn
 
+    @property
+    def identity(self) -> str:
+        """The function's qualified name: a resume with another function is refused."""
+        fn = self.fn
+        return f"callable {getattr(fn, '__module__', '?')}.{getattr(fn, '__qualname__', type(fn).__qualname__)}"
+
     def encode_texts(self, texts: list[str]) -> list[np.ndarray]:
         done: list[np.ndarray] = []
         for text in texts:
@@ -82,6 +90,19 @@ class HFTokenizer:
                                    or eos_id < 0):
             raise ConfigError(f"tokenizer: eos_id must be an integer >= 0, got {eos_id!r}")
         self.backend, self.add_special_tokens, self.eos_id = backend, add_special_tokens, eos_id
+        self._identity: Optional[str] = None
+
+    @property
+    def identity(self) -> str:
+        """A digest of the whole tokenizer (vocabulary, merges, normalizer, post-processor, as
+        `to_str()` serializes them) and of the options: a resume with another tokenizer is
+        refused, whatever its name. Worked out once (a large vocabulary takes ~0.1 s)."""
+        if self._identity is None:
+            text = self.backend.to_str() if hasattr(self.backend, "to_str") else repr(self.backend)
+            digest = hashlib.sha256(text.encode()).hexdigest()[:16]
+            self._identity = (f"huggingface sha256:{digest} add_special_tokens="
+                              f"{self.add_special_tokens} eos_id={self.eos_id}")
+        return self._identity
 
     def encode_texts(self, texts: list[str]) -> list[np.ndarray]:
         # encode_batch_fast (tokenizers >= 0.21) skips the character offsets we do not use
@@ -93,6 +114,17 @@ class HFTokenizer:
 
 def is_hf_tokenizer(obj: Any) -> bool:
     return hasattr(obj, "encode_batch") and hasattr(obj, "get_vocab_size")
+
+
+def identity(tokenizer: Optional[TextTokenizer]) -> Optional[str]:
+    """What the resumable state records of a tokenizer, so a resume with another one is refused
+    (its ids would differ): a Hugging Face tokenizer's digest, a callable's qualified name, or
+    a custom tokenizer's `identity` attribute (a string); None where none can be had (a custom
+    tokenizer without one: not checked). No tokenizer: UTF-8 bytes."""
+    if tokenizer is None:
+        return "utf-8 bytes"
+    value = getattr(tokenizer, "identity", None)
+    return value if isinstance(value, str) else None
 
 
 def as_tokenizer(obj: Any) -> Optional[TextTokenizer]:

@@ -247,24 +247,6 @@ def test_elastic_resume_with_cut_pieces_delivers_every_token_once(long_only):
     assert cut_pending or any("+" in sid for sid, _ in parts)
 
 
-def test_a_version_2_state_resumes_with_its_pieces_renumbered():
-    """Version 3 keeps an offset beside a piece's number (`pieces`): a version 2 state's piece
-    k becomes k << 32, everywhere the state names a piece."""
-    import msgspec
-    from streamload.state import STATE_VERSION, decode_state
-    v2 = {"version": 2, "seed": 0, "world_size": 1, "epoch": 0, "step": 3, "mixture": None,
-          "sources": [{"name": "books", "num_shards": 1, "listing_crc": 7, "base_world": 1,
-                       "base_shards": None, "base_position": [1],
-                       "units": [[[0, [4, 2], [[3, 1], [5, -1]]]]]}],
-          "ages": [[0, 0, 3, 1, 2], [0, 0, 5, -1, 1]]}
-    state = decode_state(msgspec.json.encode(v2))
-    assert state.version == STATE_VERSION == 3
-    unit = state.sources[0].units[0][0]
-    assert tuple(unit.skip_through) == (4, 2 << 32)
-    assert [tuple(e) for e in unit.extras] == [(3, 1 << 32), (5, -1)]
-    assert [tuple(a) for a in state.ages] == [(0, 0, 3, 1 << 32, 2), (0, 0, 5, -1, 1)]
-
-
 def test_the_dry_run_counts_the_work_the_loader_cut_out(long_only, tmp_path):
     """The dry run's `cut_work` (attention work that cutting pieces took out of the data) adds
     up to what the loader's delivered parts show: a piece of L tokens delivered in parts n_i

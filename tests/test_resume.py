@@ -50,9 +50,9 @@ def test_state_rejects_other_data_and_seed(tmp_path):
         next(iter(loader))
         state = loader.state_dict()
     with loader_for(tmp_path, seed=5) as other:
-        other.load_state_dict(state)
-        with pytest.raises(sl.ConfigError, match="seed"):
-            next(iter(other))
+        with pytest.raises(sl.ConfigError, match="seed: saved with 0, this loader has 5") as err:
+            other.load_state_dict(state)
+        assert err.value.key == "seed"
     write_jsonl_source(tmp_path, "web", shards=6, per_shard=10, compression="zst",
                        seed=9)   # a new shard appears (and the others change)
     with loader_for(tmp_path) as other:
@@ -61,6 +61,89 @@ def test_state_rejects_other_data_and_seed(tmp_path):
             next(iter(other))
     with pytest.raises(sl.ConfigError, match="not a valid"):
         loader_for(tmp_path).load_state_dict({"streamload": '{"version": "x"}'})
+
+
+def test_a_resume_with_other_options_that_decide_the_data_is_refused_naming_each(tmp_path):
+    """Issue 21: saved with C=2048, resumed with C=1024, a document's tokens came twice. Every
+    option that decides which tokens are delivered is recorded and checked, all at once."""
+    make_corpus(tmp_path)
+    with loader_for(tmp_path, micro_batch_tokens=2048) as loader:
+        for _, _batch in zip(range(3), loader):
+            pass
+        state = loader.state_dict()
+    with loader_for(tmp_path, micro_batch_tokens=1024) as other:
+        with pytest.raises(sl.ConfigError, match="micro_batch_tokens: saved with 2048, this "
+                                                 "loader has 1024") as err:
+            other.load_state_dict(state)
+        assert err.value.key == "micro_batch_tokens"
+    sources = [sl.Source(str(tmp_path / "web"), weight=0.5, text_field="body"),
+               sl.Source(str(tmp_path / "code"), weight=0.3, format="jsonl"),
+               sl.Source(str(tmp_path / "math"), weight=0.2, on_exhausted="restart")]
+    with sl.Loader(sources, micro_batch_tokens=1024, seed=3, long_documents="truncate",
+                   tokenizer=lambda text: [1]) as other:
+        with pytest.raises(sl.ConfigError) as err:
+            other.load_state_dict(state)
+    message = str(err.value)
+    for part in ("seed: saved with 0, this loader has 3", "micro_batch_tokens",
+                 "long_documents: saved with 'split', this loader has 'truncate'",
+                 "tokenizer: saved with 'utf-8 bytes', this loader has 'callable ",
+                 "source 'web' text_field: saved with None, this loader has 'body'",
+                 "source 'code' format: saved with None, this loader has 'jsonl'",
+                 "source 'math' on_exhausted: saved with 'renormalize', this loader has 'restart'"):
+        assert part in message, (part, message)
+
+
+def test_a_resume_may_change_the_weights_the_planner_and_the_rows_per_step(tmp_path):
+    """What does not decide which tokens are delivered may change: every sample still comes
+    exactly once over the epoch (the world size may change too: the elastic tests)."""
+    expected = make_corpus(tmp_path)
+    with loader_for(tmp_path) as loader:
+        head = [i for _, b in zip(range(5), loader) for mb in b.micro_batches
+                for i in mb.sample_ids]
+        state = loader.state_dict()
+    changed = [sl.Source(str(tmp_path / name), weight=w, name=name)
+               for name, w in (("web", 0.2), ("code", 0.2), ("math", 0.6))]
+    with sl.Loader(changed, micro_batch_tokens=1024, micro_batches=3, epochs=1,
+                   planner="naive", chunk_bytes=4096) as loader:
+        loader.load_state_dict(state)
+        tail = [i for b in loader for mb in b.micro_batches for i in mb.sample_ids]
+    ids = head + tail
+    assert len(ids) == len(set(ids)) and set(base_ids(ids)) == expected
+
+
+def test_a_state_from_an_older_version_is_refused_saying_why(tmp_path):
+    make_corpus(tmp_path)
+    with loader_for(tmp_path) as loader:
+        next(iter(loader))
+        state = msgspec.json.decode(loader.state_dict()["streamload"])
+    assert state["version"] == 4 and state["data"]["micro_batch_tokens"] == 1024
+    old = {k: v for k, v in state.items() if k != "data"}
+    old["version"] = 3
+    with pytest.raises(sl.ConfigError, match="version 3 was saved by an older streamload, which "
+                                             "did not record the options that decide the data"):
+        loader_for(tmp_path).load_state_dict({"streamload": msgspec.json.encode(old).decode()})
+
+
+def test_tokenizer_identity_tells_tokenizers_apart():
+    from tokenizers import Tokenizer, models
+    from streamload.tokenizer import as_tokenizer, identity
+
+    def hf(vocab):
+        return as_tokenizer(Tokenizer(models.WordLevel(vocab, unk_token="[UNK]")))
+
+    a, b = hf({"[UNK]": 0, "a": 1}), hf({"[UNK]": 0, "b": 1})
+    assert identity(a).startswith("huggingface sha256:") and identity(a) != identity(b)
+    assert identity(a) == identity(hf({"[UNK]": 0, "a": 1}))
+    assert identity(sl.HFTokenizer(a.backend, eos_id=2)) != identity(a)
+    assert identity(as_tokenizer(len)) == "callable builtins.len"
+    assert identity(None) == "utf-8 bytes"
+
+    class Custom:
+        def encode_texts(self, texts):
+            return [[1] for _ in texts]
+    assert identity(Custom()) is None   # unknown: not checked
+    Custom.identity = "custom v2"
+    assert identity(Custom()) == "custom v2"
 
 
 def segment_job(rank, world, root, stop_after, state):
