@@ -202,7 +202,7 @@ class Runtime:
             self.shards = [c.shards for c in catalogs]
             for c in catalogs:   # objects of no known format: said once, at start (rank 0)
                 if c.left_out and self.comm.rank == 0:
-                    log.warning("streamload: %s", c.warning())
+                    log.warning("%s", c.warning())
             return np.array([0] + [listing_crc([sh.name for sh in shards])
                                    for shards in self.shards], dtype=np.int64)
 

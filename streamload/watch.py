@@ -42,15 +42,15 @@ class RunWatch:
         for s, source in enumerate(self.sources):
             count = self.progress.virtual_shards(s)
             mine = len(self.progress.layout_for(s, self.stepper.epoch).rank_units(self.comm.rank))
-            log.info("streamload: source %r (%s): %d shard(s), %d on rank %d of %d, weight %g, "
+            log.info("source %r (%s): %d shard(s), %d on rank %d of %d, weight %g, "
                      "format %s", source.name, source.uri, count, mine, self.comm.rank, R,
                      source.weight, shards[s][0].format.name if shards[s] else "-")
             if count < R:
-                log.warning("streamload: source %r has %d shard(s) for %d ranks: %d rank(s) read "
+                log.warning("source %r has %d shard(s) for %d ranks: %d rank(s) read "
                             "none of it and the others read its records in ranges; more shards "
                             "spread the reading", source.name, count, R, R - count)
         self._never_read()
-        log.info("streamload: memory budget %d bytes per rank; buffers of %s tokens",
+        log.info("memory budget %d bytes per rank; buffers of %s tokens",
                  memory.budget, [b.capacity_tokens for b in self.stepper.budgets(self.comm.rank)])
 
     def _never_read(self) -> None:
@@ -63,7 +63,7 @@ class RunWatch:
             return
         endless = [self.sources[s].name for s in np.flatnonzero(restart).tolist()]
         for s in np.flatnonzero(~restart & (table == 0).all(axis=0)).tolist():
-            log.warning("streamload: source %r has weight 0 at every point of the mix while %s "
+            log.warning("source %r has weight 0 at every point of the mix while %s "
                         "never run(s) out (on_exhausted='restart'): it is never read and its "
                         "epoch never ends; give it a weight, or a schedule point that does",
                         self.sources[s].name, endless)
@@ -72,7 +72,7 @@ class RunWatch:
         fill = tokens / self.stepper.geometry.step_tokens
         self.short_steps = self.short_steps + 1 if fill < LOW_FILL else 0
         if self.short_steps == LOW_FILL_STREAK:
-            log.warning("streamload: %d steps in a row below %.0f%% full (step %d: %.2f): the "
+            log.warning("%d steps in a row below %.0f%% full (step %d: %.2f): the "
                         "windows hold too little data for full steps; stats()['sources'] shows "
                         "which source the steps wait for (docs/metrics.md)", LOW_FILL_STREAK,
                         LOW_FILL * 100, step, fill)
@@ -80,7 +80,7 @@ class RunWatch:
             if s not in self.sources_out:
                 self.sources_out.add(s)
                 source = self.sources[s]
-                log.warning("streamload: source %r ran out of data for epoch %d at step %d "
+                log.warning("source %r ran out of data for epoch %d at step %d "
                             "(on_exhausted=%r): %s", source.name, self.stepper.epoch, step,
                             source.on_exhausted, NEXT[source.on_exhausted])
 
@@ -91,5 +91,5 @@ class RunWatch:
         present = set(np.unique(candidates.source).tolist())
         gone = [src.name for s, src in enumerate(self.sources)
                 if src.on_exhausted == "stop" and s not in present]
-        log.warning("streamload: the run stops at step %d: source(s) %s ran out "
+        log.warning("the run stops at step %d: source(s) %s ran out "
                     "(on_exhausted='stop')", self.stepper.step, gone)

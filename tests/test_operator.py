@@ -60,9 +60,48 @@ def test_the_logger_is_quiet_by_default(tmp_path, capsys):
     import subprocess
     import sys
     code = ("import logging, streamload; "
-            "logging.getLogger('streamload').warning('streamload: a warning')")
+            "logging.getLogger('streamload').warning('a warning')")
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert proc.returncode == 0 and proc.stderr == "" and proc.stdout == "", proc.stderr
+
+
+def test_a_log_line_names_streamload_once(tmp_path):
+    """The logger's name is the prefix (logging's formats print %(name)s); a message that
+    starts with 'streamload:' printed it twice ('INFO:streamload:streamload: source ...')."""
+    import subprocess
+    import sys
+    write_jsonl_source(tmp_path, "web", shards=1, per_shard=30, seed=1)
+    write_jsonl_source(tmp_path, "tiny", shards=1, per_shard=2, seed=2)
+    code = ("import logging, sys, streamload as sl; logging.basicConfig(level=logging.INFO); "
+            "root = __import__('pathlib').Path(sys.argv[1]); "
+            "loader = sl.Loader([sl.Source(str(root / 'web'), weight=0.7), "
+            "sl.Source(str(root / 'tiny'), weight=0.3)], micro_batch_tokens=1024, epochs=1); "
+            "list(loader); loader.close()")
+    proc = subprocess.run([sys.executable, "-c", code, str(tmp_path)], capture_output=True,
+                          text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    lines = [line for line in proc.stderr.splitlines() if "streamload" in line]
+    assert any(line.startswith("INFO:streamload:source 'web'") for line in lines), lines
+    assert any(line.startswith("WARNING:streamload:source 'tiny' ran out") for line in lines)
+    assert not [line for line in lines if line.count("streamload") > 1 and
+                "streamload:streamload" in line.replace(" ", "")], lines
+
+
+def test_no_log_call_in_the_package_repeats_the_loggers_name():
+    """Every logging call, run or not: its message does not start with 'streamload'."""
+    import ast
+    from pathlib import Path
+    wrong = []
+    for path in sorted(Path(sl.__file__).parent.rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
+                    and node.func.attr in ("debug", "info", "warning", "error", "exception",
+                                           "critical") and node.args
+                    and isinstance(node.args[0], (ast.Constant, ast.JoinedStr))
+                    and ast.unparse(node.args[0]).lstrip("f").strip("'\"").startswith(
+                        "streamload")):
+                wrong.append(f"{path.name}:{node.lineno}")
+    assert not wrong, wrong
 
 
 def test_stats_agree_with_the_steps_taken_and_summary_reads_them(tmp_path):
