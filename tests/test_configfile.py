@@ -123,30 +123,27 @@ weights = { web = 3, code = 1 }
     assert spec.mixture.by == "samples" and spec.mixture.weights == {"web": 3.0, "code": 1.0}
 
 
-def test_source_policies_when_source_has_them(tmp_path):
-    fields = Source.__struct_fields__
-    if "on_exhausted" not in fields or "repeat" not in fields:
-        pytest.skip("Source has no on_exhausted / repeat fields yet")
+def test_source_policies(tmp_path):
     spec = load_config(write(tmp_path, MINIMAL + 'on_exhausted = "restart"\nrepeat = 2\n'))
     assert spec.sources[0].on_exhausted == "restart" and spec.sources[0].repeat == 2
 
 
-class PolicySource(Source, kw_only=True):
-    on_exhausted: Literal["renormalize", "stop", "restart"] = "renormalize"
-    repeat: int = 1
+class GrownSource(Source, kw_only=True):
+    """Source with a field it does not have (yet)."""
+    priority: Literal["low", "high"] = "low"
+    passes: int = 1
 
 
 def test_any_field_source_gains_is_read(tmp_path, monkeypatch):
     """Keys come from Source's own fields: fields added to Source work in files at once."""
     import streamload.configfile as configfile
 
-    monkeypatch.setattr(configfile, "Source", PolicySource)
-    spec = load_config(write(tmp_path, MINIMAL + 'on_exhausted = "stop"\nrepeat = 3\n'))
-    assert spec.sources[0].on_exhausted == "stop" and spec.sources[0].repeat == 3
-    path = write(tmp_path, MINIMAL + 'on_exhausted = "later"\n')
+    monkeypatch.setattr(configfile, "Source", GrownSource)
+    spec = load_config(write(tmp_path, MINIMAL + 'priority = "high"\npasses = 3\n'))
+    assert spec.sources[0].priority == "high" and spec.sources[0].passes == 3
+    path = write(tmp_path, MINIMAL + 'priority = "later"\n')
     with pytest.raises(ConfigError, match=re.escape(
-            f"{path}: source[0].on_exhausted: must be one of 'renormalize', 'stop', 'restart', "
-            f"got 'later'")):
+            f"{path}: source[0].priority: must be one of 'low', 'high', got 'later'")):
         load_config(path)
 
 

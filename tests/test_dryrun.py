@@ -12,10 +12,7 @@ from streamload.commands.cli import main
 from streamload.configfile import load_config
 from streamload.commands.dryrun import scan, scan_lengths, simulate, summarize
 from streamload.commands.dryrun.simulate import _Window
-from streamload.formats.base import RawRecord
-from streamload.pieces import cut_documents
 from streamload.pipeline.buffer import Item, SourceBuffer
-from streamload.pipeline.transform import records_to_items
 
 MIX_TOLERANCE = 0.02   # realized share over the 20-step run vs the weights (tokens)
 
@@ -162,17 +159,6 @@ def test_shards_dealt_like_the_loader(corpus):
     # Without epochs, a second epoch follows the first and deals the shards again.
     reports = simulate(spec, scans, steps=120, ranks=4)
     assert len(reports) == 120 and reports[-1].epoch >= 1
-
-
-@pytest.mark.parametrize("mode", ["split", "truncate", "drop"])
-def test_cut_documents_matches_the_loader(mode):
-    rng = np.random.default_rng(0)
-    docs = np.concatenate([[0, 1, 64, 65, 128, 129, 300], rng.integers(0, 400, 200)])
-    records = [RawRecord(i, np.zeros(n, np.int32)) for i, n in enumerate(docs)]
-    items, _ = records_to_items(records, 0, 64, mode)
-    cuts = cut_documents(docs, 64, mode)
-    np.testing.assert_array_equal(cuts.lengths, [len(i) for i in items])
-    assert cuts.empty == int((docs == 0).sum())
 
 
 def test_window_matches_source_buffer():

@@ -199,6 +199,7 @@ def test_credentials_stay_out_of_errors_stats_and_state(proxy, s3_corpus):
                  repr(loader.stats()), repr(loader.state_dict())]
     assert f"s3://{bucket}/web/part-003.jsonl" in texts[0]
     # The keys were used: requests were signed with them.
+    assert proxy.history, "no request went through the proxy: the signing was not tested"
     assert all(key_id in (r.header("Authorization") or "") for r in proxy.history)
     for text in texts:
         for secret_text in (key_id, secret, "fault-session-token-0001"):
