@@ -26,7 +26,7 @@ pipeline does upstream):
              code (25%, 1200, 1.3), books (15%, 6000, 1.0), chat (15%, 300, 0.8).
   outlier    C = 32768. The same four sources, except that 2% of every source's documents are
              replaced by documents near the 32k context: uniform in [30720, 32768].
-Cost model: CostModel() unless --cost-a/--cost-b (a = 1/4096, b = 1: attention costs as much as
+Cost model: CostModel(a=1 / 4096) unless --cost-a/--cost-b (a = 1/4096, b = 1: attention costs as much as
 the linear layers at 4096 tokens), document masking. Every planner gets --step-overhead (default
 the Planner's, 0.05): the per-step cost o = step_overhead x b x M x C
 (`streamload.plan.fill.step_overhead_cost`) that its top-up weighs an empty slot against.
@@ -329,8 +329,8 @@ def main(argv=None) -> int:
     p.add_argument("--ranks", type=str, default="", help="comma list, e.g. 8,64")
     p.add_argument("--dists", type=str, default=",".join(DISTS))
     p.add_argument("--methods", type=str, default=",".join(METHODS))
-    p.add_argument("--cost-a", type=float, default=CostModel().a)
-    p.add_argument("--cost-b", type=float, default=CostModel().b)
+    p.add_argument("--cost-a", type=float, default=CostModel(a=1 / 4096).a)
+    p.add_argument("--cost-b", type=float, default=CostModel(a=1 / 4096).b)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--cpu", type=int, default=None, help="core to pin to (default: the last)")
     args = p.parse_args(argv)

@@ -76,6 +76,8 @@ class Batch:
     max_deferral: int = 0      # steps the longest-waiting sample of this step was deferred
     # The job's tokens of each source this step, over every DP rank (the Loader's source order)
     source_tokens: Optional[np.ndarray] = field(default=None, repr=False)
+    # This rank's skips so far (on_error="skip"), [sources, 2]: records and shards skipped
+    skipped: Optional[np.ndarray] = field(default=None, repr=False)
 
     @property
     def num_tokens(self) -> int:

@@ -123,8 +123,12 @@ class LoaderConfig(msgspec.Struct, kw_only=True):
     seed: int = 0
     epochs: Optional[int] = None            # None: infinite, reshuffled every epoch
     on_error: OnError = "raise"
+    # on_error="skip": a source skipping more than this share of its records (once a rank read
+    # 100), or all of its first 100, raises a DataError; 1.0 turns the limit off.
+    max_skip_fraction: float = 0.1
     long_documents: LongDocuments = "split"
-    planner: PlannerMethod = "balanced"     # "naive" | "balanced" | "lookahead"
+    planner: PlannerMethod = "lookahead"    # "naive" | "balanced" | "lookahead" (the default:
+                                            # it groups outliers across steps, issue 20)
     lookahead: int = 4                      # W for planner="lookahead" (deferral <= 2W)
     max_deferral: Optional[int] = 8         # a sample offered this many steps is taken first
     step_overhead: float = 0.05             # per-step cost the planner weighs against an empty
@@ -146,8 +150,14 @@ class LoaderConfig(msgspec.Struct, kw_only=True):
     tokenizer_processes: int = 2            # size of that process pool
     collective_timeout_s: float = 300.0     # a collective waiting longer than this fails
     retry: RetryPolicy = RetryPolicy()      # storage retries, backoff, per-request timeout
-    cost_a: float = 1.0 / 4096              # cost model: a*L^2 + b*L per document
+    # Cost model: a*L^2 + b*L per document. The default is a d_model = 4096 decoder (7B class:
+    # CostModel.transformer gives a/b = n_layers*d_model/n_params ~ 1/49152 there); set yours
+    # with CostModel.transformer(...).a/.b ratios or `streamload calibrate`.
+    cost_a: float = 1.0 / 49152
     cost_b: float = 1.0
+    # P: pipeline stages of the 1F1B cost model (a rank's step waits on its costliest row too);
+    # None: the topology's pp (`parallel` / `mesh`), else 1.
+    pipeline_stages: Optional[int] = None
     document_masking: bool = True
     pad_to: Optional[Literal["capacity"]] = None   # "capacity": every row exactly C tokens
     pad_token_id: int = 0                   # the padding's token id (with pad_to)
@@ -172,7 +182,8 @@ class LoaderConfig(msgspec.Struct, kw_only=True):
                     "lookahead", "max_shard_prefetch", "max_range_readahead",
                     "tokenizer_processes"):
             positive_int(key)
-        for key in ("epochs", "max_deferral", "memory_budget", "buffer_tokens"):
+        for key in ("epochs", "max_deferral", "memory_budget", "buffer_tokens",
+                    "pipeline_stages"):
             if getattr(self, key) is not None:
                 positive_int(key)
         if self.buffer_tokens is not None and self.buffer_tokens < self.micro_batch_tokens:
@@ -182,6 +193,8 @@ class LoaderConfig(msgspec.Struct, kw_only=True):
             fail("window_factor", f"must be a positive number, got {self.window_factor!r}")
         if not (math.isfinite(self.step_overhead) and self.step_overhead >= 0):
             fail("step_overhead", f"must be a number >= 0, got {self.step_overhead!r}")
+        if not 0 <= self.max_skip_fraction <= 1:
+            fail("max_skip_fraction", f"must be a number in 0..1, got {self.max_skip_fraction!r}")
         if not self.collective_timeout_s > 0:
             fail("collective_timeout_s", f"must be > 0, got {self.collective_timeout_s!r}")
         if not 0 <= self.pad_token_id < 2**31:

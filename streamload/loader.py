@@ -347,6 +347,12 @@ class Loader:
             lines.append("  mix (realized/target): " + ", ".join(
                 f"{name} {m['realized']:.3f}/{m['target']:.3f}" for name, m in mix.items()
                 if m["realized"] is not None))
+        skipped = {name: src for name, src in (s.get("sources") or {}).items()
+                   if src.get("skipped_records") or src.get("skipped_shards")}
+        if skipped:   # on_error="skip": what this rank left out, and the first reason
+            lines.append("  skipped (on_error='skip'): " + "; ".join(
+                f"{name} {src['skipped_records']:,} record(s), {src['skipped_shards']:,} "
+                f"shard(s) (first: {src.get('first_skip')})" for name, src in skipped.items()))
         if s.get("tokens_delivered"):
             lines.append(f"  read {s['bytes_read']:,} bytes for {s['tokens_delivered']:,} tokens "
                          f"delivered ({s['bytes_read_per_token']:.2f} B/token)")

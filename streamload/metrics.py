@@ -5,6 +5,7 @@ from __future__ import annotations
 import time
 from collections import deque
 from dataclasses import dataclass, field
+from typing import Optional
 
 import numpy as np
 
@@ -30,6 +31,7 @@ class SourceMetrics:
     transform_s: float = 0.0
     step_wait_s: float = 0.0    # time steps waited for this source's head window
     skip_reasons: deque = field(default_factory=lambda: deque(maxlen=8))
+    first_skip: Optional[str] = None   # "shard 'x', record 3: reason" of the first skip
 
     def snapshot(self, store_counters=None, buffer=None) -> dict:
         out = {k: v for k, v in self.__dict__.items() if k != "skip_reasons"}

@@ -23,6 +23,8 @@ The record is a flat dict of numbers (float), so every key is a time series:
     tokens/<source>, samples/<source>   this rank's tokens and documents of each source
     job_tokens/<source>   the job's tokens of each source this step, over every DP rank (the
                           mix the schedule is held to; the same on every rank)
+    skipped_records/<source>, skipped_shards/<source>   what on_error="skip" skipped of each
+                          source on this rank so far (running totals; `stats()` has the reasons)
 
 Per-source tokens come from the rows' `cu_seqlens`: segment k of a row is `sample_ids[k]`, and a
 padded row's last segment (its padding) has no sample id, so it is not counted. They add up to
@@ -91,6 +93,11 @@ def step_record(batch: "Batch", step_tokens: int, sources: Sequence[str]) -> dic
     if job_sources is not None and len(job_sources) == len(sources):
         for name, count in zip(sources, np.asarray(job_sources).tolist()):
             record[f"job_tokens/{name}"] = float(count)
+    skipped = getattr(batch, "skipped", None)
+    if skipped is not None and len(skipped) == len(sources):
+        for name, (records, shards) in zip(sources, np.asarray(skipped).tolist()):
+            record[f"skipped_records/{name}"] = float(records)
+            record[f"skipped_shards/{name}"] = float(shards)
     return record
 
 

@@ -284,6 +284,8 @@ class Runtime:
             batch = await self.delivery.deliver(step.index, stepper.epoch, summaries, plan,
                                                 self.buffers, window_sizes, agreement.run)
             self.step_metrics.record_mix(batch.source_tokens, step.quota.shares)
+            batch.skipped = np.array([[m.skipped_records, m.skipped_shards]
+                                      for m in self.source_metrics], dtype=np.int64)
             snapshot = self.progress.snapshot(stepper)
             if self.peers is not None:   # broadcast delivery: the whole step to this DP rank's ranks
                 message = encode_step(batch, encode_state(self.progress.state(snapshot)))

@@ -254,7 +254,8 @@ def test_the_dry_run_counts_the_work_the_loader_cut_out(long_only, tmp_path):
     from streamload.commands.dryrun import scan, simulate
     from streamload.configfile import LoaderSpec
     a = 1 / 24576
-    kw = dict(micro_batch_tokens=C, micro_batches=M, epochs=1, seed=1, cost_a=a, cost_b=1.0)
+    kw = dict(micro_batch_tokens=C, micro_batches=M, epochs=1, seed=1, cost_a=a, cost_b=1.0,
+              planner="naive")   # the same windows in both (the lookahead's are W steps deep)
     srcs = [sl.Source(f"{long_only}/books", weight=0.9), sl.Source(f"{long_only}/notes", weight=0.1)]
     with sl.Loader(srcs, **kw) as loader:
         batches = list(loader)
@@ -267,7 +268,7 @@ def test_the_dry_run_counts_the_work_the_loader_cut_out(long_only, tmp_path):
     assert delivered > 0, "no piece was cut"
     assert stats["pieces_cut"] == sum(len(ns) - 1 for ns in pieces.values())   # a cut per part
     assert stats["cut_work"] == pytest.approx(delivered, rel=1e-9)
-    spec = LoaderSpec("test", srcs, {**kw, "planner": "naive"}, sl.Mixture())
+    spec = LoaderSpec("test", srcs, kw, sl.Mixture())
     reports = simulate(spec, scan(spec), steps=10_000, ranks=1)
     assert len(reports) == len(batches)
     assert sum(r.cut_work for r in reports) == pytest.approx(delivered, rel=1e-9)

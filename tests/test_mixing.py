@@ -458,7 +458,7 @@ def test_planner_takes_relabelled_candidates():
     mixer = make(Mixture(quotas=[LengthQuota(min_length=1024, fraction=0.2)]))
     sim = Sim(MEDIANS, mixer.max_shares())
     for method in ("naive", "balanced", "lookahead"):
-        planner = Planner(GEOMETRY, CostModel(), method=method)
+        planner = Planner(GEOMETRY, CostModel(a=1 / 4096), method=method)
         c = sim.candidates()
         q = mixer.quota(c, T, 0)
         a = planner.assign(q.candidates, q.token_targets, 0)

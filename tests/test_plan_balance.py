@@ -49,7 +49,7 @@ def test_identical_windows_need_no_exchange():
     R, M, C = 8, 4, 1024
     c = Candidates.from_windows([[window.copy()] for _ in range(R)])
     geometry = Geometry(R, M, C)
-    a = Planner(geometry, CostModel(), method="balanced").assign(
+    a = Planner(geometry, CostModel(a=1 / 4096), method="balanced").assign(
         c, np.array([float(geometry.step_tokens)]), 0)
     assert imbalance(a) < 1.01
     # (Shuffling by cost alone would move about 1 - 1/R of the tokens.)
@@ -78,7 +78,7 @@ def test_forced_items_are_placed_even_when_the_step_is_overfull():
     selected = np.arange(len(c))                    # twice the capacity, more or less
     forced = np.zeros(len(c), dtype=bool)
     forced[[1, 5, 9, 13]] = True
-    take, rank, row = assign_balanced(c, selected, geometry, CostModel(), forced=forced)
+    take, rank, row = assign_balanced(c, selected, geometry, CostModel(a=1 / 4096), forced=forced)
     assert np.isin(np.flatnonzero(forced), take).all()
     tokens = np.bincount(rank * M + row, weights=c.length[take], minlength=R * M)
     assert tokens.max() <= C
@@ -164,7 +164,7 @@ def test_lookahead_keeps_each_source_within_one_item_of_its_quota():
         windows.append(row)
     ages = [[rng.integers(0, W, w.size) for w in row] for row in windows]
     c = Candidates.from_windows(windows, ages)
-    selected, forced = select_lookahead(c, targets, geometry, CostModel(), window=W, force_age=W)
+    selected, forced = select_lookahead(c, targets, geometry, CostModel(a=1 / 4096), window=W, force_age=W)
     assert not forced.any()
     per_source = np.bincount(c.source[selected], weights=c.length[selected], minlength=S)
     quota = step_quotas(targets, np.bincount(c.source, weights=c.length, minlength=S))
@@ -179,7 +179,7 @@ def test_lookahead_takes_every_overdue_item_whatever_the_quota():
     windows = [[np.full(6, 40)], [np.full(6, 40)]]
     ages = [[np.array([8, 8, 8, 0, 0, 0])], [np.array([8, 3, 0, 0, 0, 0])]]
     c = Candidates.from_windows(windows, ages)
-    planner = Planner(geometry, CostModel(), method="lookahead", lookahead=4)
+    planner = Planner(geometry, CostModel(a=1 / 4096), method="lookahead", lookahead=4)
     assert planner.force_age == 8                   # two windows of W = 4
     a = planner.assign(c, np.array([40.0]), 0)      # a quota of one item
     assert np.isin(np.flatnonzero(c.age >= 8), a.take).all()
@@ -199,9 +199,9 @@ def test_the_planner_configuration_is_validated_once_at_the_boundary():
     assert info.value.key == "planner"
     with pytest.raises(ConfigError, match="lookahead: must be an integer >= 1"):
         make_config(planner="lookahead", lookahead=0)
-    assert Planner(Geometry(2, 2, 64), CostModel(), method="lookahead").force_age == 8
-    assert Planner(Geometry(2, 2, 64), CostModel(), method="lookahead", max_age=2).force_age == 2
-    assert Planner(Geometry(2, 2, 64), CostModel(), method="balanced").force_age is None
+    assert Planner(Geometry(2, 2, 64), CostModel(a=1 / 4096), method="lookahead").force_age == 8
+    assert Planner(Geometry(2, 2, 64), CostModel(a=1 / 4096), method="lookahead", max_age=2).force_age == 2
+    assert Planner(Geometry(2, 2, 64), CostModel(a=1 / 4096), method="balanced").force_age is None
 
 
 def test_sorted_by_matches_lexsort_and_is_stable():
@@ -247,7 +247,9 @@ def test_lookahead_holds_the_mix_like_balanced_with_a_one_shard_source(R):
     lookahead's overdue items used to outgrow the step (a deferral bound of one window, the
     windows' own depth) and, taken past their quotas, put `books` 0.02-0.03 over its share and
     `chat` as much under. Its shares now stay as close as balanced's, and no item waits longer
-    than the bound, 2W."""
+    than the bound, 2W. Since the lookahead releases heavy documents in whole layers past their
+    source's quota (issue 20; the mixer's carry takes it back), the mix is exact over windows of
+    steps, not step by step: measured over 160 / 80 steps (over 20 it was 0.038 off)."""
     import streamload as sl
     from streamload.commands.dryrun import simulate
     from streamload.configfile import LoaderSpec
@@ -260,7 +262,7 @@ def test_lookahead_holds_the_mix_like_balanced_with_a_one_shard_source(R):
     for planner in ("balanced", "lookahead"):
         spec = LoaderSpec("test", sources, dict(micro_batch_tokens=C, micro_batches=M,
                                                 planner=planner, lookahead=W, epochs=1))
-        reports = simulate(spec, scans, steps=40 // R * 2, ranks=R)
+        reports = simulate(spec, scans, steps=320 // R, ranks=R)
         tokens = np.array([r.tokens for r in reports], dtype=np.float64).sum(axis=0)
         devs[planner] = float(np.abs(tokens / tokens.sum() - target).max())
         if planner == "lookahead":

@@ -230,7 +230,7 @@ def test_every_item_once_per_epoch_with_bounded_deferral(method, R, M, S, depth,
 def test_empty_candidates(method):
     geometry = Geometry(3, 2, 64)
     c = Candidates.from_windows([[np.zeros(0, np.int64)] for _ in range(3)])
-    a = Planner(geometry, CostModel(), method=method).assign(c, np.array([384.0]), 0)
+    a = Planner(geometry, CostModel(a=1 / 4096), method=method).assign(c, np.array([384.0]), 0)
     assert len(a) == 0 and a.rank_cost.shape == (3,)
 
 

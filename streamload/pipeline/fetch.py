@@ -26,6 +26,7 @@ from ..tokenizer import TextTokenizer, TokenizerError
 from .autoscale import ITEM_OVERHEAD_BYTES, Knobs, MemoryGate
 from .buffer import SourceBuffer
 from .prefetch import ordered_prefetch
+from .skips import SkipLedger
 from .supervisor import Supervisor
 from .transform import records_to_items, tokenize_texts
 
@@ -45,6 +46,7 @@ class SourceFetcher:
         self.knobs, self.gate = knobs, gate
         self.tokenizer_processes = tokenizer_processes
         self.store = CountedStore(store)   # this source's requests, even on a shared store
+        self.skips = SkipLedger(source.name, source.uri, config.max_skip_fraction, metrics)
 
     async def run(self, start_epoch: int = 0) -> None:
         epoch = start_epoch
@@ -52,6 +54,7 @@ class SourceFetcher:
             layout = self.layout_for(epoch)
             # An endless layout (on_exhausted="restart") streams pass after pass: never returns.
             await self._read_units(layout.stream(self.rank), endless=layout.endless)
+            self.skips.check(final=True)
             self.buffer.end_epoch(epoch)
             self.ages = None   # restored ages apply to the resumed epoch only
             epoch += 1
@@ -131,7 +134,8 @@ class SourceFetcher:
                 items, counts = await loop.run_in_executor(self.executor, to_items, records)
             counts.add_to(self.metrics)
             self.metrics.transform_s += time.perf_counter() - started
-            self._record_skips(shard, skips)
+            taken, skips[:] = list(skips), []
+            self.skips.add(shard.name, taken, counts.records)   # raises past the skip limit
             held = sum(item.tokens.nbytes for item in items) + ITEM_OVERHEAD_BYTES * len(items)
             held = held if items else 0
             self.gate.settle(reserved, raw_bytes, held, virtual)
@@ -186,14 +190,3 @@ class SourceFetcher:
                 out[k] = RawRecord(out[k].index, ids)
             todo = todo_next
         return [r for k, r in enumerate(out) if k not in failed]
-
-    def _record_skips(self, shard: Shard, skips: list) -> None:
-        while skips:
-            record, reason = skips.pop(0)
-            if record is None:
-                self.metrics.skipped_shards += 1
-            else:
-                self.metrics.skipped_records += 1
-            self.metrics.skip_reasons.append(
-                f"{self.source.name}/{shard.name}" + (f"/{record}" if record is not None else "")
-                + f": {reason}")

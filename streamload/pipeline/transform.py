@@ -112,6 +112,7 @@ def records_to_items(records: list[RawRecord], shard: int, capacity: int, long_d
                 raise DataError(str(exc), source=where[0], shard=where[1],
                                 record=record.index) from None
             on_skip(record.index, str(exc))
+            counts.records -= 1   # counted as skipped instead
             continue
         indexes.append(record.index)
         arrays.append(tokens)

@@ -1,7 +1,9 @@
 """Cost-balanced assignment of a step's selected samples to (rank, row).
 
 Pure NumPy. The objective is the step time: the largest per-rank cost under the cost model,
-subject to every row holding at most C tokens and every rank having exactly M rows.
+subject to every row holding at most C tokens and every rank having exactly M rows. With P > 1
+pipeline stages a rank's time is the 1F1B time of its rows (`cost.pipeline_time`), which waits
+on its costliest row too, so every row is a bin of its own (`Geometry.pipelined`).
 
 The work happens on *bins*. With document masking a bin is a rank with M rows and item costs
 add up, so bins are ranks. With plain causal attention a row's cost is a convex function of its
@@ -628,7 +630,19 @@ def assign_balanced(c: Candidates, selected: np.ndarray, geometry: Geometry, cos
     length = c.length[selected].astype(np.int64)
     usable = length <= C
     masking = cost.document_masking
-    if masking:
+    # With P pipeline stages a rank's step waits on its costliest micro-batch (1F1B), so the
+    # rows are the bins: even rows make even ranks, and the bubble small.
+    rows_are_bins = masking and geometry.pipelined
+    if rows_are_bins:
+        weight = item_costs(c, selected, cost)
+        target_tokens = min(float(C), float(length[usable].sum()) / (R * M))
+        # An item's home is a row of the rank that holds it (spread by position).
+        home = c.rank[selected].astype(np.int64) * M + c.position[selected] % M
+        bins = _Bins(R * M, 1, C, weight, length, home, float(cost.b), target_tokens)
+        light = usable & ~forced & (weight < light_share * float(weight[usable].sum()) / (R * M))
+        if light.any():
+            bins.light_density = float(weight[light].sum()) / float(length[light].sum())
+    elif masking:
         weight = item_costs(c, selected, cost)
         # Every token costs at least b: bins short of the average token count will still get
         # that many tokens of light items, at about b each.
@@ -700,7 +714,7 @@ def assign_balanced(c: Candidates, selected: np.ndarray, geometry: Geometry, cos
         run(forced_first=True)
 
     placed = local[bins.bin >= 0]
-    if masking:
+    if masking and not rows_are_bins:
         rank, row = bins.bin[placed], bins.row[placed]
     else:
         rank, row = bins.bin[placed] // M, bins.bin[placed] % M

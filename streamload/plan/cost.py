@@ -44,6 +44,22 @@ import numpy as np
 SampleCostHook = Callable[[np.ndarray], np.ndarray]
 
 
+def pipeline_time(row_costs, stages: int) -> np.ndarray:
+    """Each rank's step time from its rows' costs (`row_costs` [..., M]) under a 1F1B pipeline
+    of `stages` stages: (sum + (P - 1) * max) / P. The first micro-batch fills the pipeline and
+    the last drains it, so the costliest one is paid P - 1 more times (in stage units: the cost
+    model's row cost is the whole model's, a stage does 1/P of it). With P = 1, the sum.
+
+    Limits: the non-interleaved schedule with equal stages; an interleaved (virtual pipeline)
+    schedule of v chunks shrinks the bubble to (P - 1) / v of the max, which this does not model.
+    """
+    row_costs = np.asarray(row_costs, dtype=np.float64)
+    total = row_costs.sum(axis=-1)
+    if stages <= 1 or row_costs.shape[-1] == 0:
+        return total
+    return (total + (stages - 1) * row_costs.max(axis=-1)) / stages
+
+
 def _config_error(message: str):
     from ..errors import ConfigError
     return ConfigError(message)
@@ -51,7 +67,8 @@ def _config_error(message: str):
 
 @dataclass(frozen=True)
 class CostModel:
-    a: float = 1.0 / 4096   # quadratic (attention) coefficient
+    a: float = 1.0 / 49152  # quadratic (attention) coefficient: a d_model = 4096 decoder
+                            # (7B class), relative to b; see `transformer`
     b: float = 1.0          # linear coefficient
     document_masking: bool = True  # False: plain causal attention over the whole packed row
 

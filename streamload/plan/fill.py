@@ -9,7 +9,8 @@ R. Leaving an item of cost w and l tokens out of a step changes that sum in thre
 - this step's slowest rank gets cheaper by Δ (at most w, and only if the item sat on it);
 - the item's work is still paid later: full, balanced steps spread it at w / R;
 - the epoch needs l / (R·M·C) steps more, each paying o.
-So the epoch gains `Δ − w/R − o·l/(R·M·C)` (`deferral_gain`). At R = 1, Δ ≤ w = w/R: a slot
+So the epoch gains `Δ − w/R − o·l/(R·M·C)` (`deferral_gain`; with P pipeline stages the work
+is paid at (M + P − 1)/(M·P) per unit, `Geometry.work_time`). At R = 1, Δ ≤ w = w/R: a slot
 left empty never pays. Every rule in the planner that leaves an item out (balance's trim, its
 refinement's drops, the top-up's refusals) asks this one question.
 
@@ -42,15 +43,17 @@ def deferral_gain(lowered_max, work, tokens, geometry: Geometry, overhead: float
     """What leaving `work` (cost units) of `tokens` tokens out of this step gains the epoch,
     when it lowers the step's slowest rank by `lowered_max` (module docstring). Positive: leave
     it out. Works on arrays."""
-    return lowered_max - work / geometry.ranks - overhead * tokens / geometry.step_tokens
+    return lowered_max - work * geometry.work_time / geometry.ranks \
+        - overhead * tokens / geometry.step_tokens
 
 
-def epoch_cost(rank_cost: np.ndarray, tokens: int, geometry: Geometry, overhead: float) -> float:
-    """What a step's plan costs the epoch, up to a constant: its slowest rank, less the work
-    it retires (paid at 1/R per unit in full, balanced steps if left for later) and the
-    overhead of the steps its tokens save. Of two plans for one step, the lower is better;
-    at R = 1 that is the one with more tokens."""
-    return float(rank_cost.max(initial=0.0)) - float(rank_cost.sum()) / geometry.ranks \
+def epoch_cost(step_time: np.ndarray, work: float, tokens: int, geometry: Geometry,
+               overhead: float) -> float:
+    """What a step's plan costs the epoch, up to a constant: its slowest rank's time
+    (`step_time`, per rank), less the `work` it retires (paid at `work_time`/R per unit in full,
+    balanced steps if left for later) and the overhead of the steps its tokens save. Of two
+    plans for one step, the lower is better; at R = 1 that is the one with more tokens."""
+    return float(step_time.max(initial=0.0)) - work * geometry.work_time / geometry.ranks \
         - overhead * tokens / geometry.step_tokens
 
 

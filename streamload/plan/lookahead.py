@@ -32,7 +32,11 @@ from .cost import CostModel
 from .length_buckets import water_fill
 from .types import Candidates, Geometry
 
-HEAVY_SHARE = 0.25   # a document is heavy from this fraction of a rank's fair cost per step
+HEAVY_SHARE = 0.25   # a document is heavy from this fraction of a slot's fair cost per step
+# Heavy levels by cost, as a share of the cost of a document of C tokens: [.., 0.2), [0.2, 0.4),
+# [0.4, 0.7), >= 0.7.
+LEVEL_EDGES = np.array([0.2, 0.4, 0.7])
+LEVELS = LEVEL_EDGES.size + 1
 
 
 # Per-source quotas for a step: the targets, with the shortfall of sources that have less than
@@ -97,8 +101,8 @@ def _take_arrival(c: Candidates, mask: np.ndarray, used: np.ndarray,
 def select_lookahead(c: Candidates, targets: np.ndarray, geometry: Geometry, cost: CostModel, *,
                      window: int, force_age: int) -> tuple[np.ndarray, np.ndarray]:
     """This step's items out of a `window`-step lookahead. Returns (selected, forced)."""
-    R = geometry.ranks
     S = c.num_sources
+    slots = balance_slots(geometry, cost)
     targets = np.maximum(np.asarray(targets, dtype=np.float64), 0.0)
     if len(c) == 0:
         return np.zeros(0, dtype=np.int64), np.zeros(0, dtype=bool)
@@ -115,35 +119,70 @@ def select_lookahead(c: Candidates, targets: np.ndarray, geometry: Geometry, cos
     pool_tokens = float(length[pool].sum())
     if pool_tokens <= 0:
         return np.zeros(0, dtype=np.int64), np.zeros(0, dtype=bool)
-    fair = float(weight[pool].sum()) / pool_tokens * step_tokens / R   # a rank's fair cost
+    fair = float(weight[pool].sum()) / pool_tokens * step_tokens / slots   # a slot's fair cost
     heavy = pool & (weight >= HEAVY_SHARE * fair) & (length <= geometry.capacity)
+    # Levels by cost against a full row's document (C tokens): items of one level are alike,
+    # so a layer of them evens out its rows; the top level (pieces near C) can share a row
+    # with nothing heavy, so it must come in whole layers.
+    full = float(cost.doc_cost(geometry.capacity))
+    level = np.searchsorted(LEVEL_EDGES, weight / full, side="right").astype(np.int64)
 
     used = np.bincount(source[forced], weights=length[forced], minlength=S).astype(np.float64)
     taken = forced.copy()
+    room = float(geometry.step_tokens) - float(length[forced].sum())
 
-    # Heavy documents: whole layers of R, as many as the window's rate asks for.
-    forced_heavy = int((forced & heavy).sum())
-    rate = float(heavy.sum()) * step_tokens / pool_tokens
-    layers = max(-(-forced_heavy // R), int(np.floor(rate / R + 0.5)))
-    want = layers * R - forced_heavy
-    if want > 0:
-        cand = np.flatnonzero(heavy & ~forced)
-        # Oldest first (they are the next to be forced), then heaviest, then arrival order.
-        cand = cand[np.lexsort((cand, -weight[cand], -age[cand]))]
-        # Respect each source's quota (one item of overshoot, as everywhere else).
-        src = source[cand].astype(np.int64)
-        within = _take_quota(cand, length[cand], src, used.copy(), quota)
-        within = cand[np.isin(cand, within)]                          # back to priority order
-        if within.size < want and forced_heavy % R == 0:
-            # Not enough for the wanted layers: take the whole layers that are there.
-            want = max((within.size + forced_heavy) // R * R - forced_heavy, 0)
-        picked = within[:want]
+    # Heavy documents: whole layers of one per slot, level by level, heaviest level first.
+    for lv in range(LEVELS - 1, -1, -1):
+        in_level = heavy & (level == lv)
+        if not in_level.any():
+            continue
+        forced_here = int((forced & in_level).sum())
+        if forced_here % slots and lv > 0:
+            # Complete the forced items' layer from the level below, heaviest first.
+            below = np.flatnonzero(heavy & (level == lv - 1) & ~forced & ~taken
+                                   & (quota[source] > used[source]))
+            below = below[np.lexsort((below, -age[below], -weight[below]))]
+            extra = below[:(-forced_here) % slots]
+            level[extra] = lv
+            in_level = heavy & (level == lv)
+        # A source owed tokens this step (quota > 0) may release a layer past its quota: the
+        # mixer's carry takes the overshoot back over the next steps (the mix stays exact over
+        # the window). A source with nothing owed waits.
+        cand = np.flatnonzero(in_level & ~forced & ~taken & (quota[source] > used[source]))
+        cand = cand[np.lexsort((cand, -weight[cand], -age[cand]))]   # oldest, heaviest, arrival
+        # The forced ones set the step's slowest slot: their layer's other slots take what
+        # there is at this level for free (each item so taken is one less straggler later).
+        open_layer = (-forced_here) % slots
+        want = min(open_layer, cand.size)
+        if want == open_layer and cand.size - want >= slots:
+            want += slots                             # a whole new layer is there: release it
+        picked = cand[:want]
+        fits = np.cumsum(length[picked]) <= room
+        if not fits.all():   # a layer that does not fit the step waits (forced ones never do)
+            whole = (int(fits.sum()) + forced_here) // slots * slots - forced_here
+            picked = picked[:max(whole, 0)]
         used += np.bincount(source[picked], weights=length[picked], minlength=S)
+        room -= float(length[picked].sum())
         taken[picked] = True
 
-    # Light documents fill the quotas in arrival order (round-robin over ranks by position).
-    taken |= _take_arrival(c, pool & ~taken & ~heavy, used, quota)
-    # A source made only of heavy documents still gets its quota (quotas stay exact).
-    taken |= _take_arrival(c, pool & ~taken & heavy, used, quota)
+    # Light documents fill the quotas in arrival order (round-robin over ranks by position), in
+    # the room the layers left: quotas still open shrink in proportion when it is short.
+    # A source short of light documents (one of long ones only) hands its part to the others,
+    # as `step_quotas` does (its heavy ones wait for their layer; the carry keeps the mix).
+    remaining = np.maximum(quota - used, 0.0)
+    light = pool & ~taken & ~heavy
+    light_available = np.bincount(source[light], weights=length[light], minlength=S)
+    remaining = step_quotas(remaining * (max(room, 0.0) / max(remaining.sum(), 1e-9)),
+                            light_available)
+    light_quota = used + remaining
+    taken |= _take_arrival(c, pool & ~taken & ~heavy, used, light_quota)
     selected = np.flatnonzero(taken)
     return selected, forced[selected]
+
+
+def balance_slots(geometry: Geometry, cost: CostModel) -> int:
+    """How many bins the balancer evens out per step: ranks, or rows when each row counts on
+    its own (pipeline stages, or plain causal attention, `balance.assign_balanced`)."""
+    if geometry.pipelined or not cost.document_masking:
+        return geometry.rows
+    return geometry.ranks

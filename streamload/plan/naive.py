@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from .cost import pipeline_time
 from .types import Assignment, Candidates, Geometry
 
 
@@ -57,5 +58,7 @@ def finish(c: Candidates, take, rank, row, geometry: Geometry, cost,
     length = c.length[take] if length is None else np.asarray(length, dtype=np.int64)
     row_costs = cost.row_costs(length, rank.astype(np.int64) * M + row, R * M,
                                extra_cost=c.extra_cost[take])
-    return Assignment(take=take, rank=rank, row=row,
-                      rank_cost=row_costs.reshape(R, M).sum(axis=1), length=length)
+    row_costs = row_costs.reshape(R, M)
+    return Assignment(take=take, rank=rank, row=row, rank_cost=row_costs.sum(axis=1),
+                      length=length, row_cost=row_costs,
+                      step_time=pipeline_time(row_costs, geometry.pipeline_stages))

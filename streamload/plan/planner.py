@@ -69,11 +69,12 @@ class Planner:
         self.overhead = step_overhead_cost(self.step_overhead, self.geometry, self.cost)
 
     def _max_cost(self, c: Candidates, take, rank, row) -> float:
-        return float(finish(c, take, rank, row, self.geometry, self.cost).rank_cost.max())
+        return float(finish(c, take, rank, row, self.geometry, self.cost).step_time.max())
 
     def _epoch_cost(self, c: Candidates, take, rank, row, length) -> float:
-        rank_cost = finish(c, take, rank, row, self.geometry, self.cost, length).rank_cost
-        return epoch_cost(rank_cost, int(length.sum()), self.geometry, self.overhead)
+        plan = finish(c, take, rank, row, self.geometry, self.cost, length)
+        return epoch_cost(plan.step_time, float(plan.rank_cost.sum()), int(length.sum()),
+                          self.geometry, self.overhead)
 
     def _fill(self, c: Candidates, selected, take, rank, row, eligible=None):
         """`top_up` with what the plan left: the step's leftovers, then the windows of the

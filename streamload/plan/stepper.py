@@ -60,7 +60,8 @@ class Stepper:
     @classmethod
     def build(cls, config: "LoaderConfig", sources: Sequence["Source"],
               mixture: Optional["Mixture"], world: int) -> "Stepper":
-        geometry = Geometry(world, config.micro_batches, config.micro_batch_tokens)
+        geometry = Geometry(world, config.micro_batches, config.micro_batch_tokens,
+                            config.pipeline_stages or 1)
         cost = CostModel(config.cost_a, config.cost_b, config.document_masking)
         planner = Planner(geometry, cost, method=config.planner, seed=config.seed,
                           max_age=config.max_deferral, lookahead=config.lookahead,

@@ -17,6 +17,22 @@ class Geometry:
     ranks: int            # R: data-parallel world size
     micro_batches: int    # M: rows per rank per step
     capacity: int         # C: tokens per row
+    # P: pipeline stages. A rank's step then takes the 1F1B time of its micro-batches,
+    # (sum + (P - 1) * max) / P (`cost.pipeline_time`), and the planner balances rows, not
+    # only rank totals. 1: no pipeline, a rank's step is the sum of its rows.
+    pipeline_stages: int = 1
+
+    @property
+    def pipelined(self) -> bool:
+        """The step waits on each rank's costliest micro-batch too (P > 1 and M > 1)."""
+        return self.pipeline_stages > 1 and self.micro_batches > 1
+
+    @property
+    def work_time(self) -> float:
+        """A rank's step time per unit of its work when its M rows cost the same:
+        (M + P - 1) / (M * P); 1 without a pipeline."""
+        M, P = self.micro_batches, self.pipeline_stages
+        return (M + P - 1) / (M * P)
 
     @property
     def rows(self) -> int:
@@ -107,13 +123,17 @@ class Assignment:
     `length[i]` of its tokens: all of them, or the first ones of a divisible item the planner
     cut to fill a row (the rest stays in its buffer). Within a row, items are packed in the
     order they appear here. Every (rank, row) sums to at most capacity tokens. `rank_cost` is
-    the predicted cost of each rank under the cost model.
+    the predicted cost of each rank under the cost model: the sum over its rows (`row_cost`);
+    `step_time` is each rank's time under the pipeline model (`cost.pipeline_time`: the sum
+    without a pipeline).
     """
     take: np.ndarray        # int64
     rank: np.ndarray        # int32
     row: np.ndarray         # int32
     rank_cost: np.ndarray   # float64 [R]
     length: np.ndarray      # int64: tokens taken of each item
+    row_cost: np.ndarray | None = None    # float64 [R, M]: predicted cost of each row
+    step_time: np.ndarray | None = None   # float64 [R]: each rank's 1F1B time (P stages)
 
     def __len__(self) -> int:
         return int(self.take.shape[0])

@@ -1,6 +1,7 @@
 """The dry run's step loop: the loader's planning, on item lengths."""
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 from typing import Callable, Optional, Sequence, Union
 
@@ -8,6 +9,7 @@ import numpy as np
 
 from ...configfile import LoaderSpec
 from ...errors import ConfigError
+from ...mixreport import MixTracker, StepMix
 from ...plan.cost import CostModel
 from ...plan.stepper import Stepper
 from ...plan.types import Candidates, Geometry
@@ -39,6 +41,12 @@ class StepReport:
     active: np.ndarray          # bool [S]: sources with data in their windows
     cut_work: float = 0.0       # attention work the step's cuts took out of the data
                                 # (`CostModel.cut_savings`): the same data uncut costs this more
+    row_cost: Optional[np.ndarray] = None   # [R, M]: predicted cost of each (rank, micro-batch)
+    step_time: float = 0.0      # the slowest rank's 1F1B time (`cost.pipeline_time`)
+    waited: int = 0             # taken items that had waited (age > 0) ...
+    waited_steps: int = 0       # ... and the steps they waited, summed
+    plan_seconds: float = 0.0   # CPU time of the planner (`Stepper.assign`) for this step
+    mix: Optional[StepMix] = None   # the configured target, the tail, run-outs (`mixreport`)
 
     @property
     def units(self) -> float:
@@ -52,13 +60,19 @@ class StepReport:
                 "tokens": per_source(self.tokens), "samples": per_source(self.samples),
                 "share": per_source(self.share, 6), "target_share": per_source(self.target_share, 6),
                 "quota_share": per_source(self.quota_share, 6),
+                **({} if self.mix is None else {
+                    "target": per_source(self.mix.target, 6), "tail": self.mix.tail,
+                    "ran_out": [n for n, out in zip(names, self.mix.ran_out) if out]}),
                 "length_quota": [round(float(v), 6) for v in self.length_quota],
                 "length_quota_target": [round(float(v), 6) for v in self.length_quota_target],
                 "rank_cost": [float(c) for c in self.rank_cost],
                 "rank_tokens": [int(t) for t in self.rank_tokens],
                 "imbalance": round(self.imbalance, 6), "deferred": self.deferred,
                 "max_age": self.max_age, "fill": round(self.fill, 6),
-                "cut_work": round(self.cut_work, 3)}
+                "cut_work": round(self.cut_work, 3),
+                "row_cost": None if self.row_cost is None else self.row_cost.tolist(),
+                "step_time": self.step_time, "waited": self.waited,
+                "waited_steps": self.waited_steps, "plan_ms": round(1e3 * self.plan_seconds, 3)}
 
 
 class _Window:
@@ -226,6 +240,7 @@ def simulate(spec: LoaderSpec, lengths: Sequence[Union[SourceScan, np.ndarray]],
                         dtype=bool).reshape(R, S)
 
     stepper.start_epoch(holding_now())
+    mix_tracker = MixTracker(S)   # each step's configured target, tail, run-outs (as the loader)
     reports: list[StepReport] = []
     passes = [0] * S
     empty_epochs = 0
@@ -255,11 +270,15 @@ def simulate(spec: LoaderSpec, lengths: Sequence[Union[SourceScan, np.ndarray]],
         empty_epochs = 0
         if len(c) == 0:
             break
+        started = time.process_time()
         assignment = stepper.assign(step)
+        plan_seconds = time.process_time() - started
         take = np.asarray(assignment.take, dtype=np.int64)
+        mix_tracker.begin(stepper, step)
         units = stepper.commit(step, take, assignment.length)
         reports.append(_report(step.index, stepper.epoch, c, step.quota, assignment, take, units,
-                               stepper.geometry, S, stepper.cost))
+                               stepper.geometry, S, stepper.cost, mix_tracker.commit(stepper)))
+        reports[-1].plan_seconds = plan_seconds
         # Taken items leave their windows; the others age.
         taken = np.zeros(len(c), dtype=np.int64)   # tokens taken of each candidate
         taken[take] = assignment.length
@@ -271,7 +290,7 @@ def simulate(spec: LoaderSpec, lengths: Sequence[Union[SourceScan, np.ndarray]],
 
 
 def _report(step, epoch, c: Candidates, quota, assignment, take, units, geometry: Geometry,
-            S: int, cost: CostModel) -> StepReport:
+            S: int, cost: CostModel, mix: Optional[StepMix] = None) -> StepReport:
     lengths = assignment.length
     cut = lengths < c.length[take]
     source = c.source[take]
@@ -296,11 +315,14 @@ def _report(step, epoch, c: Candidates, quota, assignment, take, units, geometry
     mean = float(rank_cost.mean()) if rank_cost.size else 0.0
     imbalance = float(rank_cost.max() / mean) if mean > 0 else 1.0
     return StepReport(
-        step=step, epoch=epoch, tokens=tokens, samples=samples, share=share,
+        step=step, epoch=epoch, mix=mix, tokens=tokens, samples=samples, share=share,
         target_share=np.asarray(quota.shares, dtype=np.float64), quota_share=quota_share,
         length_quota=length_quota, length_quota_target=np.asarray(quota.quota_fractions),
         rank_cost=rank_cost, rank_tokens=rank_tokens, imbalance=imbalance,
         deferred=int(len(c) - take.size),
         max_age=int(c.age[take].max()) if take.size else 0,
         fill=float(lengths.sum()) / geometry.step_tokens, active=np.asarray(quota.active),
-        cut_work=cost.cut_savings(c.length[take][cut], lengths[cut]))
+        cut_work=cost.cut_savings(c.length[take][cut], lengths[cut]),
+        row_cost=assignment.row_cost,
+        step_time=float(assignment.step_time.max(initial=0.0)),
+        waited=int((c.age[take] > 0).sum()), waited_steps=int(c.age[take].sum()))
