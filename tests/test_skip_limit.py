@@ -122,10 +122,14 @@ def test_a_few_bad_records_stay_under_the_limit(tmp_path):
                                                             "invalid JSON")
 
 
-@pytest.mark.parametrize("value", [-0.1, 1.5, float("nan"), "a lot"])
-def test_max_skip_fraction_is_checked(tmp_path, value):
-    with pytest.raises(sl.ConfigError, match=r"max_skip_fraction"):
+@pytest.mark.parametrize("value,problem", [
+    (-0.1, "must be a number in 0..1"), (1.5, "must be a number in 0..1"),
+    (float("nan"), "must be a number in 0..1"), ("a lot", "Expected float, got str"),
+])
+def test_max_skip_fraction_is_checked(tmp_path, value, problem):
+    with pytest.raises(sl.ConfigError, match=rf"^max_skip_fraction: {problem}") as caught:
         sl.Loader([sl.Source(str(tmp_path))], max_skip_fraction=value)
+    assert caught.value.key == "max_skip_fraction"
 
 
 def skip_job(rank, world, root):
