@@ -26,3 +26,70 @@ def test_overdue_items_are_taken_first_at_one_rank(method):
     a = planner.assign(c, targets, step=0)
     overdue = np.flatnonzero(c.age >= planner.force_age)
     assert overdue.size and np.isin(overdue, a.take).all()
+
+
+def test_pipeline_aware_balancing_lowers_the_1f1b_time():
+    """Two ranks of four rows, four pipeline stages. Each rank's share holds four half-row
+    documents and short ones. Balancing rank totals alone may stack two halves in one row (its
+    sum is the same); under 1F1B that row is paid P - 1 more times. Balancing the rows gives
+    every row one half and short documents, and a lower step time."""
+    from streamload.plan.cost import pipeline_time
+    R, M, C, P = 2, 4, 1024, 4
+    cost = CostModel(a=1 / 256, b=1.0)
+    rank_items = np.array([512] * 4 + [64] * 32)
+    c = Candidates.from_windows([[rank_items.copy()] for _ in range(R)])
+    targets = np.array([float(c.length.sum())])
+    times = {}
+    for stages in (1, P):
+        plan = Planner(Geometry(R, M, C, stages), cost, method="balanced").assign(c, targets, 0)
+        assert len(plan) == len(c)
+        rows = cost.row_costs(plan.length, plan.rank.astype(np.int64) * M + plan.row, R * M)
+        times[stages] = float(pipeline_time(rows.reshape(R, M), P).max())
+        if stages == P:
+            assert plan.step_time is not None and plan.row_cost.shape == (R, M)
+            assert float(plan.step_time.max()) == pytest.approx(times[P])
+    assert times[P] < 0.95 * times[1], times
+
+
+def _offer(corpus, ages, planner, targets, steps):
+    """Coordinator loop over fixed windows (all offered every step); returns (c, plan) per step."""
+    plans = []
+    for step in range(steps):
+        c = Candidates.from_windows([[np.array(x, np.int64) for x in rank] for rank in corpus],
+                                    [[np.array(x, np.int64) for x in rank] for rank in ages])
+        a = planner.assign(c, targets, step)
+        plans.append((c, a))
+        gone, i = set(a.take.tolist()), 0
+        for s in range(c.num_sources):
+            for r in range(c.num_ranks):
+                keep = [k for k in range(len(corpus[r][s])) if i + k not in gone]
+                i += len(corpus[r][s])
+                corpus[r][s] = [corpus[r][s][k] for k in keep]
+                ages[r][s] = [ages[r][s][k] + 1 for k in keep]
+    return plans
+
+
+def test_outliers_wait_for_a_step_that_gives_every_slot_one():
+    """Two ranks of two rows under two pipeline stages: four slots. Full-row documents arrive
+    scattered through the stream, one or two at a time. The lookahead keeps them until it can
+    give one to every slot, takes them together, and none waits past its bound (2W)."""
+    R, M, C, P, W = 2, 2, 1024, 2, 4
+    cost = CostModel(a=1 / 256, b=1.0)
+    rng = np.random.default_rng(3)
+    corpus = []
+    for r in range(R):
+        shorts = list(rng.integers(16, 96, 120))
+        for position in ((5, 60) if r == 0 else (30, 90)):
+            shorts.insert(position, C)
+        corpus.append([shorts])
+    ages = [[[0] * len(x) for x in rank] for rank in corpus]
+    planner = Planner(Geometry(R, M, C, P), cost, method="lookahead", lookahead=W)
+    targets = np.array([float(R * M * C)])
+    plans = _offer(corpus, ages, planner, targets, steps=8)
+    heavy_steps = [(step, a) for step, (c, a) in enumerate(plans) if (a.length == C).any()]
+    assert heavy_steps, "the full-row documents were never taken"
+    for step, a in heavy_steps:
+        slots = a.rank[a.length == C].astype(int) * M + a.row[a.length == C]
+        assert sorted(slots.tolist()) == list(range(R * M)), (step, slots)   # one per slot
+    assert sum(int((a.length == C).sum()) for _, a in heavy_steps) == 4
+    assert max(int(c.age[a.take].max(initial=0)) for c, a in plans) <= 2 * W
