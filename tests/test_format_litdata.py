@@ -524,6 +524,19 @@ def test_missing_field_in_an_arrow_footer_dataset(litdata_root):
         run([sl.Source(str(root / "text"), text_field="body")])
 
 
+@pytest.mark.parametrize("name, options, hint", [
+    ("text_plain", {"text_field": "txt"}, "did you mean text_field='text'?"),
+    ("npy", {"tokens_field": "token"}, "did you mean tokens_field='tokens'?"),
+    ("text", {"text_field": "texts"}, "did you mean text_field='text'?"),   # an Arrow footer
+])
+def test_missing_field_suggests_the_field_and_not_skipping(litdata_root, name, options, hint):
+    root, _ = litdata_root
+    with pytest.raises(DataError) as raised:
+        run([sl.Source(str(root / name), format="litdata", **options)])
+    assert str(raised.value).endswith(hint), str(raised.value)
+    assert "on_error" not in str(raised.value)
+
+
 async def test_bad_chunks_and_indexes(litdata_root, tmp_path):
     root, sets = litdata_root
     data = copy_set(root, "text_plain", tmp_path)

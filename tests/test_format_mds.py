@@ -386,6 +386,17 @@ def test_missing_column_lists_the_columns(tmp_path):
         stats["sources"]["src"]["skip_reasons"][0]
 
 
+def test_missing_column_suggests_the_field_and_not_skipping(tmp_path):
+    root = tmp_path / "src"
+    write(root / "b", {"content": "str", "id": "int"}, [{"content": "x", "id": 1}] * 4)
+    with pytest.raises(sl.DataError) as caught:
+        run([sl.Source(str(root), text_field="contents")])
+    message = str(caught.value)
+    assert "no column 'contents' (text_field) in the shard; its columns are 'content' (str), " \
+           "'id' (int); did you mean text_field='content'?" in message, message
+    assert "on_error" not in message
+
+
 @pytest.mark.parametrize("columns, sample, fmt, message", [
     ({"text": "pkl"}, {"text": "a string"}, MdsFormat(), "pickled .*does not unpickle"),
     ({"ids": "pkl"}, {"ids": [1, 2]}, MdsFormat(None, "ids"), "pickled"),

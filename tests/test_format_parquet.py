@@ -382,6 +382,24 @@ def test_missing_column_names_source_shard_and_columns(tmp_path):
     assert "src/b.parquet: no column 'text'" in stats["sources"]["src"]["skip_reasons"][0]
 
 
+def test_missing_column_suggests_the_field_and_not_skipping(tmp_path):
+    """Every shard lacks the column (a misspelt text_field): on_error="skip" would skip them all,
+    so the error names the column the file has instead (issue 21, item 3)."""
+    root = tmp_path / "src"
+    write(root / "a.parquet", {"content": ["x"] * 4, "id": [1, 2, 3, 4]})
+    with pytest.raises(sl.DataError) as caught:
+        run([sl.Source(str(root), text_field="contents")])
+    message = str(caught.value)
+    assert message.endswith("no column 'contents' (text_field); the file's columns are "
+                            "'content', 'id'; did you mean text_field='content'?"), message
+    assert "on_error" not in message
+    write(root / "b.parquet", {"input_ids": [[1, 2], [3]]})
+    with pytest.raises(sl.DataError, match=r"shard 'a.parquet': no column 'input_ids' "
+                                           r"\(tokens_field\).*; set the source's tokens_field to "
+                                           r"the field that holds the token ids$"):
+        run([sl.Source(str(root), tokens_field="input_ids")])
+
+
 def test_null_text_is_a_record_error(tmp_path):
     root = tmp_path / "src"
     write(root / "a.parquet", {"text": ["r0", None, "r2", "r3", None, "r5", "r6", "r7", "r8"]},

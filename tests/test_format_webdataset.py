@@ -321,13 +321,22 @@ def tar_of(path: Path, members: list[tuple[str, bytes]]) -> Path:
 
 @pytest.mark.parametrize("members,fmt,bad,message", [
     ([("0.txt", b"ok"), ("1.json", b"{}"), ("1.jpg", b"x"), ("2.txt", b"fine")], "txt", 1,
-     r"sample '1': no member with the extension 'txt' \(the sample has 'json', 'jpg'\)"),
+     r"sample '1': no member with the extension 'txt' \(the sample has 'json', 'jpg'\); set "
+     r"the source's text_field to the field that holds the text"),
+    ([("0.txt", b"ok"), ("1.text", b"x"), ("2.txt", b"fine")], "txt", 1,
+     r"sample '1': no member with the extension 'txt' \(the sample has 'text'\); did you mean "
+     r"text_field='text'\?"),
     ([("0.txt", b"ok"), ("1.txt", b"\xff\xfe"), ("2.txt", b"fine")], "txt", 1,
      "sample '1': member 'txt' is not valid UTF-8"),
     ([("0.txt", b"ok"), ("1.txt", b"a"), ("1.txt", b"b"), ("2.txt", b"fine")], "txt", 1,
      r"sample '1': member '1.txt' repeats the extension 'txt'"),
     ([("0.json", b'{"text": "ok"}'), ("1.json", b'{"body": 1}'), ("2.json", b'{"text": "x"}')],
-     "json.text", 1, "sample '1': member 'json': missing field 'text'"),
+     "json.text", 1, "sample '1': member 'json': missing field 'text'; fields present: 'body'; "
+     r"did you mean text_field='json.body'\?"),
+    ([("0.json", b'{"text": "ok"}'), ("1.json", b'{"txt": "a", "id": 1}'),
+      ("2.json", b'{"text": "x"}')], "json.text", 1,
+     r"sample '1': member 'json': missing field 'text'; fields present: 'txt', 'id'; did you mean "
+     r"text_field='json.txt'\?"),
     ([("0.json", b'{"text": "ok"}'), ("1.json", b'{"text": 5}'), ("2.json", b'{"text": "x"}')],
      "json.text", 1, r"sample '1': member 'json': field 'text' is not a string \(got int\)"),
     ([("0.json", b'{"text": "ok"}'), ("1.json", b'[1]'), ("2.json", b'{"text": "x"}')],

@@ -54,7 +54,8 @@ def test_a_misspelt_text_field_stops_the_source_after_its_first_records(tmp_path
     first = re.match(r"source 'short': on_error='skip' skipped all of the first (\d+) "
                      r"record\(s\) it read \(this rank", message)
     assert first and SKIP_LIMIT_RECORDS <= int(first.group(1)) <= 240, message
-    assert "missing field 'body'; fields present: 'text'; set the source's text_field" in message
+    assert "missing field 'body'; fields present: 'text'; did you mean text_field='text'?" \
+        in message
     assert "The first error: shard 'part-" in message and "max_skip_fraction=1.0" in message
     assert "set on_error=\"skip\"" not in message   # it is on: no hint to turn it on
 

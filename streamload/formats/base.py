@@ -20,6 +20,7 @@ with the tokenizer (UTF-8 bytes without one). Both follow the skip policy of `op
 """
 from __future__ import annotations
 
+import difflib
 from dataclasses import dataclass
 from typing import Callable, Protocol, Sequence, Union
 
@@ -46,13 +47,35 @@ class BadShard(Exception):
     into on_skip(None, reason)."""
 
 
+class MissingField(BadShard):
+    """A shard without the field (column, member) the source names. That is a misconfigured
+    source far more often than a bad shard, and skipping would skip every shard, so its
+    DataError offers the field the shard does have (`field_hint`), not on_error="skip"."""
+
+
+def field_hint(option: str, wanted: str, present: Sequence[str], prefix: str = "") -> str:
+    """What to set `option` ("text_field", "tokens_field") to when the field `wanted` is not
+    among the `present` ones: "; did you mean text_field='body'?" for the closest name, or the
+    only one there is, else a request to name the right one. `prefix` goes before the name in
+    the suggestion (WebDataset's "json." for a field of a JSON member)."""
+    present = [str(p) for p in present]
+    close = difflib.get_close_matches(wanted, present, n=1)
+    pick = close[0] if close else (present[0] if len(present) == 1 else None)
+    if pick is not None:
+        return f"; did you mean {option}={prefix + pick!r}?"
+    what = "token ids" if option == "tokens_field" else "text"
+    return f"; set the source's {option} to the field that holds the {what}"
+
+
 def shard_failed(exc: BadShard, source: str, shard_name: str,
                  on_skip: SkipCallback | None) -> None:
     """A BadShard that ends a shard before it is read: a DataError naming source and shard
-    (saying that on_error="skip" would skip it), or with `on_skip`, a counted skip (the caller
-    then returns its empty result)."""
+    (saying that on_error="skip" would skip it, unless the shard lacks the source's field:
+    `MissingField`), or with `on_skip`, a counted skip (the caller then returns its empty
+    result)."""
     if on_skip is None:
-        raise DataError(str(exc), source=source, shard=shard_name, skippable=True) from None
+        raise DataError(str(exc), source=source, shard=shard_name,
+                        skippable=not isinstance(exc, MissingField)) from None
     on_skip(None, str(exc))
 
 
@@ -157,9 +180,10 @@ class PlannedStream:
                             **where)
         self._on_skip(index, reason)
 
-    def _shard_error(self, reason: str) -> None:
+    def _shard_error(self, reason: str, skippable: bool = True) -> None:
         if self._on_skip is None:
-            raise DataError(reason, source=self._source, shard=self._shard_name, skippable=True)
+            raise DataError(reason, source=self._source, shard=self._shard_name,
+                            skippable=skippable)
         self._failed = True
         self._on_skip(None, reason)
 

@@ -7,7 +7,6 @@ incremental decompressor and the partial last line waits for the next chunk.
 """
 from __future__ import annotations
 
-import difflib
 import zlib
 from functools import lru_cache
 from typing import Callable
@@ -19,7 +18,7 @@ import zstandard
 from ..errors import ConfigError
 from ..storage.base import ObjectInfo, ObjectStore
 from ..tokenizer import TextTokenizer
-from .base import LENGTHS_CHUNK_BYTES, PlannedStream, RawRecord, SkipCallback
+from .base import LENGTHS_CHUNK_BYTES, PlannedStream, RawRecord, SkipCallback, field_hint
 from .lengths import stream_lengths
 
 _BOM = b"\xef\xbb\xbf"
@@ -114,10 +113,7 @@ def _fields_present(line: bytes, text_field: str) -> str:
     listed = ", ".join(repr(f[:64]) for f in fields[:_MAX_FIELDS_LISTED])
     if len(fields) > _MAX_FIELDS_LISTED:
         listed += f", ... ({len(fields) - _MAX_FIELDS_LISTED} more)"
-    close = difflib.get_close_matches(text_field, fields, n=1)
-    hint = (f"; did you mean text_field={close[0]!r}?" if close
-            else "; set the source's text_field to the field that holds the text")
-    return f"fields present: {listed}{hint}"
+    return f"fields present: {listed}{field_hint('text_field', text_field, fields)}"
 
 
 class JsonlStream(PlannedStream):

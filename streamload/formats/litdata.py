@@ -54,8 +54,8 @@ import zstandard
 from ..errors import ConfigError
 from ..storage.base import ObjectInfo, ObjectStore
 from ..tokenizer import TextTokenizer
-from .base import (LENGTHS_CHUNK_BYTES, BadShard, EmptyStream, PlannedStream, RawRecord,
-                   SkipCallback, read_exact, shard_failed)
+from .base import (LENGTHS_CHUNK_BYTES, BadShard, EmptyStream, MissingField, PlannedStream,
+                   RawRecord, SkipCallback, field_hint, read_exact, shard_failed)
 from .lengths import stream_lengths
 from .tokens import plan_groups
 
@@ -171,7 +171,7 @@ class _Dataset:
     missing: list[_Chunk]              # named by the index, not listed
     first_present: Optional[str]       # the first chunk (in index order) that exists
     layout: Optional[_Layout]
-    layout_error: Optional[str]        # why the dataset cannot be read (every chunk fails)
+    layout_error: Optional[BadShard]   # why the dataset cannot be read (every chunk fails)
 
 
 def _glob_escape(text: str) -> str:
@@ -229,7 +229,8 @@ def _parse_config(config, *, text_field: str, tokens_field: Optional[str],
         leaf = 0
     else:
         kind = "tokens_field" if tokens_field is not None else "text_field"
-        raise BadShard(f"{kind} {wanted!r} is not a field of its items; they have: {described}")
+        raise MissingField(f"{kind} {wanted!r} is not a field of its items; they have: "
+                           f"{described}{field_hint(kind, wanted, [n for n in names if n])}")
     leaf_format = formats[leaf]
     name = names[leaf] or "<item>"
     bare_tokens = names == [""] and _token_dtype(leaf_format) is not None
@@ -390,7 +391,7 @@ class LitdataStream(PlannedStream):
                 return self._whole(chunk)
             return self._arrow(chunk)
         except BadShard as exc:
-            self._shard_error(str(exc))
+            self._shard_error(str(exc), skippable=not isinstance(exc, MissingField))
             return []
 
     def finish(self) -> list[RawRecord]:
@@ -518,8 +519,9 @@ class LitdataStream(PlannedStream):
         name = self._layout.field_name
         if name not in table.column_names:
             fields = ", ".join(f"{f.name} ({f.type})" for f in table.schema)
-            raise BadShard(f"field {name!r} is not in the chunk's Arrow rows; they have: "
-                            f"{fields}")
+            option = "tokens_field" if self._layout.want_tokens else "text_field"
+            raise MissingField(f"field {name!r} is not in the chunk's Arrow rows; they have: "
+                               f"{fields}{field_hint(option, name, table.column_names)}")
         column = table.column(name).combine_chunks()
         kind = column.type
         records = []
@@ -689,9 +691,9 @@ class LitdataFormat:
                  if info.uri.rsplit("/", 1)[0] == directory}
         index_uri = f"{directory}/{INDEX_NAME}"
         if INDEX_NAME not in files:
-            return _Dataset(directory, {}, {}, [], None, None,
-                            f"there is no {INDEX_NAME} next to it (a litdata dataset needs its "
-                            f"index; was litdata.optimize interrupted?)")
+            return _Dataset(directory, {}, {}, [], None, None, BadShard(
+                f"there is no {INDEX_NAME} next to it (a litdata dataset needs its index; was "
+                f"litdata.optimize interrupted?)"))
         data = await store.read_range(index_uri, 0, files[INDEX_NAME])
         try:
             index = json.loads(data)
@@ -707,14 +709,14 @@ class LitdataFormat:
                     raise TypeError(f"chunk entry {position} is malformed: {entry!r}")
                 chunks[filename] = _Chunk(position, filename, items, dim)
         except (ValueError, TypeError, KeyError) as exc:
-            return _Dataset(directory, {}, {}, [], None, None,
-                            f"its {INDEX_NAME} is unreadable: {type(exc).__name__}: {exc}")
+            return _Dataset(directory, {}, {}, [], None, None, BadShard(
+                f"its {INDEX_NAME} is unreadable: {type(exc).__name__}: {exc}"))
         try:
             layout, error = _parse_config(index.get("config"), text_field=self.text_field,
                                           tokens_field=self.tokens_field,
                                           block_size=self.block_size), None
-        except BadShard as exc:
-            layout, error = None, f"{INDEX_NAME}: {exc}"
+        except BadShard as exc:   # kept as an exception: a MissingField offers no skip
+            layout, error = None, type(exc)(f"{INDEX_NAME}: {exc}")
         present = {name: size for name, size in files.items() if name in chunks}
         ordered = sorted(chunks.values(), key=lambda c: c.position)
         missing = [c for c in ordered if c.filename not in present]
@@ -728,8 +730,8 @@ class LitdataFormat:
         (once per pass: by the first chunk of the index that exists); BadShard for what makes
         the shard unreadable (in raise mode, any chunk the index names but that is missing)."""
         dataset = await self._dataset(store, shard)
-        if dataset.layout_error is not None:
-            raise BadShard(dataset.layout_error)
+        if dataset.layout_error is not None:   # a fresh copy: the dataset is shared
+            raise type(dataset.layout_error)(str(dataset.layout_error))
         name = shard.uri.rsplit("/", 1)[-1]
         index_name = _index_name(shard_name)
         chunk = dataset.chunks.get(name)

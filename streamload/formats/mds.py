@@ -48,8 +48,8 @@ import zstandard
 from ..errors import ConfigError, DataError
 from ..storage.base import ObjectInfo, ObjectStore
 from ..tokenizer import TextTokenizer
-from .base import (LENGTHS_CHUNK_BYTES, BadShard, EmptyStream, PlannedStream, RawRecord,
-                   SkipCallback, shard_failed)
+from .base import (LENGTHS_CHUNK_BYTES, BadShard, EmptyStream, MissingField, PlannedStream,
+                   RawRecord, SkipCallback, field_hint, shard_failed)
 from .lengths import stream_lengths
 
 INDEX_NAME = "index.json"
@@ -257,9 +257,11 @@ def _parse_ndarray(encoding: str, field: str) -> tuple[Optional[str], Optional[t
 
 def _layout(entry: _Entry, field: str, tokens: bool) -> _Layout:
     if field not in entry.names:
+        option = "tokens_field" if tokens else "text_field"
         hint = "" if tokens else "; token ids are read with tokens_field=<ndarray column>"
-        raise BadShard(f"no column {field!r} in the shard; its columns are "
-                        f"{_columns_text(entry)}{hint}")
+        raise MissingField(f"no column {field!r} ({option}) in the shard; its columns are "
+                           f"{_columns_text(entry)}{field_hint(option, field, entry.names)}"
+                           f"{hint}")
     k = entry.names.index(field)
     encoding = entry.encodings[k]
     if encoding == "pkl":

@@ -46,8 +46,8 @@ import numpy as np
 from ..errors import ConfigError
 from ..storage.base import ObjectInfo, ObjectStore
 from ..tokenizer import TextTokenizer
-from .base import (LENGTHS_CHUNK_BYTES, BadShard, EmptyStream, PlannedStream, RawRecord,
-                   SkipCallback, read_exact, shard_failed)
+from .base import (LENGTHS_CHUNK_BYTES, BadShard, EmptyStream, MissingField, PlannedStream,
+                   RawRecord, SkipCallback, field_hint, read_exact, shard_failed)
 from .lengths import stream_lengths
 
 _SUFFIX = ".parquet"
@@ -326,7 +326,8 @@ class ParquetFormat:
         what = "tokens_field" if self.tokens else "text_field"
         if self.field not in schema.names:
             present = ", ".join(repr(n) for n in schema.names) or "none"
-            raise BadShard(f"no column {self.field!r} ({what}); the file's columns are {present}")
+            raise MissingField(f"no column {self.field!r} ({what}); the file's columns are "
+                               f"{present}{field_hint(what, self.field, schema.names)}")
         if schema.names.count(self.field) > 1:
             raise BadShard(f"column {self.field!r} ({what}) appears more than once")
         type_ = schema.field(self.field).type

@@ -49,7 +49,7 @@ import numpy as np
 from ..errors import ConfigError, DataError
 from ..storage.base import ObjectInfo, ObjectStore
 from ..tokenizer import TextTokenizer
-from .base import LENGTHS_CHUNK_BYTES, BadShard, RawRecord, SkipCallback
+from .base import LENGTHS_CHUNK_BYTES, BadShard, RawRecord, SkipCallback, field_hint
 from .lengths import stream_lengths
 
 BLOCK = 512
@@ -122,10 +122,16 @@ def _json_decoder(field: str) -> msgspec.json.Decoder:
     return msgspec.json.Decoder(record)
 
 
-def _json_problem(error: msgspec.MsgspecError, field: str) -> str:
+def _json_problem(error: msgspec.MsgspecError, field: str, data: bytes, member: str) -> str:
     message = str(error)
     if message.startswith("Object missing required field"):
-        return f"missing field {field!r}"
+        try:
+            fields = [str(k) for k in msgspec.json.decode(data)]
+        except (msgspec.MsgspecError, TypeError):   # not expected: it decoded as an object
+            return f"missing field {field!r}"
+        return (f"missing field {field!r}; fields present: "
+                f"{', '.join(repr(f[:64]) for f in fields[:12]) or 'none'}"
+                f"{field_hint('text_field', field, fields, prefix=member + '.')}")
     if message.startswith("Expected `str`, got `"):
         return f"field {field!r} is not a string (got {message.split('`')[3]})"
     if message.startswith("Expected `object`, got `"):
@@ -364,8 +370,10 @@ class WebdatasetStream:
         problem = sample.problem
         text = None
         if problem is None and sample.text is None:
+            option = "tokens_field" if self._tokens else "text_field"
             problem = (f"no member with the extension {self._member!r} (the sample has "
-                       f"{', '.join(repr(e) for e in sample.extensions)})")
+                       f"{', '.join(repr(e) for e in sample.extensions)})"
+                       f"{field_hint(option, self._member, sample.extensions)}")
         if problem is None:
             text, problem = (self._ids if self._tokens else self._text)(sample.text)
         if problem is not None:
@@ -402,7 +410,7 @@ class WebdatasetStream:
         except msgspec.MsgspecError as exc:
             if "UTF-8" in str(exc):
                 return None, f"member {self._member!r} is not valid UTF-8"
-            return None, f"member {self._member!r}: {_json_problem(exc, self._field)}"
+            return None, f"member {self._member!r}: {_json_problem(exc, self._field, data, self._member)}"
 
     def _shard_error(self, reason: str) -> list[RawRecord]:
         """Records already complete go out; the rest of the shard is not read."""
