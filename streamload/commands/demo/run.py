@@ -45,7 +45,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="where to write the corpus (kept afterwards); default: a temporary "
                         "directory that is removed at the end")
     p.add_argument("--small", action="store_true",
-                   help="a tiny corpus (a few hundred KB) that runs in a few seconds")
+                   help="a tiny corpus (about 200 KB) that runs in a few seconds (about 5 s "
+                        "of CPU in all, most of it starting torch in the ranks)")
     p.add_argument("--scale", type=float, default=1.0,
                    help="multiply every source's size by this (default 1: about 2.5M tokens)")
     p.add_argument("--planner", default="balanced",
@@ -97,15 +98,18 @@ def _rank_main(rank: int, world: int, port: int, job: dict, results) -> None:
                                 world_size=world)
         result = _iterate(rank, world, job)
         results.put((rank, "ok", result))
-        if result["stopped_early"]:
-            # The loader was closed mid-epoch, possibly with a collective of its own still in
-            # flight on its gloo group; tearing that down at exit aborts the process with
-            # "terminate called without an active exception". The result is sent, so leave now.
-            sys.stdout.flush()
-            results.close()
-            results.join_thread()
-            os._exit(0)
-        dist.destroy_process_group()
+        if not result["stopped_early"]:
+            dist.destroy_process_group()
+        # The result is sent: leave now, without the interpreter's teardown. Tearing torch down
+        # took 2-5 s per rank on a loaded 2-core machine, the longest part of `demo --small`
+        # after importing torch. And a loader closed mid-epoch (`stopped_early`) may still have
+        # a collective of its own in flight on its gloo group, whose teardown at exit aborts
+        # the process with "terminate called without an active exception".
+        sys.stdout.flush()
+        sys.stderr.flush()
+        results.close()
+        results.join_thread()
+        os._exit(0)
     except BaseException as exc:   # reported by the parent, which exits non-zero
         from streamload.errors import ConfigError
         message = f"{type(exc).__name__}: {exc}"
@@ -249,7 +253,9 @@ def _describe_exit(code: int) -> str:
 
 
 def _run_ranks(world: int, job: dict, timeout: float) -> list[dict]:
-    import torch.multiprocessing as mp
+    # The standard library's: the ranks send back plain data, and this process (moto, the dry
+    # run, the summary) never imports torch, which would put seconds before the ranks start.
+    import multiprocessing as mp
 
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
