@@ -242,9 +242,9 @@ async def test_raw_shards_are_read_by_range(tmp_path):
     assert ranges[-1][1] == size and ranges[0][0] > header   # the JSON config is skipped
     # a few documents' lengths read a small part of the shard
     store = FileStore()
-    lengths = await MdsFormat().document_lengths(store, info(path), source="src",
-                                                 shard_name=path.name, on_skip=None, limit=5,
-                                                 chunk_bytes=4096)
+    lengths, _ = await MdsFormat().document_lengths(store, info(path), source="src",
+                                                    shard_name=path.name, on_skip=None, limit=5,
+                                                    chunk_bytes=4096)
     assert lengths.tolist() == [len(s["text"].encode()) for s in samples[:5]]
     assert sum(b - a for a, b in store.reads_of(path)) < size / 10
 
@@ -515,12 +515,12 @@ async def test_document_lengths(tmp_path):
     expected = reference_samples(root, tmp_path / "ref")
     fmt = MdsFormat()
     for path in shards_of(root):
-        lengths = await fmt.document_lengths(FileStore(), info(path), source="src",
-                                             shard_name=path.name, on_skip=None)
+        lengths, method = await fmt.document_lengths(FileStore(), info(path), source="src",
+                                                     shard_name=path.name, on_skip=None)
         n = sum(1 for k in expected if k.startswith(path.name + "/"))
         assert lengths.tolist() == [len(expected[f"{path.name}/{k}"]["text"].encode())
                                     for k in range(n)]
-        assert fmt.length_method == "scan"
+        assert method == "scan"
 
     tok = write(tmp_path / "tok", TOKEN_COLUMNS, token_samples(40, 17), size_limit=4096)
     expected = reference_samples(tok, tmp_path / "ref")
@@ -528,18 +528,19 @@ async def test_document_lengths(tmp_path):
         fmt = MdsFormat(None, field)
         for path in shards_of(tok):
             store = FileStore()
-            lengths = await fmt.document_lengths(store, info(path), source="src",
-                                                 shard_name=path.name, on_skip=None, limit=None)
+            lengths, method = await fmt.document_lengths(store, info(path), source="src",
+                                                         shard_name=path.name, on_skip=None,
+                                                         limit=None)
             n = sum(1 for k in expected if k.startswith(path.name + "/"))
             assert lengths.tolist() == [np.size(expected[f"{path.name}/{k}"][field])
                                         for k in range(n)]
             if field == "fixed":   # from the index alone: the shard is not read
-                assert fmt.length_method == "index" and store.reads_of(path) == []
+                assert method == "index" and store.reads_of(path) == []
             else:
-                assert fmt.length_method == "scan" and store.reads_of(path)
+                assert method == "scan" and store.reads_of(path)
         path = shards_of(tok)[0]
-        limited = await fmt.document_lengths(FileStore(), info(path), source="src",
-                                             shard_name=path.name, on_skip=None, limit=2)
+        limited, _ = await fmt.document_lengths(FileStore(), info(path), source="src",
+                                                shard_name=path.name, on_skip=None, limit=2)
         assert limited.size == 2
 
 
@@ -580,7 +581,7 @@ async def test_document_lengths_report_a_missing_shard_once(tmp_path, field):
                                    shard_name=shards[0].name, on_skip=None)
     skips, total = Skips(), 0
     for path in shards[:1] + shards[2:]:
-        total += (await fmt.document_lengths(FileStore(), info(path), source="src",
-                                             shard_name=path.name, on_skip=skips)).size
+        total += ((await fmt.document_lengths(FileStore(), info(path), source="src",
+                                             shard_name=path.name, on_skip=skips)).lengths).size
     assert [i for i, _ in skips.calls] == [None]
     assert total == 40 - deleted

@@ -133,9 +133,9 @@ async def test_files_written_by_megatron_core_builder(tmp_path, dtype):
         np.testing.assert_array_equal(mine, ref)
     for chunk_bytes in (3, 500, 1 << 20):
         assert_records(await read_shard(tmp_path / "a.bin", chunk_bytes=chunk_bytes), expected)
-    lengths = await MegatronFormat().document_lengths(FileStore(), info(tmp_path / "a.bin"),
-                                                      source="src", shard_name="a.bin",
-                                                      on_skip=None)
+    lengths, _ = await MegatronFormat().document_lengths(FileStore(), info(tmp_path / "a.bin"),
+                                                         source="src", shard_name="a.bin",
+                                                         on_skip=None)
     assert lengths.tolist() == dataset.sequence_lengths.tolist()
 
 
@@ -224,11 +224,11 @@ async def test_document_lengths_from_the_index_alone(tmp_path):
     sequences = random_sequences(6, 80, 1000)
     path = write_megatron_dataset(tmp_path / "d", sequences, dtype=np.uint16)
     fmt = MegatronFormat()
-    assert fmt.length_method == "index"
     for limit in (None, 0, 1, 17, 80, 500):
         store = FileStore()
-        lengths = await fmt.document_lengths(store, info(path), source="src", shard_name="d.bin",
-                                             on_skip=None, limit=limit)
+        lengths, method = await fmt.document_lengths(store, info(path), source="src",
+                                                     shard_name="d.bin", on_skip=None, limit=limit)
+        assert method == "index"
         assert lengths.dtype == np.int64
         assert lengths.tolist() == [s.size for s in sequences][:limit]
         assert all(uri.endswith(".idx") for uri, _, _ in store.reads)   # never the .bin
@@ -283,8 +283,8 @@ async def test_truncated_bin_names_the_first_sequence_that_does_not_fit(tmp_path
     with pytest.raises(DataError, match="record 2"):
         await fmt.document_lengths(FileStore(), info(path), source="src", shard_name="t.bin",
                                    on_skip=None)
-    lengths = await fmt.document_lengths(FileStore(), info(path), source="src",
-                                         shard_name="t.bin", on_skip=Skips())
+    lengths, _ = await fmt.document_lengths(FileStore(), info(path), source="src",
+                                            shard_name="t.bin", on_skip=Skips())
     assert lengths.tolist() == [10, 20]
 
 

@@ -334,9 +334,9 @@ async def test_a_few_records_read_a_small_part(tmp_path):
     path = make_big_file(tmp_path / "big")
     size = path.stat().st_size
     store = FileStore()
-    lengths = await ParquetFormat().document_lengths(store, info(path), source="src",
-                                                     shard_name="big.parquet", on_skip=None,
-                                                     limit=10)
+    lengths, _ = await ParquetFormat().document_lengths(store, info(path), source="src",
+                                                        shard_name="big.parquet", on_skip=None,
+                                                        limit=10)
     expected = [len(t.encode()) for t in pq.read_table(path).column("text").to_pylist()]
     assert lengths.tolist() == expected[:10]
     # the footer (one or two reads: the blobs' statistics make it long), then the first row
@@ -506,15 +506,15 @@ async def test_document_lengths(tmp_path):
         await fmt.document_lengths(FileStore(), shard, source="src", shard_name="a",
                                    on_skip=None)
     skips = Skips()
-    lengths = await fmt.document_lengths(FileStore(), shard, source="src", shard_name="a",
-                                         on_skip=skips)
+    lengths, _ = await fmt.document_lengths(FileStore(), shard, source="src", shard_name="a",
+                                            on_skip=skips)
     assert lengths.tolist() == [len(t.encode()) for t in values if t is not None]
     assert [i for i, _ in skips.calls] == [3]
     tokenizer = PerDocument(lambda text: [len(w) for w in text.split()])
-    lengths = await fmt.document_lengths(FileStore(), shard, source="src", shard_name="a",
-                                         on_skip=Skips(), tokenizer=tokenizer, limit=20)
+    lengths, _ = await fmt.document_lengths(FileStore(), shard, source="src", shard_name="a",
+                                            on_skip=Skips(), tokenizer=tokenizer, limit=20)
     assert lengths.tolist() == [len(t.split()) for t in values if t is not None][:20]
-    lengths = await ParquetFormat(None, "ids", True).document_lengths(
+    lengths, _ = await ParquetFormat(None, "ids", True).document_lengths(
         FileStore(), shard, source="src", shard_name="a", on_skip=None)
     assert lengths.tolist() == [i % 13 for i in range(45)]
 

@@ -165,8 +165,8 @@ async def test_tokens_field_reads_npy_members(tmp_path, dtype):
         for r, ref in zip(records, expected):
             assert r.payload.dtype.isnative
             np.testing.assert_array_equal(r.payload, ref)
-    lengths = await fmt.document_lengths(FileStore(), info(path), source="src",
-                                         shard_name="t.tar", on_skip=None)
+    lengths, _ = await fmt.document_lengths(FileStore(), info(path), source="src",
+                                            shard_name="t.tar", on_skip=None)
     assert lengths.tolist() == [a.size for a in arrays]
 
 
@@ -282,13 +282,12 @@ async def test_archive_without_end_blocks_is_read_like_tarfile_reads_it(tmp_path
 async def test_document_lengths_scan(tmp_path):
     path = write_webdataset_shard(tmp_path / "d.tar.gz", sample_dicts(25, seed=5))
     fmt = WebdatasetFormat()
-    assert fmt.length_method == "scan"
     expected = [len(t.encode()) for _, t in reference_texts(path)]
     for limit in (None, 0, 3, 25, 99):
-        lengths = await fmt.document_lengths(FileStore(), info(path), source="src",
-                                             shard_name="d.tar.gz", on_skip=None, limit=limit,
-                                             chunk_bytes=777)
-        assert lengths.tolist() == expected[:limit]
+        lengths, method = await fmt.document_lengths(FileStore(), info(path), source="src",
+                                                     shard_name="d.tar.gz", on_skip=None,
+                                                     limit=limit, chunk_bytes=777)
+        assert lengths.tolist() == expected[:limit] and method == "scan"
 
 
 # ------------------------------------------------------------------ detection

@@ -506,16 +506,16 @@ async def test_document_lengths_of_a_token_shard_from_the_index_alone(tmp_path):
     docs = make_docs(np.random.default_rng(7), 2**16, n=300)
     tokens_path, offsets_path = write_token_shard(tmp_path / "s", docs, dtype=np.uint16)
     store = FileStore()
-    lengths = await TokensFormat().document_lengths(store, info(tokens_path), source="src",
-                                                    shard_name="s", on_skip=None)
+    lengths, _ = await TokensFormat().document_lengths(store, info(tokens_path), source="src",
+                                                       shard_name="s", on_skip=None)
     assert lengths.dtype == np.int64
     assert lengths.tolist() == [len(d) for d in docs]
     assert lengths.tolist() == await fetched_lengths(TokensFormat(), tokens_path)
     assert {uri for uri, _, _ in store.reads} == {str(offsets_path)}   # never the token file
 
     store = FileStore()
-    first = await TokensFormat().document_lengths(store, info(tokens_path), source="src",
-                                                  shard_name="s", on_skip=None, limit=10)
+    first, _ = await TokensFormat().document_lengths(store, info(tokens_path), source="src",
+                                                     shard_name="s", on_skip=None, limit=10)
     assert first.tolist() == lengths[:10].tolist()
     assert max(end for _, _, end in store.reads) < offsets_path.stat().st_size
 
@@ -527,17 +527,17 @@ async def test_document_lengths_of_a_jsonl_shard_as_fetched(tmp_path, name, toke
     texts = TEXTS + [" ".join("wörd" for _ in range(int(n))) for n in rng.integers(0, 400, 200)]
     path = write_jsonl(tmp_path / name, texts)
     fmt = JsonlFormat()
-    lengths = await fmt.document_lengths(FileStore(), info(path), source="src",
-                                         shard_name=name, on_skip=None, tokenizer=tokenizer,
-                                         chunk_bytes=100)
+    lengths, _ = await fmt.document_lengths(FileStore(), info(path), source="src",
+                                            shard_name=name, on_skip=None, tokenizer=tokenizer,
+                                            chunk_bytes=100)
     assert lengths.dtype == np.int64
     assert lengths.tolist() == await fetched_lengths(fmt, path, tokenizer)
     if tokenizer is None:
         assert lengths.tolist() == [len(t.encode("utf-8")) for t in texts]
     for limit in (0, 1, 7, len(texts), len(texts) + 5):
-        cut = await fmt.document_lengths(FileStore(), info(path), source="src", shard_name=name,
-                                         on_skip=None, tokenizer=tokenizer, limit=limit,
-                                         chunk_bytes=100)
+        cut, _ = await fmt.document_lengths(FileStore(), info(path), source="src", shard_name=name,
+                                            on_skip=None, tokenizer=tokenizer, limit=limit,
+                                            chunk_bytes=100)
         assert cut.tolist() == lengths[:limit].tolist()
 
 
@@ -564,8 +564,8 @@ async def test_document_lengths_match_what_the_loader_delivers(tmp_path):
     expected = {}
     for shard in ("t.tokens.npy", "j.jsonl.gz"):
         path = tmp_path / "src" / shard
-        lengths = await format_for(str(path)).document_lengths(
-            store, info(path), source="src", shard_name=shard, on_skip=None)
+        lengths, _ = await format_for(str(path)).document_lengths(
+               store, info(path), source="src", shard_name=shard, on_skip=None)
         expected.update({f"src/{shard}/{d}": int(n) for d, n in enumerate(lengths) if n})
     assert delivered == expected
 
@@ -585,14 +585,14 @@ async def test_document_lengths_skip_and_raise(tmp_path):
         await fmt.document_lengths(FileStore(), info(path), source="src", shard_name="bad.jsonl",
                                    on_skip=None)
     skips = Skips()
-    lengths = await fmt.document_lengths(FileStore(), info(path), source="src",
-                                         shard_name="bad.jsonl", on_skip=skips,
-                                         tokenizer=PerDocument(fragile))
+    lengths, _ = await fmt.document_lengths(FileStore(), info(path), source="src",
+                                            shard_name="bad.jsonl", on_skip=skips,
+                                            tokenizer=PerDocument(fragile))
     assert lengths.tolist() == [2, 0]
     assert [i for i, _ in skips.calls] == [1, 2, 4]      # the tokenizer's failure names record 4
-    lengths = await fmt.document_lengths(FileStore(), info(path), source="src",
-                                         shard_name="bad.jsonl", on_skip=Skips(),
-                                         tokenizer=PerDocument(fragile), limit=2, chunk_bytes=5)
+    lengths, _ = await fmt.document_lengths(FileStore(), info(path), source="src",
+                                            shard_name="bad.jsonl", on_skip=Skips(),
+                                            tokenizer=PerDocument(fragile), limit=2, chunk_bytes=5)
     assert lengths.tolist() == [2, 0]                    # the limit counts documents, not skips
     clean = write_jsonl(tmp_path / "clean.jsonl", ["ok", "boom", "fine"])
     with pytest.raises(DataError, match=r"shard 'clean.jsonl', record 1: tokenizer failed"):
@@ -606,8 +606,8 @@ async def test_document_lengths_skip_and_raise(tmp_path):
         await TokensFormat().document_lengths(FileStore(), info(tokens_path), source="src",
                                               shard_name="t", on_skip=None)
     skips = Skips()
-    lengths = await TokensFormat().document_lengths(FileStore(), info(tokens_path),
-                                                    source="src", shard_name="t", on_skip=skips)
+    lengths, _ = await TokensFormat().document_lengths(FileStore(), info(tokens_path),
+                                                       source="src", shard_name="t", on_skip=skips)
     assert lengths.size == 0 and skips.calls[0][0] is None
 
 

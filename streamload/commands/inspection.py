@@ -105,7 +105,7 @@ async def _read_shard(store: ObjectStore, source: Source, shard: Shard, chunk_by
             where = f"{shard.name}" + (f" record {record}" if record is not None else "")
             problems.append(f"{where}: {reason}")
 
-    lengths = await shard.format.document_lengths(
+    lengths, _ = await shard.format.document_lengths(
         store, shard.info, source=source.name or "source", shard_name=shard.name,
         on_skip=on_skip, chunk_bytes=chunk_bytes)
     report.records = int(lengths.size)

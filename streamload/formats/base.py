@@ -16,13 +16,15 @@ document number for token shards) and either text (to be tokenized) or a token a
 `await fmt.document_lengths(store, shard, ...)` measures a shard's documents without keeping
 their tokens, as the loader would count them (the dry run and `streamload inspect` use it): a
 token shard from its offsets index alone, a record shard by decoding it and measuring each text
-with the tokenizer (UTF-8 bytes without one). Both follow the skip policy of `open`.
+with the tokenizer (UTF-8 bytes without one). Both follow the skip policy of `open`. It returns
+`DocumentLengths`: the lengths and how they were measured, per shard (a format object is shared,
+so it keeps no result of its own).
 """
 from __future__ import annotations
 
 import difflib
 from dataclasses import dataclass
-from typing import Callable, Protocol, Sequence, Union
+from typing import Callable, NamedTuple, Protocol, Sequence, Union
 
 import numpy as np
 
@@ -94,6 +96,12 @@ async def read_exact(store: ObjectStore, uri: str, start: int, end: int, what: s
     if exact and len(data) != end - start:
         raise BadShard(f"{what} is truncated (wanted bytes {start}-{end}, got {len(data)})")
     return data
+
+
+class DocumentLengths(NamedTuple):
+    """What `ShardFormat.document_lengths` measured of one shard."""
+    lengths: np.ndarray   # int64 [documents]
+    method: str           # "index" (from a length index, no record read) or "scan" (decoded)
 
 
 @dataclass(frozen=True)
@@ -190,9 +198,6 @@ class PlannedStream:
 
 class ShardFormat(Protocol):
     name: str
-    # How `document_lengths` measures: "index" (a length index, no records read) or "scan"
-    # (the records decoded and measured).
-    length_method: str
 
     def matches(self, uri: str) -> bool:
         """True when this format reads `uri` (by its name). Companion files (indexes) return False."""
@@ -203,9 +208,9 @@ class ShardFormat(Protocol):
     async def document_lengths(self, store: ObjectStore, shard: ObjectInfo, *, source: str,
                                shard_name: str, on_skip: SkipCallback | None,
                                tokenizer: TextTokenizer | None = None, limit: int | None = None,
-                               chunk_bytes: int = LENGTHS_CHUNK_BYTES) -> np.ndarray:
-        """int64 [documents]: the length in tokens of each of the shard's documents, in record
-        order, as the loader would measure it (empty documents included, as 0; records that
+                               chunk_bytes: int = LENGTHS_CHUNK_BYTES) -> DocumentLengths:
+        """The length in tokens of each of the shard's documents (int64, in record order), and
+        whether an index gave them or a scan of the records (`DocumentLengths`); as the loader would measure it (empty documents included, as 0; records that
         are skipped left out). `tokenizer` measures texts (None: UTF-8 bytes, the loader's
         default); `limit` stops after that many documents (at most `limit` come back). Errors
         are DataErrors naming `source`, `shard_name` and the record where there is one, or

@@ -18,7 +18,8 @@ import zstandard
 from ..errors import ConfigError
 from ..storage.base import ObjectInfo, ObjectStore
 from ..tokenizer import TextTokenizer
-from .base import LENGTHS_CHUNK_BYTES, PlannedStream, RawRecord, SkipCallback, field_hint
+from .base import (LENGTHS_CHUNK_BYTES, DocumentLengths, PlannedStream, RawRecord, SkipCallback,
+                   field_hint)
 from .lengths import stream_lengths
 
 _BOM = b"\xef\xbb\xbf"
@@ -203,7 +204,6 @@ class JsonlFormat:
     as in C4-style dumps."""
 
     name = "jsonl"
-    length_method = "scan"
 
     def __init__(self, text_field: str | None = None, tokens_field: str | None = None,
                  named: bool = False):
@@ -230,7 +230,7 @@ class JsonlFormat:
     async def document_lengths(self, store: ObjectStore, shard: ObjectInfo, *, source: str,
                                shard_name: str, on_skip: SkipCallback | None,
                                tokenizer: TextTokenizer | None = None, limit: int | None = None,
-                               chunk_bytes: int = LENGTHS_CHUNK_BYTES) -> np.ndarray:
+                               chunk_bytes: int = LENGTHS_CHUNK_BYTES) -> DocumentLengths:
         """Each document's length in tokens (`ShardFormat.document_lengths`): the records
         decoded and each text measured with `tokenizer`, UTF-8 bytes without one."""
         return await stream_lengths(self, store, shard, source=source, shard_name=shard_name,

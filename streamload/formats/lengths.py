@@ -16,7 +16,7 @@ import numpy as np
 from ..errors import ConfigError, DataError
 from ..storage.base import ObjectInfo, ObjectStore
 from ..tokenizer import TextTokenizer, TokenizerError
-from .base import RawRecord, SkipCallback
+from .base import DocumentLengths, RawRecord, SkipCallback
 
 
 def measure_records(records: list[RawRecord], tokenizer: Optional[TextTokenizer], *,
@@ -62,14 +62,14 @@ def measure_records(records: list[RawRecord], tokenizer: Optional[TextTokenizer]
 async def stream_lengths(fmt, store: ObjectStore, shard: ObjectInfo, *, source: str,
                          shard_name: str, on_skip: Optional[SkipCallback],
                          tokenizer: Optional[TextTokenizer], limit: Optional[int],
-                         chunk_bytes: int) -> np.ndarray:
+                         chunk_bytes: int) -> DocumentLengths:
     """`fmt.document_lengths` by reading the shard's records: decode, measure (see the module
     docstring). With `limit`, reading stops once that many documents are measured."""
     if limit is not None and limit < 0:
         raise ConfigError.at("limit", f"must be >= 0, got {limit}")
     out: list[int] = []
     if limit == 0:
-        return np.zeros(0, np.int64)
+        return DocumentLengths(np.zeros(0, np.int64), "scan")
     stream = await fmt.open(store, shard, source=source, shard_name=shard_name,
                             on_skip=on_skip, chunk_bytes=chunk_bytes)
 
@@ -89,4 +89,4 @@ async def stream_lengths(fmt, store: ObjectStore, shard: ObjectInfo, *, source: 
             break
     else:
         add(stream.finish())
-    return np.array(out, dtype=np.int64)
+    return DocumentLengths(np.array(out, dtype=np.int64), "scan")

@@ -54,8 +54,8 @@ import zstandard
 from ..errors import ConfigError
 from ..storage.base import ObjectInfo, ObjectStore
 from ..tokenizer import TextTokenizer
-from .base import (LENGTHS_CHUNK_BYTES, BadShard, EmptyStream, MissingField, PlannedStream,
-                   RawRecord, SkipCallback, field_hint, read_exact, shard_failed)
+from .base import (LENGTHS_CHUNK_BYTES, BadShard, DocumentLengths, EmptyStream, MissingField,
+                   PlannedStream, RawRecord, SkipCallback, field_hint, read_exact, shard_failed)
 from .lengths import stream_lengths
 from .tokens import plan_groups
 
@@ -615,7 +615,6 @@ class LitdataFormat:
 
     name = "litdata"
     # "index" until a document_lengths call had to decode a chunk ("scan").
-    length_method = "index"
 
     def __init__(self, text_field: str | None = None, tokens_field: str | None = None,
                  named: bool = False, *, block_size: int | None = None):
@@ -770,7 +769,7 @@ class LitdataFormat:
     async def document_lengths(self, store: ObjectStore, shard: ObjectInfo, *, source: str,
                                shard_name: str, on_skip: SkipCallback | None,
                                tokenizer: TextTokenizer | None = None, limit: int | None = None,
-                               chunk_bytes: int = LENGTHS_CHUNK_BYTES) -> np.ndarray:
+                               chunk_bytes: int = LENGTHS_CHUNK_BYTES) -> DocumentLengths:
         """Each record's length in tokens (`ShardFormat.document_lengths`): from index.json
         alone for TokensLoader blocks; from the chunk's offsets for TokensLoader items, token
         fields, and texts without a tokenizer when the other leaves have fixed sizes (the
@@ -782,15 +781,14 @@ class LitdataFormat:
             lengths = await _index_lengths(store, shard, dataset.layout, chunk, tokenizer)
         except BadShard as exc:
             shard_failed(exc, source, shard_name, on_skip)
-            return np.zeros(0, np.int64)
+            return DocumentLengths(np.zeros(0, np.int64), "index")
         if lengths is not None and missing is not None:
             on_skip(None, missing)
         if lengths is None:   # `open` reports the missing chunk, if any
-            self.length_method = "scan"
             return await stream_lengths(self, store, shard, source=source, shard_name=shard_name,
                                         on_skip=on_skip, tokenizer=tokenizer, limit=limit,
                                         chunk_bytes=chunk_bytes)
-        return lengths if limit is None else lengths[:limit]
+        return DocumentLengths(lengths if limit is None else lengths[:limit], "index")
 
 
 def _index_name(shard_name: str) -> str:

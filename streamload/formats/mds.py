@@ -48,8 +48,8 @@ import zstandard
 from ..errors import ConfigError, DataError
 from ..storage.base import ObjectInfo, ObjectStore
 from ..tokenizer import TextTokenizer
-from .base import (LENGTHS_CHUNK_BYTES, BadShard, EmptyStream, MissingField, PlannedStream,
-                   RawRecord, SkipCallback, field_hint, shard_failed)
+from .base import (LENGTHS_CHUNK_BYTES, BadShard, DocumentLengths, EmptyStream, MissingField,
+                   PlannedStream, RawRecord, SkipCallback, field_hint, shard_failed)
 from .lengths import stream_lengths
 
 INDEX_NAME = "index.json"
@@ -492,7 +492,6 @@ class MdsFormat:
     name = "mds"
     # "scan" (decoded records) but for fixed-shape token columns, measured from the index:
     # `document_lengths` sets it to what it used last.
-    length_method = "scan"
 
     def __init__(self, text_field: str | None = None, tokens_field: str | None = None,
                  named: bool = False):
@@ -632,7 +631,7 @@ class MdsFormat:
     async def document_lengths(self, store: ObjectStore, shard: ObjectInfo, *, source: str,
                                shard_name: str, on_skip: SkipCallback | None,
                                tokenizer: TextTokenizer | None = None, limit: int | None = None,
-                               chunk_bytes: int = LENGTHS_CHUNK_BYTES) -> np.ndarray:
+                               chunk_bytes: int = LENGTHS_CHUNK_BYTES) -> DocumentLengths:
         """Each document's length in tokens (`ShardFormat.document_lengths`). A token column
         of fixed shape: from the index alone (its sample count; the shard is not read).
         Otherwise the samples are decoded and measured (texts with `tokenizer`, UTF-8 bytes
@@ -643,13 +642,11 @@ class MdsFormat:
             resolved = await self._resolve(store, shard, source=source, shard_name=shard_name,
                                            on_skip=on_skip)
             if resolved is None or resolved[1] == "copy":
-                return np.zeros(0, np.int64)
+                return DocumentLengths(np.zeros(0, np.int64), "index")
             entry, _, layout = resolved
             if layout.static_count is not None:
-                self.length_method = "index"
                 n = entry.samples if limit is None else min(limit, entry.samples)
-                return np.full(n, layout.static_count, np.int64)
-        self.length_method = "scan"
+                return DocumentLengths(np.full(n, layout.static_count, np.int64), "index")
         # Token columns were resolved above, missing shards reported: not a second time.
         reader = _Reader(self, report_missing=not self.tokens)
         return await stream_lengths(reader, store, shard, source=source, shard_name=shard_name,

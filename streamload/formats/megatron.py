@@ -35,8 +35,8 @@ import numpy as np
 from ..errors import ConfigError, DataError
 from ..storage.base import ObjectInfo, ObjectStore
 from ..tokenizer import TextTokenizer
-from .base import (LENGTHS_CHUNK_BYTES, BadShard, EmptyStream, PlannedStream, RawRecord,
-                   SkipCallback, read_exact, shard_failed)
+from .base import (LENGTHS_CHUNK_BYTES, BadShard, DocumentLengths, EmptyStream, PlannedStream,
+                   RawRecord, SkipCallback, read_exact, shard_failed)
 from .litdata import CHUNK_NAME as LITDATA_CHUNK
 from .tokens import plan_groups
 
@@ -261,7 +261,6 @@ class MegatronFormat:
     with format="megatron" every `.bin` is a shard."""
 
     name = "megatron"
-    length_method = "index"
 
     def __init__(self, text_field: str | None = None, tokens_field: str | None = None,
                  named: bool = False):
@@ -298,7 +297,7 @@ class MegatronFormat:
     async def document_lengths(self, store: ObjectStore, shard: ObjectInfo, *, source: str,
                                shard_name: str, on_skip: SkipCallback | None,
                                tokenizer: TextTokenizer | None = None, limit: int | None = None,
-                               chunk_bytes: int = LENGTHS_CHUNK_BYTES) -> np.ndarray:
+                               chunk_bytes: int = LENGTHS_CHUNK_BYTES) -> DocumentLengths:
         """Each sequence's length in tokens (`ShardFormat.document_lengths`), from the .idx
         alone; the .bin is not read, only its size (from the listing) is compared with the
         pointers, so sequences a truncated .bin cuts off are handled as `open` handles them.
@@ -310,9 +309,9 @@ class MegatronFormat:
         index = await self._index(store, shard, source=source, shard_name=shard_name,
                                   on_skip=on_skip, max_sequences=limit)
         if index is None:
-            return np.zeros(0, np.int64)
+            return DocumentLengths(np.zeros(0, np.int64), "index")
         keep = _fitting(index, shard.size, source=source, shard_name=shard_name, on_skip=on_skip)
-        return index.lengths[keep].astype(np.int64)
+        return DocumentLengths(index.lengths[keep].astype(np.int64), "index")
 
 
 def write_megatron_dataset(path_prefix: str | os.PathLike, sequences: Sequence[np.ndarray],

@@ -46,8 +46,8 @@ import numpy as np
 from ..errors import ConfigError
 from ..storage.base import ObjectInfo, ObjectStore
 from ..tokenizer import TextTokenizer
-from .base import (LENGTHS_CHUNK_BYTES, BadShard, EmptyStream, MissingField, PlannedStream,
-                   RawRecord, SkipCallback, field_hint, read_exact, shard_failed)
+from .base import (LENGTHS_CHUNK_BYTES, BadShard, DocumentLengths, EmptyStream, MissingField,
+                   PlannedStream, RawRecord, SkipCallback, field_hint, read_exact, shard_failed)
 from .lengths import stream_lengths
 
 _SUFFIX = ".parquet"
@@ -283,7 +283,6 @@ class ParquetFormat:
     `tokens_field` the token ids of a list-of-integers column."""
 
     name = "parquet"
-    length_method = "scan"
 
     def __init__(self, text_field: str | None = None, tokens_field: str | None = None,
                  named: bool = False):
@@ -343,7 +342,7 @@ class ParquetFormat:
     async def document_lengths(self, store: ObjectStore, shard: ObjectInfo, *, source: str,
                                shard_name: str, on_skip: SkipCallback | None,
                                tokenizer: TextTokenizer | None = None, limit: int | None = None,
-                               chunk_bytes: int = LENGTHS_CHUNK_BYTES) -> np.ndarray:
+                               chunk_bytes: int = LENGTHS_CHUNK_BYTES) -> DocumentLengths:
         """Each document's length in tokens (`ShardFormat.document_lengths`): the row groups'
         column read as the fetcher reads it (only as many row groups as `limit` needs) and each
         document measured: a token list's length, a text with `tokenizer` (UTF-8 bytes

@@ -21,8 +21,8 @@ import numpy as np
 from ..errors import ConfigError, DataError
 from ..storage.base import ObjectInfo, ObjectStore
 from ..tokenizer import TextTokenizer
-from .base import (LENGTHS_CHUNK_BYTES, BadShard, EmptyStream, PlannedStream, RawRecord,
-                   SkipCallback, read_exact, shard_failed)
+from .base import (LENGTHS_CHUNK_BYTES, BadShard, DocumentLengths, EmptyStream, PlannedStream,
+                   RawRecord, SkipCallback, read_exact, shard_failed)
 
 TOKENS_SUFFIX = ".tokens.npy"
 OFFSETS_SUFFIX = ".offsets.npy"
@@ -214,7 +214,6 @@ class TokensFormat:
     """`*.tokens.npy` shards with their `*.offsets.npy` companions."""
 
     name = "tokens"
-    length_method = "index"
 
     def __init__(self, text_field: str | None = None, tokens_field: str | None = None,
                  named: bool = False):
@@ -238,7 +237,7 @@ class TokensFormat:
     async def document_lengths(self, store: ObjectStore, shard: ObjectInfo, *, source: str,
                                shard_name: str, on_skip: SkipCallback | None,
                                tokenizer: TextTokenizer | None = None, limit: int | None = None,
-                               chunk_bytes: int = LENGTHS_CHUNK_BYTES) -> np.ndarray:
+                               chunk_bytes: int = LENGTHS_CHUNK_BYTES) -> DocumentLengths:
         """Each document's length in tokens (`ShardFormat.document_lengths`), from the shard's
         offsets index alone: np.diff(offsets). The token file is not read, so what only it can
         show (a truncated file, negative ids) goes unnoticed here; the offsets are checked (they
@@ -253,5 +252,5 @@ class TokensFormat:
             _check_offsets(offsets, None, what)   # the token count is in the unread token file
         except BadShard as exc:
             shard_failed(exc, source, shard_name, on_skip)
-            return np.zeros(0, np.int64)
-        return np.diff(offsets).astype(np.int64, copy=False)
+            return DocumentLengths(np.zeros(0, np.int64), "index")
+        return DocumentLengths(np.diff(offsets).astype(np.int64, copy=False), "index")

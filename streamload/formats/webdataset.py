@@ -49,7 +49,8 @@ import numpy as np
 from ..errors import ConfigError, DataError
 from ..storage.base import ObjectInfo, ObjectStore
 from ..tokenizer import TextTokenizer
-from .base import LENGTHS_CHUNK_BYTES, BadShard, RawRecord, SkipCallback, field_hint
+from .base import (LENGTHS_CHUNK_BYTES, BadShard, DocumentLengths, RawRecord, SkipCallback,
+                   field_hint)
 from .lengths import stream_lengths
 
 BLOCK = 512
@@ -437,7 +438,6 @@ class WebdatasetFormat:
     member's field ("json.text"); `tokens_field` a `.npy` member of token ids instead."""
 
     name = "webdataset"
-    length_method = "scan"
 
     def __init__(self, text_field: str | None = None, tokens_field: str | None = None,
                  named: bool = False):
@@ -471,7 +471,7 @@ class WebdatasetFormat:
     async def document_lengths(self, store: ObjectStore, shard: ObjectInfo, *, source: str,
                                shard_name: str, on_skip: SkipCallback | None,
                                tokenizer: TextTokenizer | None = None, limit: int | None = None,
-                               chunk_bytes: int = LENGTHS_CHUNK_BYTES) -> np.ndarray:
+                               chunk_bytes: int = LENGTHS_CHUNK_BYTES) -> DocumentLengths:
         """Each sample's length in tokens (`ShardFormat.document_lengths`): the shard is read
         and each text measured with `tokenizer` (UTF-8 bytes without one), token ids counted."""
         return await stream_lengths(self, store, shard, source=source, shard_name=shard_name,

@@ -13,6 +13,7 @@ import numpy as np
 from ...configfile import LoaderSpec
 from ...errors import ConfigError, StorageError
 from ...pieces import cut_documents
+from ...formats.base import DocumentLengths
 from ...formats.catalog import Shard, list_shards
 from ...storage import open_store, source_store_options
 
@@ -78,7 +79,7 @@ async def _scan_source(spec: LoaderSpec, index: int, tokenizer, max_docs: Option
         budget = max_docs
         slots = asyncio.Semaphore(SCAN_CONCURRENCY)
 
-        async def read(shard: Shard, limit: Optional[int]) -> np.ndarray:
+        async def read(shard: Shard, limit: Optional[int]) -> DocumentLengths:
             async with slots:
                 # One document more than needed tells whether the cap cut the shard short.
                 return await shard.format.document_lengths(
@@ -92,13 +93,13 @@ async def _scan_source(spec: LoaderSpec, index: int, tokenizer, max_docs: Option
             wave = shards[at:at + SCAN_CONCURRENCY]
             at += len(wave)
             results = await asyncio.gather(*(read(s, budget) for s in wave))
-            for shard, docs in zip(wave, results):
+            for shard, (docs, method) in zip(wave, results):
                 if budget is not None:
                     if docs.size > budget:
                         docs, cut = docs[:budget], True
                     budget -= docs.size
                 per_shard.append(docs)
-                methods.add(shard.format.length_method)
+                methods.add(method)
                 formats.add(shard.format.name)
                 if cut:
                     break
