@@ -59,7 +59,7 @@ def main(argv=None) -> int:
     parser.add_argument("--run-dir", type=Path, required=True)
     parser.add_argument("--every", type=int, default=3)
     parser.add_argument("--sleep", type=float, default=0.02)
-    parser.add_argument("--collective-timeout", type=float, default=30.0)
+    parser.add_argument("--collective-timeout", type=float, default=120.0)   # a loaded machine
     parser.add_argument("--die-after", type=int, default=0)
     parser.add_argument("--no-barrier", action="store_true")
     parser.add_argument("--pause-at", type=int, default=-1)
@@ -71,7 +71,7 @@ def main(argv=None) -> int:
     import torch.distributed as dist
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{args.port}", rank=args.rank,
-                            world_size=args.world, timeout=datetime.timedelta(seconds=60))
+                            world_size=args.world, timeout=datetime.timedelta(seconds=300))
     rank, run = args.rank, args.run_dir
     checkpoint = run / "checkpoint.json"
     saved = msgspec.json.decode(checkpoint.read_bytes()) if checkpoint.exists() else None

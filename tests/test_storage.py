@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import errno
 import socket
+import time
 import uuid
 
 import fsspec
@@ -313,13 +314,25 @@ async def test_s3_transient_faults_are_retried(s3, monkeypatch, fault):
 
 
 async def test_s3_hung_request_times_out_and_is_retried(s3_bucket, storage_options, monkeypatch):
+    """A request that never answers is cut at request_timeout_s and retried. The timeout is
+    ten times what a first request (connection included) takes here, so that the real retry
+    fits in it on a loaded machine too; and should one still not, it is retried in turn."""
     client, bucket = s3_bucket
     client.put_object(Bucket=bucket, Key="obj.bin", Body=DATA)
-    policy = RetryPolicy(max_attempts=3, initial_backoff_s=0.001, request_timeout_s=0.2)
+    uri = f"s3://{bucket}/obj.bin"
+    async with S3Store(storage_options, retry=FAST) as probe:
+        started = time.perf_counter()
+        assert await probe.read_range(uri, 0, 4) == DATA[:4]
+        timeout = max(0.2, 10 * (time.perf_counter() - started))
+    policy = RetryPolicy(max_attempts=6, initial_backoff_s=0.001, request_timeout_s=timeout)
     async with S3Store(storage_options, retry=policy) as store:
-        await _inject(store, monkeypatch, ["hang"])
-        assert await store.read_range(f"s3://{bucket}/obj.bin", 0, 4) == DATA[:4]
-        assert store.counters.retries == 1
+        faults = ["hang"]
+        await _inject(store, monkeypatch, faults)
+        started = time.perf_counter()
+        assert await store.read_range(uri, 0, 4) == DATA[:4]
+        assert faults == [], "the first attempt did not hang"
+        assert store.counters.retries >= 1                    # the hung attempt was retried
+        assert time.perf_counter() - started >= timeout       # ... once its timeout ran out
 
 
 async def test_s3_exhausted_retries_name_the_object(s3, monkeypatch):
