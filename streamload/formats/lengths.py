@@ -4,12 +4,12 @@
 The shard is read as the fetcher reads it (open, the planned ranges in order, decode, finish)
 and each record measured as the loader's transform would count its tokens: a text's UTF-8
 bytes without a tokenizer, else the number of ids the tokenizer gives it (one `encode_texts`
-call per range, failures handled as `SourceFetcher._tokenize` handles them). The ids are
+call per range, failures handled by `encode_records`, as the fetcher's are). The ids are
 counted, not checked: the lengths are what matters here.
 """
 from __future__ import annotations
 
-from typing import Optional
+from typing import Any, Awaitable, Callable, Optional
 
 import numpy as np
 
@@ -19,44 +19,61 @@ from ..tokenizer import TextTokenizer, TokenizerError
 from .base import DocumentLengths, RawRecord, SkipCallback
 
 
-def measure_records(records: list[RawRecord], tokenizer: Optional[TextTokenizer], *,
-                    source: str, shard_name: str,
-                    on_skip: Optional[SkipCallback]) -> list[int]:
-    """The token count of each record, in order; records the tokenizer fails on raise a
-    DataError naming them, or with `on_skip` are left out and reported."""
-    lengths: list[Optional[int]] = [None] * len(records)
-    todo = []
-    for k, record in enumerate(records):
-        if not isinstance(record.payload, str):   # token ids already
-            lengths[k] = int(np.size(record.payload))
-        elif tokenizer is None:
-            lengths[k] = len(record.payload.encode("utf-8"))
-        else:
-            todo.append(k)
+async def encode_records(records: list[RawRecord],
+                         encode: Callable[[list[str]], Awaitable[list]], *, source: str,
+                         shard_name: str, on_skip: Optional[SkipCallback]
+                         ) -> list[tuple[RawRecord, Any]]:
+    """(record, token ids) for every record of `records`, in order: a token record's own ids,
+    a text's from `encode` (one call for all the texts, `TextTokenizer.encode_texts` or a hop
+    to where it runs). The one place of what a tokenizer failure is (the fetcher and
+    `document_lengths` both come here): a text it fails on (`TokenizerError`) is a DataError
+    naming the record, or with `on_skip` left out and reported, and the call goes on past it;
+    a tokenizer that fails the whole call, or returns another number of results, is a
+    DataError naming the records of the call."""
+    ids: list[Any] = [r.payload if not isinstance(r.payload, str) else None for r in records]
+    failed: set[int] = set()
+    todo = [k for k, r in enumerate(records) if isinstance(r.payload, str)]
     while todo:
+        span = f"records {records[todo[0]].index}..{records[todo[-1]].index}"
         try:
-            tokens = tokenizer.encode_texts([records[k].payload for k in todo])
+            tokens = await encode([records[k].payload for k in todo])
         except TokenizerError as exc:
-            record = records[todo[exc.index]].index
+            k = todo[exc.index]
             if on_skip is None:   # chained: the tokenizer's own traceback stays visible
                 raise DataError(str(exc), source=source, shard=shard_name,
-                                record=record) from exc.__cause__
-            on_skip(record, str(exc))
-            tokens, todo_next = exc.done, todo[exc.index + 1:]
+                                record=records[k].index) from exc.__cause__
+            on_skip(records[k].index, str(exc))
+            tokens, failed = exc.done, failed | {k}
+            todo_next = todo[exc.index + 1:]
         except Exception as exc:   # a batch tokenizer: no record to name
-            raise DataError(f"the tokenizer failed on records {records[todo[0]].index}.."
-                            f"{records[todo[-1]].index}: {type(exc).__name__}: {exc}",
+            raise DataError(f"the tokenizer failed on {span}: {type(exc).__name__}: {exc}",
                             source=source, shard=shard_name) from exc
         else:
             todo_next = []
             if len(tokens) != len(todo):
-                raise DataError(f"the tokenizer returned {len(tokens)} results for "
-                                f"{len(todo)} documents (records {records[todo[0]].index}.."
-                                f"{records[todo[-1]].index})", source=source, shard=shard_name)
-        for k, ids in zip(todo, tokens):
-            lengths[k] = int(np.size(ids))
+                raise DataError(f"the tokenizer returned {len(tokens)} results for {len(todo)} "
+                                f"documents ({span})", source=source, shard=shard_name)
+        for k, result in zip(todo, tokens):
+            ids[k] = result
         todo = todo_next
-    return [n for n in lengths if n is not None]
+    return [(r, ids[k]) for k, r in enumerate(records) if k not in failed]
+
+
+async def measure_records(records: list[RawRecord], tokenizer: Optional[TextTokenizer], *,
+                          source: str, shard_name: str,
+                          on_skip: Optional[SkipCallback]) -> list[int]:
+    """The token count of each record, in order (`encode_records`'s failures left out): a
+    text's UTF-8 bytes without a tokenizer."""
+    if tokenizer is None:
+        return [len(r.payload.encode("utf-8")) if isinstance(r.payload, str)
+                else int(np.size(r.payload)) for r in records]
+
+    async def encode(texts: list[str]) -> list:
+        return tokenizer.encode_texts(texts)
+
+    pairs = await encode_records(records, encode, source=source, shard_name=shard_name,
+                                 on_skip=on_skip)
+    return [int(np.size(ids)) for _, ids in pairs]
 
 
 async def stream_lengths(fmt, store: ObjectStore, shard: ObjectInfo, *, source: str,
@@ -73,20 +90,20 @@ async def stream_lengths(fmt, store: ObjectStore, shard: ObjectInfo, *, source: 
     stream = await fmt.open(store, shard, source=source, shard_name=shard_name,
                             on_skip=on_skip, chunk_bytes=chunk_bytes)
 
-    def add(records: list[RawRecord]) -> bool:
+    async def add(records: list[RawRecord]) -> bool:
         """Measure `records` (no more than the limit needs); True once the limit is reached."""
         at = 0
         while at < len(records) and (limit is None or len(out) < limit):
             # The records the limit still needs (a bad one, left out, calls for one more).
             end = len(records) if limit is None else at + limit - len(out)
-            out.extend(measure_records(records[at:end], tokenizer, source=source,
-                                       shard_name=shard_name, on_skip=on_skip))
+            out.extend(await measure_records(records[at:end], tokenizer, source=source,
+                                             shard_name=shard_name, on_skip=on_skip))
             at = end
         return limit is not None and len(out) >= limit
 
     for start, end in stream.ranges():
-        if add(stream.decode(await store.read_range(shard.uri, start, end))):
+        if await add(stream.decode(await store.read_range(shard.uri, start, end))):
             break
     else:
-        add(stream.finish())
+        await add(stream.finish())
     return DocumentLengths(np.array(out, dtype=np.int64), "scan")

@@ -18,11 +18,12 @@ from ..config import LoaderConfig, Source
 from ..errors import DataError
 from ..formats.base import PlannedStream, RawRecord
 from ..formats.catalog import Shard
+from ..formats.lengths import encode_records
 from ..metrics import SourceMetrics
 from ..storage import ObjectStore
 from ..storage.base import CountedStore
 from ..state import EpochLayout, ReadUnit
-from ..tokenizer import TextTokenizer, TokenizerError
+from ..tokenizer import TextTokenizer
 from .autoscale import ITEM_OVERHEAD_BYTES, Knobs, MemoryGate
 from .buffer import SourceBuffer
 from .prefetch import ordered_prefetch
@@ -151,42 +152,22 @@ class SourceFetcher:
 
     async def _tokenize(self, records: list[RawRecord], shard: Shard, on_skip) -> list[RawRecord]:
         """Text payloads -> token ids, one `encode_texts` call for all of a range's texts (on
-        a transform thread, or in the tokenizer processes). A document the tokenizer fails on
-        raises a DataError naming it, or with on_error="skip" is skipped and counted."""
+        a transform thread, or in the tokenizer processes); failures as `encode_records` has
+        them (a DataError naming the record, or with on_error="skip" skipped and counted)."""
         if self.tokenizer_processes is not None:
-            pool, encode = self.tokenizer_processes, tokenize_texts
+            pool, call = self.tokenizer_processes, tokenize_texts
         else:
-            pool, encode = self.executor, self.tokenizer.encode_texts
-        out = list(records)
-        todo = [k for k, r in enumerate(out) if isinstance(r.payload, str)]
-        failed = set()
-        while todo:
-            try:
-                tokens = await asyncio.get_running_loop().run_in_executor(
-                    pool, encode, [out[k].payload for k in todo])
-            except TokenizerError as exc:
-                k = todo[exc.index]
-                if on_skip is None:   # chained: the tokenizer's own traceback stays visible
-                    raise DataError(str(exc), source=self.source.name, shard=shard.name,
-                                    record=out[k].index) from exc.__cause__
-                on_skip(out[k].index, str(exc))
-                tokens, failed = exc.done, failed | {k}
-                todo_next = todo[exc.index + 1:]
-            except Exception as exc:   # a batch tokenizer: no record to name
-                raise DataError(f"the tokenizer failed on records {out[todo[0]].index}.."
-                                f"{out[todo[-1]].index}: {type(exc).__name__}: {exc}",
-                                source=self.source.name, shard=shard.name) from exc
-            else:
-                todo_next = []
-                if len(tokens) != len(todo):
-                    raise DataError(f"the tokenizer returned {len(tokens)} results for "
-                                    f"{len(todo)} documents (records {out[todo[0]].index}.."
-                                    f"{out[todo[-1]].index})", source=self.source.name,
-                                    shard=shard.name)
-            for k, ids in zip(todo, tokens):
+            pool, call = self.executor, self.tokenizer.encode_texts
+        loop = asyncio.get_running_loop()
+        pairs = await encode_records(
+            records, lambda texts: loop.run_in_executor(pool, call, texts),
+            source=self.source.name, shard_name=shard.name, on_skip=on_skip)
+        out = []
+        for record, ids in pairs:
+            if isinstance(record.payload, str):
                 ids = np.asarray(ids)
-                if ids.dtype == np.int32:   # records_to_items checks ids, but trusts int32 ones
-                    ids = ids.astype(np.int64)   # (a token shard's, whose format checked them)
-                out[k] = RawRecord(out[k].index, ids)
-            todo = todo_next
-        return [r for k, r in enumerate(out) if k not in failed]
+                if ids.dtype == np.int32:   # records_to_items checks ids, but trusts int32
+                    ids = ids.astype(np.int64)   # ones (a token shard's, checked by its format)
+                record = RawRecord(record.index, ids)
+            out.append(record)
+        return out
