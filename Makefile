@@ -8,7 +8,7 @@ TORCH_PIN := torch==2.13.0
 REFERENCE_READERS := mosaicml-streaming==0.13.0 megatron-core==0.16.1 webdataset==1.0.2 \
 	litdata==0.2.76 lightning-utilities==0.15.3
 
-.PHONY: demo test bench clean
+.PHONY: demo test test-core bench clean
 
 $(VENV)/.installed: pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -22,7 +22,11 @@ demo: $(VENV)/.installed
 	$(VENV)/bin/streamload demo
 
 test: $(VENV)/.installed
-	$(PY) -m pytest -q -p no:cacheprovider
+	$(PY) -m pytest -q -p no:cacheprovider --durations=15
+
+# The pure core alone (planning, codecs, config, state; no processes, no servers): seconds.
+test-core: $(VENV)/.installed
+	$(PY) -m pytest -q -p no:cacheprovider -m core
 
 bench: $(VENV)/.installed
 	$(PY) benchmarks/balance.py

@@ -1,11 +1,39 @@
 """Shared fixtures. Real parts wherever possible: S3 is a moto server on 127.0.0.1."""
 from __future__ import annotations
 
+import os
 import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
 
 import pytest
+from hypothesis import settings
+
+# --- Hypothesis profiles ------------------------------------------------------------------------
+# Loaded here, before the test modules build their own `settings(...)`, which inherit from it.
+# "ci" (CI=true): the same examples on every run, so CI fails on a change, never on the draw of
+# an old bug; "dev" (make test elsewhere): new random examples each run; "hunt": a long random
+# search, with the example counts raised by the files' own variables (README, "Tests").
+settings.register_profile("ci", derandomize=True, database=None, print_blob=True)
+settings.register_profile("dev", print_blob=True)
+settings.register_profile("hunt", print_blob=True, max_examples=2000)
+settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE")
+                      or ("ci" if os.environ.get("CI", "").lower() == "true" else "dev"))
+
+
+# --- Timeouts -----------------------------------------------------------------------------------
+# A test's timeout (pytest-timeout) only stops a hang: no test relies on it to fail in time.
+# Those written in the files were measured on an idle machine; a loaded or shared one (CI) runs
+# several times slower, so every one is scaled by STREAMLOAD_TIMEOUT_SCALE (default 3).
+TIMEOUT_SCALE = float(os.environ.get("STREAMLOAD_TIMEOUT_SCALE", "3"))
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        marker = item.get_closest_marker("timeout")
+        if marker is not None and marker.args:
+            item.add_marker(pytest.mark.timeout(marker.args[0] * TIMEOUT_SCALE, *marker.args[1:],
+                                                **marker.kwargs), append=False)
 
 
 # --- S3 (moto server on loopback) -------------------------------------------------------------

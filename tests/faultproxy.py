@@ -140,6 +140,7 @@ class FaultProxy:
         self.requests = 0                           # every request received
         self.object_gets = 0                        # of which GETs of an object
         self.history: list[Request] = []            # every request, in order of arrival
+        self.faulted: dict[int, str] = {}           # request number -> the fault it got
         self.port: int | None = None
         self._rules: list[Rule] = []
         self._lock = threading.Lock()
@@ -187,6 +188,19 @@ class FaultProxy:
         with self._lock:
             return sum(n for kind, n in self.injected.items() if kind in FAILING_KINDS)
 
+    def unfaulted_resent(self) -> int:
+        """Object GETs answered without a fault that the client sent again later (the same key
+        and byte range): it had given up on them at its request timeout, as a client on a
+        loaded machine may. Tests that count retries exactly add these."""
+        with self._lock:
+            gets = [r for r in self.history if r.is_object_get]
+        later: Counter = Counter((r.key, r.header("Range")) for r in gets)
+        resent = 0
+        for r in gets:
+            later[(r.key, r.header("Range"))] -= 1
+            resent += r.number not in self.faulted and later[(r.key, r.header("Range"))] > 0
+        return resent
+
     def start(self) -> FaultProxy:
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="fault-proxy",
@@ -233,6 +247,7 @@ class FaultProxy:
                 kind = rule.decide(request)
                 if kind is not None:
                     self.injected[kind] += 1
+                    self.faulted[request.number] = kind
                     self.log.append((kind, request.key, request.header("Range")))
                     return kind
         return None

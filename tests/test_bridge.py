@@ -23,7 +23,7 @@ def loop_threads():
     return [t for t in threading.enumerate() if t.name == "streamload-loop" and t.is_alive()]
 
 
-def wait_until(predicate, timeout=10.0):
+def wait_until(predicate, timeout=60.0):
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if predicate():
@@ -44,7 +44,7 @@ def test_close_mid_epoch_stops_the_thread(corpus):
     assert loop_threads()
     started = time.monotonic()
     loader.close()
-    assert time.monotonic() - started < 5
+    assert time.monotonic() - started < 30   # no timeout waited out (a loaded machine is slow)
     assert wait_until(lambda: not loop_threads())
     with pytest.raises(sl.UsageError, match="closed Loader"):   # not a silent end of data
         next(loader)

@@ -15,6 +15,8 @@ from streamload.errors import ConfigError
 from streamload.plan.mix_spec import LengthQuota, MixPoint
 from streamload.storage.retry import RetryPolicy
 
+pytestmark = pytest.mark.core
+
 FULL = """
 [loader]
 micro_batch_tokens = 8192

@@ -38,6 +38,7 @@ from streamload.plan.context_parallel import (
     pad_documents,
 )
 
+pytestmark = pytest.mark.core
 EXAMPLES = int(os.environ.get("CP_EXAMPLES", "60"))
 SETTINGS = settings(max_examples=EXAMPLES, deadline=None,
                     suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])

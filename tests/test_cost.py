@@ -10,6 +10,8 @@ import pytest
 from streamload.errors import ConfigError
 from streamload.plan.cost import CostModel, SampleCostHook
 
+pytestmark = pytest.mark.core
+
 
 # ------------------------------------------------------------------------------ CostModel
 def test_transformer_coefficients_causal():
@@ -217,7 +219,7 @@ def test_calibrate_tiny_run_is_sane(tmp_path, capsys):
     pytest.importorskip("torch")
     from streamload.commands.calibrate import calibrate_main
     out = tmp_path / "cost.json"
-    t0 = time.perf_counter()
+    cpu = time.process_time()   # CPU, not wall: another process's load does not count
     import torch
     threads = torch.get_num_threads()
     rc = calibrate_main(["--device", "cpu", "--d-model", "64", "--heads", "2", "--tokens", "512",
@@ -225,7 +227,7 @@ def test_calibrate_tiny_run_is_sane(tmp_path, capsys):
                          "--threads", "1", "--clock", "cpu", "--output", str(out)])
     assert torch.get_num_threads() == threads       # restored
     assert rc == 0
-    assert time.perf_counter() - t0 < 30
+    assert time.process_time() - cpu < 30
     lines = capsys.readouterr().out.strip().splitlines()
     result = json.loads(lines[-1])
     assert {"device", "a", "b", "c", "r2", "max_rel_residual", "rows"} <= set(result)

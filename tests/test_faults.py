@@ -12,7 +12,7 @@ import streamload as sl
 from corpus import base_ids, upload_dir, write_jsonl_source, write_token_source
 from faultproxy import KINDS, FaultProxy
 
-pytestmark = pytest.mark.timeout(90)
+pytestmark = pytest.mark.timeout(100)
 
 # Tight budget: small backoffs, and a stall costs one request_timeout_s before its retry.
 POLICY = sl.RetryPolicy(max_attempts=8, initial_backoff_s=0.005, max_backoff_s=0.05,
@@ -21,7 +21,7 @@ POLICY = sl.RetryPolicy(max_attempts=8, initial_backoff_s=0.005, max_backoff_s=0
 
 @pytest.fixture
 def proxy(s3_server):
-    with FaultProxy(s3_server.endpoint_url, slow_s=0.3, stall_s=20.0) as p:
+    with FaultProxy(s3_server.endpoint_url, slow_s=0.3, stall_s=60.0) as p:
         yield p
 
 
@@ -97,7 +97,9 @@ def test_each_fault_kind_is_retried_and_the_epoch_is_exactly_once(proxy, s3_corp
     assert_exactly_once(batches, expected)
     injected = proxy.injected[kind]
     assert injected >= 3, proxy.injected
-    retries = store_stats(stats)["retries"]
+    # Retries of requests that were answered without a fault, but only after the client's
+    # request timeout (a loaded machine), are retries too: not counted as the faults' own.
+    retries = store_stats(stats)["retries"] - proxy.unfaulted_resent()
     if kind == "slow_first_byte":
         # A slow first byte within request_timeout_s is waited for, not retried.
         assert retries == 0, stats
@@ -123,7 +125,7 @@ def test_a_mix_of_faults_changes_nothing_the_trainer_sees(proxy, s3_corpus, stor
     assert_exactly_once(batches, expected)
     assert set(proxy.injected) == set(KINDS), proxy.injected
     # Exact but for resets before a response, which aiohttp may have resent by itself.
-    retries = store_stats(stats)["retries"]
+    retries = store_stats(stats)["retries"] - proxy.unfaulted_resent()
     failing = proxy.failing_injected()
     assert failing - proxy.injected["reset"] <= retries <= failing, (retries, proxy.injected)
 
@@ -136,7 +138,8 @@ def test_first_requests_to_every_key_fail(proxy, s3_corpus):
     assert_exactly_once(batches, expected)
     keys = {key for _, key, _ in proxy.log}
     assert len(keys) == 4 + 2 * 2      # every JSONL shard, every token and offsets file
-    assert store_stats(stats)["retries"] == proxy.total_injected == 2 * len(keys)
+    assert store_stats(stats)["retries"] - proxy.unfaulted_resent() == proxy.total_injected \
+        == 2 * len(keys)
 
 
 @pytest.mark.parametrize("kind,cause", [
@@ -144,18 +147,20 @@ def test_first_requests_to_every_key_fail(proxy, s3_corpus):
     ("internal_error", "InternalError"),
     ("reset", ""),
     ("truncate", ""),
-    ("stall", "no response within 0.3 s"),
+    ("stall", "no response within 1 s"),
 ])
 def test_faults_that_outlast_the_retries_name_the_object(proxy, s3_corpus, kind, cause):
     bucket, _ = s3_corpus
     key = "web/part-002.jsonl"
     proxy.inject(kind, when=lambda request: request.key == key)
+    # The timeout is long enough that the other objects' requests do not run out of attempts
+    # on a loaded machine, and far shorter than the proxy's stall.
     policy = sl.RetryPolicy(max_attempts=3, initial_backoff_s=0.005, max_backoff_s=0.02,
-                            request_timeout_s=0.3)
+                            request_timeout_s=1.0)
     started = time.perf_counter()
     with pytest.raises(sl.StorageError, match="gave up after 3 attempts") as caught:
         run_epoch(bucket, proxy.url, retry=policy)
-    assert time.perf_counter() - started < 20
+    assert time.perf_counter() - started < proxy.stall_s   # it did not wait out a stall
     message = str(caught.value)
     assert f"s3://{bucket}/{key}" in message, message
     assert caught.value.uri == f"s3://{bucket}/{key}"

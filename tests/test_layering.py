@@ -15,7 +15,11 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
+import pytest
+
 import streamload
+
+pytestmark = pytest.mark.core
 
 PACKAGE = Path(streamload.__file__).parent
 LAYERS = [("errors", "pieces", "plan", "storage"),

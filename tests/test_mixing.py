@@ -22,6 +22,8 @@ from streamload.plan.length_buckets import Buckets, water_fill
 from streamload.plan.select import select
 from streamload.plan.types import Candidates, Geometry
 
+pytestmark = pytest.mark.core
+
 GEOMETRY = Geometry(ranks=2, micro_batches=4, capacity=2048)
 T = GEOMETRY.step_tokens            # 16384 tokens a step
 C = GEOMETRY.capacity

@@ -28,6 +28,7 @@ def reference_pack(token_arrays, rows, num_rows, capacity=None, pad_id=0):
     return out
 
 
+@pytest.mark.core
 @pytest.mark.parametrize("pad", [False, True])
 @pytest.mark.parametrize("reuse", [False, True])
 @pytest.mark.parametrize("seed", range(5))
@@ -63,6 +64,7 @@ def test_pack_rows_matches_the_reference_for_mixed_dtypes(seed, reuse, pad):
             assert row.tokens.shape[0] == capacity and cu[-1] == capacity
 
 
+@pytest.mark.core
 def test_padded_rows_are_consecutive_slices_of_the_step_arrays():
     arrays = [np.arange(1, 6), np.arange(1, 4), np.arange(1, 5)]
     memory = np.zeros(row_memory_words(3 * 10), np.int64)
@@ -78,12 +80,14 @@ def test_padded_rows_are_consecutive_slices_of_the_step_arrays():
     assert packed[0].max_seqlen == 5 and packed[1].max_seqlen == 10 and packed[2].max_seqlen == 7
 
 
+@pytest.mark.core
 def test_pack_rows_rejects_a_row_over_capacity():
     arrays = [np.ones(6, np.uint8), np.ones(5, np.int32)]
     with pytest.raises(AssertionError, match="row 1 holds 11 tokens > capacity 10"):
         pack_rows(arrays, np.array([1, 1]), 2, capacity=10)
 
 
+@pytest.mark.core
 def test_byte_tokens_are_uint8_and_split_chunks_keep_the_bytes():
     text = "naïve Zürich 東京 " * 20
     data = text.encode("utf-8")
@@ -95,6 +99,7 @@ def test_byte_tokens_are_uint8_and_split_chunks_keep_the_bytes():
     assert counts.tokens == len(data) and counts.samples == len(items) and counts.empty == 1
 
 
+@pytest.mark.core
 def test_recycler_reuses_an_array_only_once_nothing_refers_to_it():
     import torch
 

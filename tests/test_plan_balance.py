@@ -13,6 +13,8 @@ from streamload.plan.naive import finish
 from streamload.plan.planner import Planner
 from streamload.plan.types import Assignment, Candidates, Geometry
 
+pytestmark = pytest.mark.core
+
 
 def imbalance(a: Assignment) -> float:
     return float(a.rank_cost.max() / a.rank_cost.mean())

@@ -20,6 +20,8 @@ from streamload.plan.cost import CostModel
 from streamload.plan.planner import METHODS, NAIVE_CHECK_ITEMS, Planner
 from streamload.plan.types import Candidates, Geometry
 
+pytestmark = pytest.mark.core
+
 # PLAN_EXAMPLES=1000 for a longer hunt; the default keeps the suite fast.
 EXAMPLES = int(os.environ.get("PLAN_EXAMPLES", "60"))
 SETTINGS = settings(max_examples=EXAMPLES, deadline=None,

@@ -119,12 +119,12 @@ def test_an_epoch_takes_every_item_once_within_capacity(ranks, planner):
 
 def memory(ranks=4, **options) -> MemoryPlan:
     config = make_config(**{"micro_batch_tokens": 1024, "micro_batches": 2, "chunk_bytes": 4096,
-                            "memory_budget": 1 << 30, **options})
+                            "memory_budget": 1 << 30, "planner": "balanced", **options})
     return MemoryPlan(config, np.array([0.5, 0.5]), ["a", "b"], ranks)
 
 
-# options; shares, holders, held; windows (tokens). R=4, M=2, C=1024, window_factor 2: a source
-# held by every rank gets ceil(2 · share · R·M·C / holders) + C.
+# options; shares, holders, held; windows (tokens). R=4, M=2, C=1024, planner balanced,
+# window_factor 2: a source held by a rank gets ceil(2 · share · R·M·C / holders) + C.
 WINDOW_CASES = {
     "every rank holds both": ({}, [0.5, 0.5], [4, 4], [True, True], [3072, 3072]),
     "one holder reads four ranks' share": ({}, [0.5, 0.5], [1, 4], [True, True], [9216, 3072]),

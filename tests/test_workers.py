@@ -99,7 +99,7 @@ def test_finish_returns_true_as_soon_as_the_threads_end():
     (ok, elapsed), wakeups = run_counted(finish)
     timer.join()
     assert ok is True
-    assert elapsed < 5, elapsed                  # promptly, nowhere near the 30 s timeout
+    assert elapsed < 20, elapsed                 # nowhere near the 30 s timeout, even loaded
     assert wakeups <= MAX_WAKEUPS, wakeups       # woken by the threads, not by a poll
     assert all(j.result() is True for j in jobs)   # each finished its job in hand
     for thread in executor._threads:
@@ -145,7 +145,8 @@ def test_finish_returns_false_after_the_timeout_when_a_job_blocks():
     try:
         (ok, elapsed), wakeups = run_counted(finish)
         assert ok is False
-        assert BLOCK_S <= elapsed < BLOCK_S + 5, elapsed
+        assert BLOCK_S <= elapsed < BLOCK_S + 20, elapsed   # at the timeout (a loaded machine
+                                                             # may be late), never before
         assert wakeups <= MAX_WAKEUPS, wakeups
         assert queued.cancelled() or queued_too.cancelled()
     finally:
