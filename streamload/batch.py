@@ -15,6 +15,7 @@ from typing import Optional
 import numpy as np
 import torch
 
+from .mixreport import StepMix
 from .plan.packing import IGNORE_INDEX   # labels with no target: segment ends, padding
 
 __all__ = ["Batch", "MicroBatch", "IGNORE_INDEX"]
@@ -76,6 +77,11 @@ class Batch:
     max_deferral: int = 0      # steps the longest-waiting sample of this step was deferred
     # The job's tokens of each source this step, over every DP rank (the Loader's source order)
     source_tokens: Optional[np.ndarray] = field(default=None, repr=False)
+    # The job's tokens moved to another rank this step (the exchange), over every DP rank
+    exchanged_tokens: int = 0
+    # The step's mix facts: the configured target shares, whether the epoch's tail had begun,
+    # which sources ran out with this step (`mixreport`)
+    mix: Optional[StepMix] = field(default=None, repr=False)
     # This rank's skips so far (on_error="skip"), [sources, 2]: records and shards skipped
     skipped: Optional[np.ndarray] = field(default=None, repr=False)
 

@@ -18,6 +18,7 @@ from .collective.comm import Comm
 from .collective.exchange import exchange_tokens
 from .collective.messages import PlanMessage, Summaries
 from .metrics import SourceMetrics, StepMetrics
+from .mixreport import StepMix
 from .pipeline.buffer import SourceBuffer
 from .pipeline.recycle import ArrayRecycler
 from .plan.cost import CostModel
@@ -50,7 +51,9 @@ class Delivery:
 
     async def deliver(self, step: int, epoch: int, summaries: Summaries, plan: PlanMessage,
                       buffers: Sequence[SourceBuffer], window_sizes: Sequence[int],
-                      collective: Callable[[Callable[[], T]], Awaitable[T]]) -> Batch:
+                      collective: Callable[[Callable[[], T]], Awaitable[T]],
+                      mix: Optional[StepMix] = None) -> Batch:
+        """This rank's Batch of the step; `mix`: the step's mix facts, passed on in the Batch."""
         c = summaries.candidates
         me, M = self.comm.rank, self.geometry.micro_batches
         holder = c.rank[plan.take]
@@ -79,15 +82,16 @@ class Delivery:
                 position_ids=torch.from_numpy(row.position_ids),
                 labels=torch.from_numpy(row.labels), loss_mask=torch.from_numpy(row.loss_mask),
                 sample_ids=ids, max_seqlen=row.max_seqlen, padding=row.padding))
-        rank_tokens, rank_cost, deferral = self._count(summaries, plan, sources, lengths[entries],
-                                                       holder)
+        rank_tokens, rank_cost, deferral = self._count(summaries, plan, sources, lengths[entries])
         job_sources = np.bincount(c.source[plan.take], weights=lengths,
                                   minlength=len(self.source_names)).astype(np.int64)
+        exchanged = int(lengths[holder != plan.rank].sum())   # the job's, moved between ranks
+        self.step_metrics.exchanged_tokens += exchanged
         return Batch(step, epoch, micro_batches, rank_tokens, rank_cost, max_deferral=deferral,
-                     source_tokens=job_sources)
+                     source_tokens=job_sources, exchanged_tokens=exchanged, mix=mix)
 
     def _count(self, summaries: Summaries, plan: PlanMessage, sources: np.ndarray,
-               received: np.ndarray, holder: np.ndarray) -> tuple[np.ndarray, np.ndarray, int]:
+               received: np.ndarray) -> tuple[np.ndarray, np.ndarray, int]:
         """Delivery counters: this rank's per source, the job's per step."""
         c, S = summaries.candidates, len(self.source_names)
         R, M = self.geometry.ranks, self.geometry.micro_batches
@@ -102,7 +106,6 @@ class Delivery:
                                         extra_cost=c.extra_cost[plan.take]).reshape(R, M).sum(axis=1)
         metrics = self.step_metrics
         metrics.record(rank_tokens, rank_cost)
-        metrics.exchanged_tokens += int(lengths[holder != plan.rank].sum())
         whole = c.length[plan.take]
         cut = lengths < whole
         if cut.any():

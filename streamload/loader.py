@@ -27,6 +27,7 @@ import numpy as np
 
 from .batch import Batch
 from .metrics import job_totals
+from .mixreport import format_mix
 from .observe import step_record
 from .configfile import load_config
 from .plan.mix_spec import Mixture
@@ -342,11 +343,10 @@ class Loader:
         if s.get("imbalance_mean") is not None:
             lines.append(f"  balance: max/mean rank cost {s['imbalance_mean']:.3f} on average; "
                          f"trainer waited {s['stall_s']:.2f} s in next()")
-        mix = s.get("mix") or {}
-        if mix:
-            lines.append("  mix (realized/target): " + ", ".join(
-                f"{name} {m['realized']:.3f}/{m['target']:.3f}" for name, m in mix.items()
-                if m["realized"] is not None))
+        if s.get("mix"):   # target as configured, realized while all had data, per epoch
+            steps = s["mix_steps"]
+            lines += ["  " + line for line in format_mix({**steps, "sources": s["mix"]},
+                                                         steps["unit"])]
         skipped = {name: src for name, src in (s.get("sources") or {}).items()
                    if src.get("skipped_records") or src.get("skipped_shards")}
         if skipped:   # on_error="skip": what this rank left out, and the first reason

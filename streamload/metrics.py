@@ -9,6 +9,8 @@ from typing import Optional
 
 import numpy as np
 
+from .mixreport import MixTally, StepMix
+
 FILL_BINS = 1000   # tokens-per-step histogram resolution: 0.1% of a full step
 LOW_FILL = 0.9     # a step below this share of its capacity counts as low
 
@@ -64,10 +66,11 @@ class StepMetrics:
     step_tokens: int = 0        # R·M·C: the tokens a full step holds
     pieces_cut: int = 0         # pieces of split documents cut to fill a row (the head went)
     cut_work: float = 0.0       # the attention work those cuts took out (CostModel.cut_savings)
-    # The job's mix: tokens taken of each source over all steps, and what the schedule's shares
-    # asked for of the same steps' tokens (sources whose share was 0 get 0).
+    # The job's tokens taken of each source over all steps.
     source_tokens: np.ndarray = field(default_factory=lambda: np.zeros(0))
-    target_tokens: np.ndarray = field(default_factory=lambda: np.zeros(0))
+    # The job's mix in the mixture's unit against the configured target (`mixreport`); set by
+    # the Runtime, which knows the sources' names.
+    mix: MixTally = field(default_factory=lambda: MixTally([]))
     # Steps by fill (the job's tokens over R·M·C) in 0.1% bins: exact enough percentiles of
     # tokens per step in constant memory, however long the run.
     fill_bins: np.ndarray = field(default_factory=lambda: np.zeros(FILL_BINS + 1, np.int64))
@@ -77,12 +80,14 @@ class StepMetrics:
         """Tokens delivered over every rank, all steps."""
         return int(self.source_tokens.sum())
 
-    def record_mix(self, taken: np.ndarray, shares: np.ndarray) -> None:
-        """One step's tokens per source, and the shares the schedule gave the step."""
-        if self.source_tokens.size != taken.size:
-            self.source_tokens, self.target_tokens = np.zeros(taken.size), np.zeros(taken.size)
-        self.source_tokens += taken
-        self.target_tokens += shares * float(taken.sum())
+    def record_mix(self, epoch: int, step: int, tokens: np.ndarray, units: np.ndarray,
+                   mix: StepMix) -> None:
+        """One step: the job's tokens and units (the mixture's: tokens or samples) per source,
+        and its mix facts."""
+        if self.source_tokens.size != tokens.size:
+            self.source_tokens = np.zeros(tokens.size)
+        self.source_tokens += tokens
+        self.mix.add(epoch, step, units, mix)
 
     def record(self, rank_tokens: np.ndarray, rank_cost: np.ndarray) -> None:
         self.steps += 1
@@ -154,14 +159,15 @@ def rank_stats(runtime) -> dict:
                                     for step, shards, ranges in knobs.history[-8:]]
         sources[source.name] = out
     steps = runtime.step_metrics
-    total = float(steps.source_tokens.sum())
-    mix = {source.name: {"realized": float(steps.source_tokens[s] / total) if total else None,
-                         "target": float(steps.target_tokens[s] / total) if total else None}
-           for s, source in enumerate(runtime.sources)} if steps.source_tokens.size else {}
+    mix = steps.mix.summary()
     read = sum(s.get("bytes_fetched", 0) for s in sources.values())
     delivered = sum(s["delivered_tokens"] for s in sources.values())
     return {"rank": runtime.comm.rank, "world_size": runtime.comm.world,
-            **steps.snapshot(), "mix": mix, "bytes_read": read, "tokens_delivered": delivered,
+            **steps.snapshot(), "mix": mix["sources"] if mix["steps"] else {},
+            "mix_steps": {"unit": "tokens" if runtime.stepper.mixer.by_tokens else "samples",
+                          **{k: mix[k] for k in ("steps", "steps_all_active", "steps_tail",
+                                                 "deviation", "tail_deviation")}},
+            "bytes_read": read, "tokens_delivered": delivered,
             "bytes_read_per_token": read / delivered if delivered else None, "sources": sources}
 
 

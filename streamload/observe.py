@@ -23,6 +23,12 @@ The record is a flat dict of numbers (float), so every key is a time series:
     tokens/<source>, samples/<source>   this rank's tokens and documents of each source
     job_tokens/<source>   the job's tokens of each source this step, over every DP rank (the
                           mix the schedule is held to; the same on every rank)
+    exchanged_tokens      the job's tokens moved to another rank this step (the exchange)
+    target/<source>       the configured share of each source at this step (the schedule's,
+                          over every source: `mixreport`)
+    tail                  1 once the epoch's tail has begun (a source's windows hold all it
+                          has left), else 0
+    ran_out/<source>      1 on the step that took a source's last items of the epoch, else 0
     skipped_records/<source>, skipped_shards/<source>   what on_error="skip" skipped of each
                           source on this rank so far (running totals; `stats()` has the reasons)
 
@@ -93,6 +99,13 @@ def step_record(batch: "Batch", step_tokens: int, sources: Sequence[str]) -> dic
     if job_sources is not None and len(job_sources) == len(sources):
         for name, count in zip(sources, np.asarray(job_sources).tolist()):
             record[f"job_tokens/{name}"] = float(count)
+    record["exchanged_tokens"] = float(getattr(batch, "exchanged_tokens", 0))
+    mix = getattr(batch, "mix", None)
+    if mix is not None and len(mix.target) == len(sources):
+        record["tail"] = float(mix.tail)
+        for name, share, out in zip(sources, mix.target.tolist(), mix.ran_out.tolist()):
+            record[f"target/{name}"] = float(share)
+            record[f"ran_out/{name}"] = float(out)
     skipped = getattr(batch, "skipped", None)
     if skipped is not None and len(skipped) == len(sources):
         for name, (records, shards) in zip(sources, np.asarray(skipped).tolist()):

@@ -24,6 +24,7 @@ from .batch import Batch, MicroBatch
 from .collective.comm import GlooComm, collective_thread
 from .collective.topology import Topology
 from .errors import DistributedError
+from .mixreport import StepMix
 from .stage_view import needs_view, stage_view
 from .state import LoaderState, decode_state
 
@@ -39,6 +40,10 @@ class StepMessage(msgspec.Struct, frozen=True):
     rank_cost: list = []
     max_deferral: int = 0
     source_tokens: list = []
+    exchanged_tokens: int = 0
+    target: list = []               # the step's mix facts (`mixreport.StepMix`); [] when none
+    tail: bool = False
+    ran_out: list = []
     state: bytes = b""              # LoaderState JSON, as of this step
     micro_batches: list = []        # dicts: tensors as [dtype, bytes], ids, numbers
 
@@ -55,6 +60,10 @@ def encode_step(batch: Batch, state: bytes) -> bytes:
         "step", step=batch.step, epoch=batch.epoch, rank_tokens=batch.rank_tokens.tolist(),
         rank_cost=batch.rank_cost.tolist(), max_deferral=batch.max_deferral,
         source_tokens=[] if batch.source_tokens is None else batch.source_tokens.tolist(),
+        exchanged_tokens=batch.exchanged_tokens,
+        **({} if batch.mix is None else {"target": batch.mix.target.tolist(),
+                                         "tail": batch.mix.tail,
+                                         "ran_out": batch.mix.ran_out.tolist()}),
         state=state, micro_batches=rows))
 
 
@@ -76,7 +85,10 @@ def decode_step(message: StepMessage) -> Batch:
                  np.asarray(message.rank_tokens, dtype=np.float64),
                  np.asarray(message.rank_cost, dtype=np.float64),
                  max_deferral=message.max_deferral,
-                 source_tokens=np.asarray(message.source_tokens, dtype=np.int64))
+                 source_tokens=np.asarray(message.source_tokens, dtype=np.int64),
+                 exchanged_tokens=message.exchanged_tokens,
+                 mix=StepMix(np.asarray(message.target, dtype=np.float64), message.tail,
+                             np.asarray(message.ran_out, dtype=bool)) if message.target else None)
 
 
 class Follower:

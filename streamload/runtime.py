@@ -34,6 +34,7 @@ from .delivery import Delivery
 from .errors import ConfigError, DistributedError
 from .formats.catalog import Shard, catalog
 from .metrics import SourceMetrics, StepMetrics, rank_stats
+from .mixreport import MixTally, MixTracker
 from .pipeline.autoscale import Autoscaler, Knobs, MemoryGate
 from .pipeline.buffer import SourceBuffer
 from .pipeline.fetch import SourceFetcher
@@ -85,7 +86,9 @@ class Runtime:
                                     functools.partial(data_options, config, sources, tokenizer))
         self.agreement = Agreement(comm, config.collective_timeout_s)
         self.source_metrics = [SourceMetrics() for _ in sources]
-        self.step_metrics = StepMetrics(step_tokens=self.stepper.geometry.step_tokens)
+        self.step_metrics = StepMetrics(step_tokens=self.stepper.geometry.step_tokens,
+                                        mix=MixTally([s.name for s in sources]))
+        self.mix_tracker = MixTracker(len(sources))   # each step's target, tail, run-outs
         self.delivery = Delivery(comm, self.stepper.geometry, self.stepper.cost,
                                  [s.name for s in sources], self.source_metrics, self.step_metrics,
                                  batches_held, pad_to=config.pad_to,
@@ -276,14 +279,17 @@ class Runtime:
                 continue
             window_sizes = [int(n) for n in np.bincount(
                 c.source[c.rank == self.comm.rank], minlength=S)]
-            stepper.commit(step, plan.take, plan.length)
+            self.mix_tracker.begin(stepper, step)
+            units = stepper.commit(step, plan.take, plan.length)
+            mix = self.mix_tracker.commit(stepper)
             self.progress.observe(c, summaries.ids, plan.take, plan.length)
             self.watch.step(step.index, float(plan.length.sum()))
             self._resize()
             self._autoscale(step.index)
             batch = await self.delivery.deliver(step.index, stepper.epoch, summaries, plan,
-                                                self.buffers, window_sizes, agreement.run)
-            self.step_metrics.record_mix(batch.source_tokens, step.quota.shares)
+                                                self.buffers, window_sizes, agreement.run, mix)
+            self.step_metrics.record_mix(stepper.epoch, step.index, batch.source_tokens, units,
+                                         mix)
             batch.skipped = np.array([[m.skipped_records, m.skipped_shards]
                                       for m in self.source_metrics], dtype=np.int64)
             snapshot = self.progress.snapshot(stepper)

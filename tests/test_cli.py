@@ -159,7 +159,7 @@ def test_demo_small_delivers_everything_exactly_once(tmp_path):
     assert "predicted cost" in out and "exactly-once   OK" in out
     assert "s3://streamload-demo/web/" in out
     # The loader's summary, and the run's plot: where it went, a PNG of the expected size.
-    assert "mix (realized/target)" in out and "tokens/step: mean" in out
+    assert "mix of tokens: target (as configured)" in out and "tokens/step: mean" in out
     import importlib.util
     if importlib.util.find_spec("matplotlib") is None:   # the demo works without it
         assert "no plot:" in out

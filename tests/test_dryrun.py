@@ -235,3 +235,36 @@ def test_missing_source_exits_1_naming_it(tmp_path, capsys):
     assert main(["plan", path, "--steps", "2"]) == 1
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and ("source 'web'" in err[0] or "source 'code'" in err[0])
+
+
+def test_plan_planner_flag_overrides_the_file_and_the_tail_is_reported_apart(corpus, capsys):
+    """`--planner` overrides the file's; over a whole epoch at R=8, each planner holds the mix
+    on the steps where every source had data (the deviation there), and the epoch's tail, where
+    a source's last items come late, is reported apart."""
+    path = write(corpus, "epoch.toml", LOADER.replace("seed = 3", "seed = 3\nepochs = 1")
+                 + "[mixture]\nweights = { web = 0.7, code = 0.3 }\n" + SOURCES)
+    summaries = {}
+    for planner in ("naive", "balanced"):
+        rc = main(["plan", path, "--steps", "1000", "--ranks", "8", "--json",
+                   "--planner", planner])
+        out = capsys.readouterr().out
+        assert rc == 0, out
+        summaries[planner] = summary = json.loads(out.strip().splitlines()[-1])["summary"]
+        assert summary["planner"] == planner
+        mix = summary["mix"]
+        assert mix["steps_all_active"] > 0 and mix["steps_tail"] > 0
+        assert mix["steps_all_active"] + mix["steps_tail"] == summary["steps"]
+        assert summary["sources"]["web"]["target"] == pytest.approx(0.7)
+        assert summary["mix_max_abs_dev"] == mix["deviation"] <= MIX_TOLERANCE, planner
+        assert summary["mix_tail_max_abs_dev"] == mix["tail_deviation"]
+        assert summary["steps_per_epoch"] == {"steps": summary["steps"], "exact": True}
+        ran_out = [mix["sources"][n]["epochs"][0]["ran_out_at_step"] for n in ("web", "code")]
+        assert max(ran_out) == summary["steps"] - 1
+    assert main(["plan", path, "--planner", "fastest"]) == 2
+    assert "planner: must be one of 'naive', 'balanced', 'lookahead'" in capsys.readouterr().err
+    # A plan cut short estimates the epoch's steps from the tokens left.
+    rc = main(["plan", path, "--steps", "10", "--ranks", "8", "--json"])
+    estimate = json.loads(capsys.readouterr().out.strip().splitlines()[-1])["summary"]
+    assert rc == 0 and estimate["steps_per_epoch"]["exact"] is False
+    exact = summaries["balanced"]["steps"]
+    assert abs(estimate["steps_per_epoch"]["steps"] - exact) <= max(2, 0.1 * exact)

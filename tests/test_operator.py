@@ -120,7 +120,7 @@ def test_stats_agree_with_the_steps_taken_and_summary_reads_them(tmp_path):
     assert abs(sum(m["realized"] for m in mix.values()) - 1) < 1e-9
     assert abs(mix["web"]["target"] - 0.7) < 0.05
     assert stats["bytes_read"] > 0 and stats["tokens_delivered"] > 0
-    assert "6 steps taken" in summary and "mix (realized/target)" in summary
+    assert "6 steps taken" in summary and "mix of tokens: target (as configured)" in summary
     # on_step: one flat record of numbers per step, in order.
     assert [r["step"] for r in records] == [b.step for b in batches]
     assert all(isinstance(v, (int, float)) for r in records for v in r.values())

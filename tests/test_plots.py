@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import struct
 from pathlib import Path
 
@@ -95,6 +96,9 @@ def test_step_record_is_flat_numbers_and_adds_up(run_records):
         assert record["imbalance"] >= 1.0 - 1e-9
         assert record["rank_cost_max"] >= record["rank_cost_mean"] > 0
         assert record["max_deferral"] >= 0
+        assert record["exchanged_tokens"] == 0           # one rank: nothing moves
+        assert record["target/web"] == pytest.approx(0.7)
+        assert record["tail"] in (0.0, 1.0) and record["ran_out/web"] in (0.0, 1.0)
     assert padded, "some row should have padding"
     assert sum(r["tokens/code"] for r, *_ in run_records) > 0
 
@@ -231,6 +235,26 @@ def test_plot_plan_draws_a_png_of_the_fixed_size(tmp_path, corpus):
     assert png_size(out) == (WIDTH, HEIGHT)
 
 
+def test_the_fill_line_is_not_hidden_under_the_tokens_line():
+    """Was: the job's tokens, drawn on the right axis scaled to their own top, lay exactly on
+    the fill line (tokens = fill x R*M*C) and hid it. Now the right axis reads the fill line in
+    tokens, and only this rank's tokens (when they differ) get a line of their own."""
+    pytest.importorskip("matplotlib")
+    from streamload.commands.plots import _figure, series_from_records
+    fill = [0.5, 1.0, 0.9, 0.75]
+    records = [{"step": float(i), "fill": f, "job_tokens": f * 2048, "tokens": f * 1024,
+                "imbalance": 1.0} for i, f in enumerate(fill)]
+    fig = _figure(series_from_records(records))
+    panel = next(ax for ax in fig.axes if ax.get_title() == "fill and tokens per step")
+    twin = next(ax for ax in fig.axes if ax is not panel
+                and ax.get_position().bounds == panel.get_position().bounds)
+    lines = panel.get_lines() + twin.get_lines()
+    assert [line.get_label() for line in lines] == ["fill (tokens, job)", "tokens (this rank)"]
+    shown = [line.get_transform().transform(line.get_xydata()) for line in lines]
+    assert not np.allclose(shown[0], shown[1])
+    assert twin.get_ylim()[1] == pytest.approx(panel.get_ylim()[1] * 2048)
+
+
 def test_plots_name_the_extra_when_matplotlib_is_missing(tmp_path, monkeypatch):
     import builtins
     from streamload.commands.plots import plot_run
@@ -259,12 +283,21 @@ def test_report_command_summarizes_and_plots(tmp_path, run_records, capsys):
     assert rc == 0, out
     assert f"{len(run_records)} steps" in out
     assert "fill: mean" in out and "p50" in out and "imbalance: mean" in out
-    assert "web:" in out and "vs 0.7000 target" in out and "code:" in out
+    assert re.search(r"web +0\.700 \|", out) and "code 0.300 |" in out
     assert png_size(out_png) == (WIDTH, HEIGHT)
-    # Without a plot or a target: the summary only, no target column.
+    # Without --target: the log's own targets (each step record has them).
     assert main(["report", str(log)]) == 0
     out = capsys.readouterr().out
-    assert "web:" in out and "target" not in out
+    assert re.search(r"web +0\.700 \|", out) and "code 0.300 |" in out
+    assert "--target" not in out
+    # A log written before targets were recorded: no target, and how to give one.
+    old = tmp_path / "old.jsonl"
+    with MetricsLog(old) as write:
+        for record, *_ in run_records:
+            write({k: v for k, v in record.items() if not k.startswith(("target/", "ran_out/"))})
+    assert main(["report", str(old)]) == 0
+    out = capsys.readouterr().out
+    assert re.search(r"web +- \|", out) and "no target in the log" in out
 
 
 def test_report_command_errors(tmp_path, capsys):

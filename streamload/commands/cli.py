@@ -44,6 +44,9 @@ def _plan_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--steps", type=int, default=100, help="steps to plan (default 100)")
     parser.add_argument("--ranks", type=int, default=8,
                         help="data-parallel ranks R to plan for (default 8)")
+    parser.add_argument("--planner", metavar="NAME", default=None,
+                        help="the planner to plan with (naive, balanced, lookahead), instead "
+                             "of the configuration file's")
     parser.add_argument("--max-docs", type=int, default=None, metavar="K",
                         help="read at most K documents per source (a sample, repeated as "
                              "needed); default: every document")

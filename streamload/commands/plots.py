@@ -10,7 +10,9 @@ Both draw the same six panels on one 1200 x 900 figure (12 x 9 inches at 100 dpi
                           (dashed) when it is known
     mix over the run      the cumulative share since the first step, against the target: how
                           fast the realized mix converges
-    fill and tokens       fill (job tokens / R*M*C) per step; tokens per step on the right axis
+    fill and tokens       fill (job tokens / R*M*C) per step; the right axis reads it in tokens
+                          per step (the same line: the job's tokens are fill x R*M*C), and
+                          this rank's tokens when they differ
     balance               imbalance (max / mean predicted rank cost) per step; the max and mean
                           rank cost on the right axis
     deferral              histogram of each step's longest deferral (steps a taken sample waited)
@@ -215,6 +217,47 @@ def _note(ax, text: str) -> None:
 
 
 def _draw(series: _Series, path: str | os.PathLike) -> str:
+    fig = _figure(series)
+    path = os.fspath(path)
+    parent = os.path.dirname(path)
+    if parent:
+        os.makedirs(parent, exist_ok=True)
+    fig.savefig(path, dpi=DPI, format="png")
+    return path
+
+
+def _fill_panel(ax, series: _Series) -> None:
+    """Fill per step on the left axis. The job's tokens per step are fill x R*M*C, so they are
+    not drawn again (a second line would lie exactly on the fill line and hide it): the right
+    axis is the same scale in tokens. Without fill, the tokens are drawn."""
+    x = series.steps
+    ax.set_title("fill and tokens per step")
+    ax.set_xlabel("step")
+    right = ax.twinx()
+    handles = []
+    capacity = None
+    if series.fill is not None:
+        handles += ax.plot(x, series.fill, color="C0", lw=1.2, label="fill (tokens, job)")
+        ax.set_ylim(0, HEADROOM * max(1.0, _top(series.fill)))
+        ax.set_ylabel("fill (of R*M*C)")
+        ok = np.isfinite(series.fill) & np.isfinite(series.tokens) & (series.fill > 0)
+        if ok.any():
+            capacity = float(np.median(series.tokens[ok] / series.fill[ok]))
+    if capacity:
+        right.set_ylim(0, ax.get_ylim()[1] * capacity)
+    else:
+        handles += right.plot(x, series.tokens, color="C1", lw=1.0, alpha=0.8,
+                              label="tokens (job)")
+        right.set_ylim(0, HEADROOM * max(_top(series.tokens), 1.0))
+    if series.rank_tokens is not None and not np.array_equal(series.rank_tokens, series.tokens):
+        handles += right.plot(x, series.rank_tokens, color="C2", lw=1.0, alpha=0.8,
+                              label="tokens (this rank)")
+    right.set_ylabel("tokens per step")
+    ax.legend(handles=handles, loc="upper center", fontsize="small", ncol=3, frameon=False)
+
+
+def _figure(series: _Series):
+    """The six panels (module docstring) on one Figure."""
     Figure, FigureCanvasAgg, MaxNLocator = _matplotlib()
     fig = Figure(figsize=FIGSIZE, dpi=DPI, layout="constrained")
     FigureCanvasAgg(fig)
@@ -258,28 +301,10 @@ def _draw(series: _Series, path: str | os.PathLike) -> str:
             ax.legend(loc="upper center", fontsize="small", ncol=min(S, 5), frameon=False)
 
     # Fill and tokens per step.
-    ax = axes[1, 0]
     if empty:
-        _note(ax, "no steps")
+        _note(axes[1, 0], "no steps")
     else:
-        ax.set_title("fill and tokens per step")
-        ax.set_xlabel("step")
-        handles = []
-        if series.fill is not None:
-            handles += ax.plot(x, series.fill, color="C0", lw=1.2, label="fill")
-            ax.set_ylim(0, HEADROOM * max(1.0, _top(series.fill)))
-            ax.set_ylabel("fill (of R*M*C)")
-        right = ax.twinx()
-        handles += right.plot(x, series.tokens, color="C1", lw=1.0, alpha=0.8,
-                              label="tokens (job)")
-        if series.rank_tokens is not None and not np.array_equal(series.rank_tokens,
-                                                                 series.tokens):
-            handles += right.plot(x, series.rank_tokens, color="C2", lw=1.0, alpha=0.8,
-                                  label="tokens (this rank)")
-        right.set_ylabel("tokens per step")
-        right.set_ylim(0, HEADROOM * max(_top(series.tokens), 1.0))
-        ax.legend(handles=handles, loc="upper center", fontsize="small", ncol=3,
-                  frameon=False)
+        _fill_panel(axes[1, 0], series)
 
     # Balance: imbalance and rank cost.
     ax = axes[1, 1]
@@ -329,10 +354,4 @@ def _draw(series: _Series, path: str | os.PathLike) -> str:
         ax.set_xlabel("step")
         ax.set_ylabel(series.exchanged_label.split(" ", 1)[-1])
         ax.set_ylim(0, HEADROOM * max(_top(series.exchanged), 1.0))
-
-    path = os.fspath(path)
-    parent = os.path.dirname(path)
-    if parent:
-        os.makedirs(parent, exist_ok=True)
-    fig.savefig(path, dpi=DPI, format="png")
-    return path
+    return fig

@@ -1,5 +1,8 @@
-"""`streamload report METRICS.jsonl [--plot OUT.png] [--target web=0.7,code=0.3]`: a run's
-metrics log (`streamload.observe.MetricsLog`) in a few lines, and as a plot (`plots.plot_run`)."""
+"""`streamload report METRICS.jsonl [--plot OUT.png]`: a run's metrics log
+(`streamload.observe.MetricsLog`) in a few lines, and as a plot (`plots.plot_run`). The log
+records each step's configured target shares, the epoch's tail and the sources' run-outs, so
+the mix is reported as `Loader.summary()` reports it (`mixreport`); `--target` sets the target
+of a log written before those were recorded."""
 from __future__ import annotations
 
 import argparse
@@ -9,6 +12,7 @@ from typing import Mapping, Optional, Sequence
 
 import numpy as np
 
+from ..mixreport import MixTally, StepMix, format_mix
 from ..observe import read_metrics
 from .plots import plot_run, series_from_records   # NumPy only: matplotlib when drawing
 
@@ -20,8 +24,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="draw the run into a PNG (needs matplotlib: "
                              "pip install streamload[plot])")
     parser.add_argument("--target", metavar="NAME=SHARE,...", action="append", default=None,
-                        help="the mixture's target shares, e.g. web=0.7,code=0.3 (normalized); "
-                             "default: the log's target/<source> keys, if any")
+                        help="the mixture's target shares, e.g. web=0.7,code=0.3 (normalized), "
+                             "for a log that has no target/<source> keys (default: the log's)")
     parser.add_argument("--by", choices=("tokens", "samples"), default="tokens",
                         help="the mixture's unit: the shares compare tokens (default) or items")
 
@@ -51,9 +55,9 @@ def parse_targets(values: Optional[Sequence[str]]) -> Optional[dict[str, float]]
 
 def summarize_records(records: Sequence[Mapping], target_shares: Optional[Mapping] = None,
                       by: str = "tokens") -> dict:
-    """The log in numbers: steps, fill, tokens per step, imbalance, deferral, and each source's
-    share of the run against its target (when known: `target_shares`, else the log's
-    `target/<source>` keys averaged by the unit)."""
+    """The log in numbers: steps, fill, tokens per step, imbalance, deferral, each source's
+    share of the run, and the mix (`mix`: `MixTally.summary()`, against the log's
+    `target/<source>` keys, or `target_shares` when given)."""
     series = series_from_records(records, target_shares, by)
     out: dict = {"steps": len(series.steps)}
     if not len(series.steps):
@@ -76,20 +80,27 @@ def summarize_records(records: Sequence[Mapping], target_shares: Optional[Mappin
     })
     totals = series.units.sum(axis=0)
     N = float(totals.sum())
-    weights = series.units.sum(axis=1)
-    sources = {}
-    for s, name in enumerate(series.names):
-        entry = {"share": float(totals[s] / N) if N > 0 else 0.0, series.unit: float(totals[s])}
-        if series.target is not None:
-            target = np.nan_to_num(series.target[:, s])
-            entry["target"] = float((target * weights).sum() / N) if N > 0 else \
-                float(target.mean())
-        sources[name] = entry
     out["unit"] = series.unit
-    out["sources"] = sources
-    if series.target is not None and sources:
-        out["mix_max_abs_dev"] = max(abs(e["share"] - e["target"]) for e in sources.values())
+    out["sources"] = {name: {"share": float(totals[s] / N) if N > 0 else 0.0,
+                             series.unit: float(totals[s])}
+                      for s, name in enumerate(series.names)}
+    out["mix"] = mix_from_records(records, series).summary()
     return out
+
+
+def mix_from_records(records: Sequence[Mapping], series) -> MixTally:
+    """The log's steps in a `MixTally`: units from the series (the job's tokens, where the log
+    has them), the target from the series, the tail and run-outs from the records."""
+    tally = MixTally(list(series.names))
+    for i, record in enumerate(records):
+        target = None
+        if series.target is not None and np.isfinite(series.target[i]).all():
+            target = series.target[i]
+        ran_out = np.array([float(record.get(f"ran_out/{n}", 0.0)) > 0 for n in series.names],
+                           dtype=bool)
+        tally.add(int(record.get("epoch", 0)), int(series.steps[i]), series.units[i],
+                  StepMix(target, float(record.get("tail", 0.0)) > 0, ran_out))
+    return tally
 
 
 def format_records_summary(summary: Mapping) -> list[str]:
@@ -108,13 +119,14 @@ def format_records_summary(summary: Mapping) -> list[str]:
              f"{num(summary['imbalance_max'], '.4f')}; max deferral "
              f"{num(summary['max_deferral'], '.0f')} step(s)"]
     if summary.get("sources"):
-        lines.append(f"mix of {summary['unit']} over the run"
-                     + (f" (max |realized - target| {summary['mix_max_abs_dev']:.4f})"
-                        if "mix_max_abs_dev" in summary else "") + ":")
-        for name, s in summary["sources"].items():
-            target = f" vs {s['target']:.4f} target" if "target" in s else ""
-            lines.append(f"  {name}: {s['share']:.4f} realized{target}, "
-                         f"{s[summary['unit']]:,.0f} {summary['unit']}")
+        lines.append(f"{summary['unit']} over the run: " + ", ".join(
+            f"{name} {s[summary['unit']]:,.0f} ({s['share']:.4f})"
+            for name, s in summary["sources"].items()))
+        lines += format_mix(summary["mix"], summary["unit"])
+        if summary["mix"]["sources"] and \
+                next(iter(summary["mix"]["sources"].values()))["target"] is None:
+            lines.append("  (no target in the log: a log written before targets were recorded; "
+                         "--target NAME=SHARE,... sets one)")
     return lines
 
 

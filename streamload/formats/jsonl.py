@@ -12,6 +12,7 @@ from functools import lru_cache
 from typing import Callable
 
 import msgspec
+import numpy as np
 import zstandard
 
 from ..errors import ConfigError

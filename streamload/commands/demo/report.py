@@ -3,8 +3,6 @@ from __future__ import annotations
 
 from collections import Counter
 
-import numpy as np
-
 from . import corpus as corpus_module
 
 
@@ -74,29 +72,23 @@ def summarize(corpus: corpus_module.Corpus, ranks: list[dict], args, wall: float
         missing = []   # stopped early by --steps: what was not reached is not missing
     steps = {r["steps"] for r in ranks}
     total_tokens = sum(r["tokens"] for r in ranks)
-    weights = {s.name: s.weight for s in corpus.sources}
-    weight_sum = sum(weights.values())
     source_tokens = Counter()
     for r in ranks:
         source_tokens.update(r["source_tokens"])
-    # The mix while every source still had data: up to the step where the first one ran out.
+    # The loader's own account of the mix (`mixreport`): the target as configured, the mix
+    # while every source had data (before the epoch's tail), and where each source ran out.
     # Over the whole epoch the realized mix is the corpus's own, whatever the weights.
     names = ranks[0]["sources"]
-    per_step = sum(np.array(r["step_source_tokens"], dtype=np.int64).reshape(-1, len(names))
-                   for r in ranks)
-    cumulative = np.cumsum(per_step, axis=0)
-    totals = np.array([corpus.source(n).tokens for n in names])
-    ran_out = [int(np.argmax(cumulative[:, k] >= totals[k])) if (cumulative[:, k] >= totals[k]).any()
-               else len(per_step) for k in range(len(names))]
-    active_steps = min(ran_out) if ran_out else 0
-    active = per_step[:active_steps].sum(axis=0)
-    mix = {name: {"target": weights[name] / weight_sum,
-                  "realized_all_active": float(active[k] / active.sum()) if active.sum() else None,
+    loader_mix, mix_steps = ranks[0]["stats"]["mix"], ranks[0]["stats"]["mix_steps"]
+    mix = {name: {"target": loader_mix[name]["target"],
+                  "realized_all_active": loader_mix[name]["realized_all_active"],
                   "realized": source_tokens[name] / total_tokens if total_tokens else 0.0,
                   "corpus": corpus.source(name).tokens / corpus.tokens,
                   "tokens": int(source_tokens[name]),
-                  "ran_out_at_step": ran_out[k] if ran_out[k] < len(per_step) else None}
-           for k, name in enumerate(names)}
+                  "ran_out_at_step": next((e["ran_out_at_step"] for e in
+                                           loader_mix[name]["epochs"]), None)}
+           for name in names}
+    active_steps = mix_steps["steps_all_active"]
     skipped = {"records": 0, "shards": 0, "empty_documents": 0, "dropped_documents": 0,
                "truncated_documents": 0}
     for r in ranks:

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 from typing import Sequence
@@ -11,6 +12,7 @@ import numpy as np
 from ...configfile import LoaderSpec, load_config
 from ...errors import ConfigError, StreamloadError
 
+from ...mixreport import MixTally, format_mix
 from .scan import scan
 from ...plan.stepper import Stepper
 from .simulate import StepReport, simulate
@@ -19,40 +21,45 @@ DEFAULT_STEPS = 100
 
 
 def summarize(spec: LoaderSpec, reports: Sequence[StepReport]) -> dict:
-    """The run in numbers: balance (imbalance mean / max), the mix over the run against the
-    target (per source, and the largest |difference| over the run and in any one step),
-    deferrals and fill."""
+    """The run in numbers: balance (imbalance mean / max), the mix (`mix`: `MixTally.summary()`:
+    the target as configured, realized while every source had data, per epoch with run-outs;
+    `mix_max_abs_dev` is the largest |realized - target| on those all-active steps,
+    `mix_tail_max_abs_dev` the epoch tails', `mix_step_max_abs_dev` the worst all-active
+    step's), deferrals and fill."""
     names = [s.name for s in spec.sources]
     S = len(names)
-    out: dict = {"steps": len(reports)}
+    out: dict = {"steps": len(reports), "by": spec.mixture.by}
     if not reports:
         return {**out, "imbalance_mean": None, "imbalance_max": None, "mix_max_abs_dev": None,
-                "mix_step_max_abs_dev": None, "max_deferral": None, "fill_mean": None,
+                "mix_step_max_abs_dev": None, "mix_tail_max_abs_dev": None, "mix": None, "max_deferral": None, "fill_mean": None,
                 "sources": {n: {} for n in names}}
     share = np.array([r.share for r in reports]).reshape(-1, S)
     totals = np.array([r.units for r in reports])      # 1 per step with data, 0 when empty
-    # Realized and target shares over the run, weighting each step by what it delivered.
     unit_totals = np.array([(r.tokens if spec.mixture.by == "tokens" else r.samples).sum()
                             for r in reports], dtype=np.float64)
-    realized = (share * unit_totals[:, None]).sum(axis=0)
-    target = np.array([r.target_share for r in reports]).reshape(-1, S)
-    wanted = (target * unit_totals[:, None]).sum(axis=0)
     N = float(unit_totals.sum())
-    run_share = realized / N if N > 0 else np.zeros(S)
-    run_target = wanted / N if N > 0 else np.zeros(S)
-    step_dev = np.abs(share - target)[totals > 0]
+    tally = MixTally(names)
+    for r in reports:
+        tally.add(r.epoch, r.step, r.tokens if spec.mixture.by == "tokens" else r.samples, r.mix)
+    mix = tally.summary()
+    all_active = np.array([r.mix is None or not r.mix.tail for r in reports]) & (totals > 0)
+    target = np.array([r.target_share if r.mix is None else r.mix.target for r in reports]
+                      ).reshape(-1, S)
+    step_dev = np.abs(share - target)[all_active]
     imbalance = np.array([r.imbalance for r in reports])
     out.update({
         "imbalance_mean": float(imbalance.mean()), "imbalance_max": float(imbalance.max()),
         "max_rank_cost": float(max(r.rank_cost.max() for r in reports)),
-        "mix_max_abs_dev": float(np.abs(run_share - run_target).max()),
-        "mix_step_max_abs_dev": float(step_dev.max()) if step_dev.size else 0.0,
+        "mix_max_abs_dev": mix["deviation"], "mix_tail_max_abs_dev": mix["tail_deviation"],
+        "mix_step_max_abs_dev": float(step_dev.max()) if step_dev.size else None, "mix": mix,
         "max_deferral": int(max(r.max_age for r in reports)),
         "deferred_mean": float(np.mean([r.deferred for r in reports])),
         "fill_mean": float(np.mean([r.fill for r in reports])),
         "epochs": int(reports[-1].epoch) + 1,
         "tokens": int(sum(int(r.tokens.sum()) for r in reports)),
-        "sources": {n: {"share": float(run_share[s]), "target": float(run_target[s]),
+        "sources": {n: {"share": mix["sources"][n]["realized"],
+                        "target": mix["sources"][n]["target"],
+                        "share_all_active": mix["sources"][n]["realized_all_active"],
                         "tokens": int(sum(int(r.tokens[s]) for r in reports)),
                         "samples": int(sum(int(r.samples[s]) for r in reports))}
                     for s, n in enumerate(names)},
@@ -67,6 +74,40 @@ def summarize(spec: LoaderSpec, reports: Sequence[StepReport]) -> dict:
              "min_step_share": float(lq[:, i].min())}
             for i, q in enumerate(spec.mixture.quotas)]
     return out
+
+
+def steps_per_epoch(spec: LoaderSpec, scans: Sequence, reports: Sequence[StepReport],
+                    steps: int) -> dict:
+    """The first epoch's steps, for an LR schedule: {"steps": N, "exact": True} when the plan
+    (of at most `steps` steps) reached the epoch's end; else an estimate, {"steps": N, "exact":
+    False}: the steps planned, plus the finite sources' tokens left over the tokens they gave
+    per step so far. {"steps": None, ...} with a "why" when there is no estimate (a finite
+    source was sampled with --max-docs, or nothing was planned)."""
+    first = [r for r in reports if r.epoch == 0]
+    if len(first) < len(reports) or len(reports) < steps:   # the epoch (or the data) ended
+        return {"steps": len(first), "exact": True}
+    finite = [s for s, source in enumerate(spec.sources) if source.on_exhausted != "restart"]
+    if not first or not finite:
+        return {"steps": None, "exact": False,
+                "why": "no step planned" if not first else "every source restarts: no epochs"}
+    if not all(getattr(scans[s], "complete", True) for s in finite):
+        return {"steps": None, "exact": False,
+                "why": "a source was sampled (--max-docs): its size is not known"}
+    total = sum(int(np.sum(getattr(scans[s], "lengths", scans[s]))) for s in finite)
+    taken = sum(int(r.tokens[finite].sum()) for r in first)
+    per_step = taken / len(first)
+    left = max(total - taken, 0)
+    return {"steps": len(first) + (int(np.ceil(left / per_step)) if per_step > 0 else 0),
+            "exact": False}
+
+
+def format_steps_per_epoch(estimate: dict) -> str:
+    if estimate["steps"] is None:
+        return f"steps per epoch: not known ({estimate['why']})"
+    if estimate["exact"]:
+        return f"steps per epoch: {estimate['steps']:,} (epoch 0, planned to its end)"
+    return (f"steps per epoch: about {estimate['steps']:,} (estimated from the tokens left; "
+            f"--steps {estimate['steps'] + 10:,} plans to the epoch's end for the exact count)")
 
 
 # -- the command ----------------------------------------------------------------------------------
@@ -93,11 +134,12 @@ def format_summary(summary: dict) -> list[str]:
              f"{summary['epochs']} epoch(s)",
              f"imbalance: mean {summary['imbalance_mean']:.4f}, max "
              f"{summary['imbalance_max']:.4f} (max rank cost {summary['max_rank_cost']:.4g})",
-             f"mix over the run: max |realized - target| {summary['mix_max_abs_dev']:.4f} "
-             f"(worst single step {summary['mix_step_max_abs_dev']:.4f})"]
-    for name, s in summary["sources"].items():
-        lines.append(f"  {name}: {s['share']:.4f} realized vs {s['target']:.4f} target, "
-                     f"{s['tokens']:,} tokens, {s['samples']:,} items")
+             "taken: " + ", ".join(f"{name} {s['tokens']:,} tokens, {s['samples']:,} items"
+                                   for name, s in summary["sources"].items())]
+    lines += format_mix(summary["mix"], summary.get("by", "tokens"))
+    if summary["mix_step_max_abs_dev"] is not None:
+        lines.append(f"  worst single step while every source had data: |realized - target| "
+                     f"{summary['mix_step_max_abs_dev']:.4f}")
     for q in summary.get("length_quotas", []):
         lines.append(f"  quota {q['quota']}: {q['share']:.4f} of the run (at least "
                      f"{q['fraction']:g}; lowest step {q['min_step_share']:.4f})")
@@ -119,6 +161,8 @@ def run(args: argparse.Namespace) -> int:
                         f"{0 if name == 'steps' else 1}, got {value}", 2)
     try:
         spec = load_config(args.config)
+        if getattr(args, "planner", None):   # --planner overrides the file's
+            spec = dataclasses.replace(spec, options={**spec.options, "planner": args.planner})
         config = spec.config()
         Stepper.build(config, spec.sources, spec.mixture, args.ranks)   # memory_budget too
     except ConfigError as exc:
@@ -131,6 +175,7 @@ def run(args: argparse.Namespace) -> int:
     except StreamloadError as exc:
         return fail(str(exc), 1)
     summary = summarize(spec, reports)
+    summary["steps_per_epoch"] = steps_per_epoch(spec, scans, reports, args.steps)
     names = [s.name for s in spec.sources]
     head = {"config": spec.path, "ranks": args.ranks, "micro_batches": config.micro_batches,
             "micro_batch_tokens": config.micro_batch_tokens, "planner": config.planner,
@@ -164,5 +209,6 @@ def run(args: argparse.Namespace) -> int:
     print()
     for line in format_summary(summary):
         print(line)
+    print(format_steps_per_epoch(summary["steps_per_epoch"]))
     print(json.dumps({"summary": {**head, **summary}}))
     return 0
