@@ -23,9 +23,11 @@ does not depend on how much a planner (or the baseline's cutting) changed the wo
 
 Per (configuration, mode, R, planner): efficiency, speedup_vs_baseline, fill, steps,
 mix_dev_active (max over sources of |realized share - weight| over the steps where every source
-had data), tail_steps (the steps after a source ran out), waited_mean / waited_max (steps a
-taken item had waited in a window, over the items that waited: an upper bound on their delay,
-counted from when they entered a head window), plan_ms (planner CPU per step: mean and max).
+had data), tail_steps (the steps after a source ran out), waited_items / waited_mean /
+waited_max (the dry run's deferred items: taken after a later item of their own (rank, source)
+stream went ahead of them; their delay counts the steps since then), age_max (the most steps a
+taken item sat in a head window; the deferral bound is on this), plan_ms (planner CPU per step:
+mean and max).
 The last line is the JSON of everything.
 """
 from __future__ import annotations
@@ -114,7 +116,8 @@ def sources():
 def options(C, M, P, planner, seed=0) -> dict:
     return dict(micro_batch_tokens=C, micro_batches=M, pipeline_stages=P, planner=planner,
                 cost_a=COST_A, cost_b=COST_B, epochs=1, seed=seed,
-                **({"lookahead": int(os.environ["LC_W"])} if os.environ.get("LC_W") else {}))
+                **({"lookahead": int(os.environ["LC_W"]), "max_deferral": 2 * int(os.environ["LC_W"])}
+                   if os.environ.get("LC_W") else {}))
 
 
 def summarize(row_cost: np.ndarray, P: int, tokens_by_source: np.ndarray, active: np.ndarray,
@@ -167,7 +170,8 @@ def run_sim(name: str, R: int, planners, args, seed: int = 0) -> list[dict]:
                         np.array([r.waited for r in reports]),
                         np.array([r.waited_steps for r in reports]),
                         np.array([1e3 * r.plan_seconds for r in reports]), base_eff)
-        res["waited_max"] = int(max(r.max_age for r in reports))
+        res["waited_max"] = int(max(r.delay_max for r in reports))
+        res["age_max"] = int(max(r.max_age for r in reports))
         out.append({"config": name, "mode": "sim", "ranks": R, "planner": planner,
                     "wall_s": round(wall, 1), **res})
     return out

@@ -126,6 +126,17 @@ class CostModel:
             json.dump(self.to_dict(), f, indent=2)
             f.write("\n")
 
+    def describe(self) -> str:
+        """One line for the start-up log: the coefficients, what they mean, how to set them."""
+        width = self.crossover_length
+        width = self.crossover_length
+        return (f"cost model a*L^2 + b*L per document, a={self.a:.4g}, b={self.b:.4g}: attention "
+                f"costs as much as the rest at L={width:,.0f} tokens, as in a decoder of d_model "
+                f"~{width / 12:,.0f} (b/a = n_params/(n_layers*d_model) ~ 12*d_model); the "
+                f"default is d_model = 4096. Set yours with CostModel.transformer(...) or "
+                f"`streamload calibrate`. Document masking "
+                f"{'on' if self.document_masking else 'off'}")
+
     # ------------------------------------------------------------------ costs
     @property
     def crossover_length(self) -> float:

@@ -37,6 +37,10 @@ FULL = 0.99                # a step below this share of its tokens takes what fi
 MIN_CUT, MIN_CUT_SHARE = 32, 128   # a cut head holds at least max(32, C/128) tokens
 MAX_ATTEMPTS_PER_ROW = 16   # the top-up looks at most this many candidates per row, plus a few
 MIN_ATTEMPTS = 256
+WAVE_ROWS = 64        # from this many rows, light items fill in vectorized waves first
+LIGHT_FRACTION = 16   # light: at most C / 16 tokens
+WAVES = 256
+OFFER_PER_ROW = 4     # items a wave offers per open row
 
 
 def deferral_gain(lowered_max, work, tokens, geometry: Geometry, overhead: float):
@@ -73,9 +77,11 @@ class _Rows:
         cells = rank.astype(np.int64) * M + row
         self.fill = np.bincount(cells, weights=c.length[take], minlength=R * M).astype(np.int64)
         self.room = C - self.fill
-        self.load = cost.row_costs(c.length[take], cells, R * M,
-                                   extra_cost=c.extra_cost[take]).reshape(R, M).sum(axis=1)
-        self.row_rank = np.repeat(np.arange(R), M)
+        row_load = cost.row_costs(c.length[take], cells, R * M, extra_cost=c.extra_cost[take])
+        if geometry.pipelined:   # under 1F1B each row counts on its own (balance.py)
+            self.load, self.row_rank = row_load, np.arange(R * M)
+        else:
+            self.load, self.row_rank = row_load.reshape(R, M).sum(axis=1), np.repeat(np.arange(R), M)
         self.added: list[int] = []
         self.cells: list[int] = []
         self.lengths: list[int] = []   # tokens taken of each added item
@@ -84,7 +90,7 @@ class _Rows:
         length = int(self.c.length[item]) if length is None else length
         self.fill[cell] += length
         self.room[cell] -= length
-        self.load[cell // self.geometry.micro_batches] += work
+        self.load[self.row_rank[cell]] += work
         self.added.append(item)
         self.cells.append(cell)
         self.lengths.append(length)
@@ -112,6 +118,57 @@ class _Rows:
             head = min(room, length)
             work = float(self.cost.doc_cost(head)) + float(self.c.extra_cost[item])
             self.place(item, cell, work, head)
+
+    def wave_fill(self, pool: np.ndarray, stop_at: float) -> np.ndarray:
+        """Light items of `pool` (in priority order) into rows with room, in vectorized waves:
+        a wave offers the next items in order (a few per open row), and rows, roomiest first,
+        each take the longest offered item that fits (a monotone matching, as in
+        `balance._waves`). For items this light the row they land in barely moves the step's
+        cost, and a per-item choice over thousands of rows cost seconds per step at
+        R·M = 2048. Returns the items not placed, in order."""
+        lengths, cost = self.c.length, self.cost
+        pool = np.asarray(pool, dtype=np.int64)
+        # Only a prefix can be needed: a few times the tokens the step is short of.
+        short = max(stop_at - float(self.fill.sum()), 0.0)
+        prefix = int(np.searchsorted(np.cumsum(lengths[pool]), OFFER_PER_ROW * short)) + 1
+        left, rest = pool[:prefix], pool[prefix:]
+        for _ in range(WAVES):
+            total = int(self.fill.sum())
+            if left.size == 0 or total >= stop_at:
+                break
+            open_rows = np.flatnonzero(self.room >= lengths[left].min())
+            if open_rows.size == 0:
+                break
+            offered = np.flatnonzero(lengths[left] <= self.room[open_rows].max())
+            offered = offered[:OFFER_PER_ROW * open_rows.size]
+            # Longest first; gaps roomiest first: the j-th gap takes the first item from the
+            # running position that fits it.
+            offered = offered[np.argsort(-lengths[left[offered]], kind="stable")]
+            rows = open_rows[np.argsort(-self.room[open_rows], kind="stable")]
+            ascending = lengths[left[offered]][::-1]
+            first_fit = offered.size - np.searchsorted(ascending, self.room[rows], side="right")
+            j = np.arange(rows.size)
+            pick = j + np.maximum.accumulate(first_fit - j)
+            ok = pick < offered.size
+            if not ok.any():
+                break
+            chosen, cells = offered[pick[ok]], rows[ok]
+            # Stop near FULL: the rows in order of the wave, while the step is short.
+            placed_len = lengths[left[chosen]]
+            keep = np.cumsum(placed_len) - placed_len < stop_at - total
+            chosen, cells, placed_len = chosen[keep], cells[keep], placed_len[keep]
+            items = left[chosen]
+            np.add.at(self.load, self.row_rank[cells],
+                      cost.doc_cost(placed_len) + self.c.extra_cost[items])
+            self.fill[cells] += placed_len
+            self.room[cells] -= placed_len
+            self.added.extend(items.tolist())
+            self.cells.extend(cells.tolist())
+            self.lengths.extend(placed_len.tolist())
+            gone = np.zeros(left.size, dtype=bool)
+            gone[chosen] = True
+            left = left[~gone]
+        return np.concatenate([left, rest])
 
     def best(self, item: int) -> tuple[int, float, float]:
         """(row, the item's cost there, what the step's slowest rank gains): the row whose
@@ -182,6 +239,11 @@ def top_up(c: Candidates, take: np.ndarray, rank: np.ndarray, row: np.ndarray,
     if pool.size == 0 or rows.fill.sum() >= full:   # full already: nothing to do (and cheap)
         return take, rank, row, c.length[take]
     budget = MAX_ATTEMPTS_PER_ROW * R * M + MIN_ATTEMPTS
+    if R * M > WAVE_ROWS:
+        # Many rows: light items go in vectorized waves first; the per-item pass sees the rest.
+        light = c.length[fits] <= geometry.capacity // LIGHT_FRACTION
+        rest = rows.wave_fill(fits[light], full)
+        fits = np.concatenate([fits[~light], rest])
     left = rows.fill_pass(fits.tolist(), cost_aware=cost_aware, overhead=overhead,
                           stop_at=full, budget=budget)
     if cost_aware and left:

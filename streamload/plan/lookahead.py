@@ -33,10 +33,8 @@ from .length_buckets import water_fill
 from .types import Candidates, Geometry
 
 HEAVY_SHARE = 0.25   # a document is heavy from this fraction of a slot's fair cost per step
-# Heavy levels by cost, as a share of the cost of a document of C tokens: [.., 0.2), [0.2, 0.4),
-# [0.4, 0.7), >= 0.7.
-LEVEL_EDGES = np.array([0.2, 0.4, 0.7])
-LEVELS = LEVEL_EDGES.size + 1
+LEVEL_CANDIDATES = 64   # distinct excesses tried as a step's level (spread over the range)
+ALIKE = 0.75         # an item fits a level when a slot of it reaches this share of the level
 
 
 # Per-source quotas for a step: the targets, with the shortfall of sources that have less than
@@ -121,49 +119,27 @@ def select_lookahead(c: Candidates, targets: np.ndarray, geometry: Geometry, cos
         return np.zeros(0, dtype=np.int64), np.zeros(0, dtype=bool)
     fair = float(weight[pool].sum()) / pool_tokens * step_tokens / slots   # a slot's fair cost
     heavy = pool & (weight >= HEAVY_SHARE * fair) & (length <= geometry.capacity)
-    # Levels by cost against a full row's document (C tokens): items of one level are alike,
-    # so a layer of them evens out its rows; the top level (pieces near C) can share a row
-    # with nothing heavy, so it must come in whole layers.
-    full = float(cost.doc_cost(geometry.capacity))
-    level = np.searchsorted(LEVEL_EDGES, weight / full, side="right").astype(np.int64)
+    # What a heavy item costs above the light documents' rate per token: what its slot
+    # carries more than a slot of light documents of the same tokens.
+    light_pool = pool & ~heavy
+    density = float(weight[light_pool].sum()) / float(length[light_pool].sum()) \
+        if light_pool.any() else float(cost.b)
+    excess = np.maximum(weight - density * length, 0.0)
 
     used = np.bincount(source[forced], weights=length[forced], minlength=S).astype(np.float64)
     taken = forced.copy()
     room = float(geometry.step_tokens) - float(length[forced].sum())
-
-    # Heavy documents: whole layers of one per slot, level by level, heaviest level first.
-    for lv in range(LEVELS - 1, -1, -1):
-        in_level = heavy & (level == lv)
-        if not in_level.any():
-            continue
-        forced_here = int((forced & in_level).sum())
-        if forced_here % slots and lv > 0:
-            # Complete the forced items' layer from the level below, heaviest first.
-            below = np.flatnonzero(heavy & (level == lv - 1) & ~forced & ~taken
-                                   & (quota[source] > used[source]))
-            below = below[np.lexsort((below, -age[below], -weight[below]))]
-            extra = below[:(-forced_here) % slots]
-            level[extra] = lv
-            in_level = heavy & (level == lv)
-        # A source owed tokens this step (quota > 0) may release a layer past its quota: the
-        # mixer's carry takes the overshoot back over the next steps (the mix stays exact over
-        # the window). A source with nothing owed waits.
-        cand = np.flatnonzero(in_level & ~forced & ~taken & (quota[source] > used[source]))
-        cand = cand[np.lexsort((cand, -weight[cand], -age[cand]))]   # oldest, heaviest, arrival
-        # The forced ones set the step's slowest slot: their layer's other slots take what
-        # there is at this level for free (each item so taken is one less straggler later).
-        open_layer = (-forced_here) % slots
-        want = min(open_layer, cand.size)
-        if want == open_layer and cand.size - want >= slots:
-            want += slots                             # a whole new layer is there: release it
-        picked = cand[:want]
-        fits = np.cumsum(length[picked]) <= room
-        if not fits.all():   # a layer that does not fit the step waits (forced ones never do)
-            whole = (int(fits.sum()) + forced_here) // slots * slots - forced_here
-            picked = picked[:max(whole, 0)]
-        used += np.bincount(source[picked], weights=length[picked], minlength=S)
-        room -= float(length[picked].sum())
-        taken[picked] = True
+    # A source owed tokens this step (quota > 0) may give heavy documents past its quota: the
+    # mixer's carry takes the overshoot back over the next steps (the mix stays exact over the
+    # window). A source with nothing owed waits.
+    free = np.flatnonzero(heavy & ~forced & (quota[source] > used[source]))
+    slot_tokens = geometry.capacity if slots == geometry.rows else \
+        geometry.micro_batches * geometry.capacity
+    picked = heavy_layer(excess, np.flatnonzero(forced & heavy), free, age, length, slots,
+                         slot_tokens, room)
+    used += np.bincount(source[picked], weights=length[picked], minlength=S)
+    room -= float(length[picked].sum())
+    taken[picked] = True
 
     # Light documents fill the quotas in arrival order (round-robin over ranks by position), in
     # the room the layers left: quotas still open shrink in proportion when it is short.
@@ -178,6 +154,56 @@ def select_lookahead(c: Candidates, targets: np.ndarray, geometry: Geometry, cos
     taken |= _take_arrival(c, pool & ~taken & ~heavy, used, light_quota)
     selected = np.flatnonzero(taken)
     return selected, forced[selected]
+
+
+def heavy_layer(excess: np.ndarray, must: np.ndarray, free: np.ndarray, age: np.ndarray,
+                length: np.ndarray, slots: int, slot_tokens: int, room: float) -> np.ndarray:
+    """Which heavy documents (`free`, candidate indices) join this step, besides the forced
+    ones (`must`), so that every one of the step's `slots` (of `slot_tokens` tokens) carries
+    the same excess cost.
+
+    The step's level e is the largest excess a slot will carry: the heaviest forced item's,
+    or else the largest e that the free items fit for it can give every slot. An item fits a
+    level when it is no heavier than e and dense enough to reach e within a slot's tokens
+    (excess per token >= ALIKE · e / slot_tokens: attention grows with L², so half-length documents
+    cannot stand in for a full one); for items alike, that is one per slot: a layer. Items
+    heavier than e wait for a step of their own level (or until they are forced), so none of
+    them is the lone straggler of a step. The fit items then join, oldest first (then
+    heaviest), while their excess stays within slots·e and their tokens within `room` (with a
+    forced item, every item no heavier than e is fit).
+    Without a level (too little heavy work in the window to even out a step) none joins.
+    """
+    def fit(level, dense):
+        ok = excess[free] <= level * (1 + 1e-9)
+        return ok & (excess[free] * slot_tokens >= ALIKE * level * length[free]) if dense else ok
+
+    must_excess = float(excess[must].sum())
+    if must.size:
+        level = float(excess[must].max())
+    else:
+        levels = np.unique(excess[free])[::-1]
+        if levels.size == 0:
+            return free[:0]
+        if levels.size > LEVEL_CANDIDATES:   # spread over the whole range, the heaviest first
+            levels = levels[np.unique(np.linspace(0, levels.size - 1, LEVEL_CANDIDATES)
+                                      .astype(np.int64))]
+        x, l = excess[free][:, None], length[free][:, None]
+        fits = (x <= levels[None, :] * (1 + 1e-9)) & \
+            (x * slot_tokens >= ALIKE * levels[None, :] * l)
+        feasible = (np.where(fits, x, 0.0).sum(axis=0) >= slots * levels)
+        if not feasible.any():
+            return free[:0]
+        level = float(levels[int(np.argmax(feasible))])
+    budget = slots * level - must_excess
+    if budget <= 0:
+        return free[:0]
+    # A forced item sets the step's slowest slot whatever joins it: then any item no heavier
+    # fills the other slots toward it for free (one less straggler later), alike or not.
+    eligible = free[fit(level, dense=not must.size)]
+    eligible = eligible[np.lexsort((eligible, -excess[eligible], -age[eligible]))]
+    within = (np.cumsum(excess[eligible]) - excess[eligible] < budget) & \
+        (np.cumsum(length[eligible]) <= room)
+    return eligible[within]
 
 
 def balance_slots(geometry: Geometry, cost: CostModel) -> int:

@@ -43,8 +43,10 @@ class StepReport:
                                 # (`CostModel.cut_savings`): the same data uncut costs this more
     row_cost: Optional[np.ndarray] = None   # [R, M]: predicted cost of each (rank, micro-batch)
     step_time: float = 0.0      # the slowest rank's 1F1B time (`cost.pipeline_time`)
-    waited: int = 0             # taken items that had waited (age > 0) ...
-    waited_steps: int = 0       # ... and the steps they waited, summed
+    waited: int = 0             # taken items that had been deferred (a later item of their
+                                # window was taken before them) ...
+    waited_steps: int = 0       # ... and the steps since then, summed (their delays)
+    delay_max: int = 0          # the longest of those delays
     plan_seconds: float = 0.0   # CPU time of the planner (`Stepper.assign`) for this step
     mix: Optional[StepMix] = None   # the configured target, the tail, run-outs (`mixreport`)
 
@@ -72,7 +74,7 @@ class StepReport:
                 "cut_work": round(self.cut_work, 3),
                 "row_cost": None if self.row_cost is None else self.row_cost.tolist(),
                 "step_time": self.step_time, "waited": self.waited,
-                "waited_steps": self.waited_steps, "plan_ms": round(1e3 * self.plan_seconds, 3)}
+                "waited_steps": self.waited_steps, "delay_max": self.delay_max, "plan_ms": round(1e3 * self.plan_seconds, 3)}
 
 
 class _Window:
@@ -89,6 +91,9 @@ class _Window:
         coded items when `coded`, else plain lengths (nothing divisible)."""
         self.head = np.zeros(0, np.int64)
         self.head_age = np.zeros(0, np.int64)
+        # The step from which each head item was deferred: a later item of this window was
+        # taken while it stayed (-1: never). Its delay, when taken, counts from there.
+        self.head_skipped = np.zeros(0, np.int64)
         self.coded = coded
         self.next_pass = next_pass if (coded or next_pass is None) else (lambda: 2 * next_pass())
         self._set_feed(feed if coded else 2 * np.asarray(feed, dtype=np.int64))
@@ -131,11 +136,21 @@ class _Window:
         return lengths, ages, done
 
     def commit(self, taken: np.ndarray, lengths: np.ndarray, ages: np.ndarray,
-               taken_lengths: Optional[np.ndarray] = None) -> None:
+               taken_lengths: Optional[np.ndarray] = None, step: int = 0) -> np.ndarray:
         """Remove the taken window positions (`taken_lengths`: tokens taken of each; an item
-        cut short keeps its rest in place); the rest of the window ages one step."""
+        cut short keeps its rest in place); the rest of the window ages one step. Returns the
+        delays of the taken items that had been deferred (steps since a later item of this
+        window went ahead of them)."""
         keep = np.ones(lengths.size, dtype=bool)
         keep[taken] = False
+        skipped = np.concatenate([self.head_skipped[:self.offered],
+                                  np.full(lengths.size - self.offered, -1, np.int64)])
+        whole = np.asarray(taken)[np.asarray(taken_lengths) >= lengths[taken]] \
+            if taken_lengths is not None else np.asarray(taken)
+        delays = step - skipped[whole][skipped[whole] >= 0]
+        if whole.size:   # a later item went ahead of what stays before it
+            overtaken = keep & (np.arange(lengths.size) < int(whole.max())) & (skipped < 0)
+            skipped[overtaken] = step
         lengths = np.asarray(lengths, dtype=np.int64).copy()
         if taken_lengths is not None:
             cut = np.asarray(taken_lengths) < lengths[taken]
@@ -144,8 +159,10 @@ class _Window:
         codes = lengths * 2 + self.divisible
         self.head = np.concatenate([codes[keep], self.head[self.offered:]])
         self.head_age = np.concatenate([ages[keep] + 1, self.head_age[self.offered:]])
+        self.head_skipped = np.concatenate([skipped[keep], self.head_skipped[self.offered:]])
         self.ptr += self.fresh
         self.offered = self.fresh = 0
+        return delays
 
     @property
     def has_items(self) -> bool:
@@ -282,10 +299,16 @@ def simulate(spec: LoaderSpec, lengths: Sequence[Union[SourceScan, np.ndarray]],
         # Taken items leave their windows; the others age.
         taken = np.zeros(len(c), dtype=np.int64)   # tokens taken of each candidate
         taken[take] = assignment.length
+        delays = []
         for (s, r), window in c.windows():
             positions = np.flatnonzero(taken[window])
-            windows[r][s].commit(positions, c.length[window], c.age[window].astype(np.int64),
-                                 taken[window][positions])
+            delays.append(windows[r][s].commit(positions, c.length[window],
+                                               c.age[window].astype(np.int64),
+                                               taken[window][positions], step.index))
+        delays = np.concatenate(delays) if delays else np.zeros(0, np.int64)
+        report = reports[-1]
+        report.waited, report.waited_steps = int(delays.size), int(delays.sum())
+        report.delay_max = int(delays.max(initial=0))
     return reports
 
 
@@ -324,5 +347,4 @@ def _report(step, epoch, c: Candidates, quota, assignment, take, units, geometry
         fill=float(lengths.sum()) / geometry.step_tokens, active=np.asarray(quota.active),
         cut_work=cost.cut_savings(c.length[take][cut], lengths[cut]),
         row_cost=assignment.row_cost,
-        step_time=float(assignment.step_time.max(initial=0.0)),
-        waited=int((c.age[take] > 0).sum()), waited_steps=int(c.age[take].sum()))
+        step_time=float(assignment.step_time.max(initial=0.0)))
