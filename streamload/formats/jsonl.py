@@ -12,7 +12,6 @@ from functools import lru_cache
 from typing import Callable
 
 import msgspec
-import numpy as np
 import zstandard
 
 from ..errors import ConfigError

@@ -1,0 +1,241 @@
+"""MosaicML Streaming's MDS shards: `shard.NNNNN.mds`, or compressed `shard.NNNNN.mds.zstd`
+(also `.gz`, `.bz2`), described by the `index.json` beside them.
+
+`index.json` (version 2) lists the directory's shards in order; each entry gives the raw file
+(`raw_data`: basename, bytes), the compressed one if any (`zip_data`, `compression`), the
+sample count and the columns: `column_names`, `column_encodings` and `column_sizes` (a fixed
+size in bytes, or null for variable-size columns), in the order their data is stored.
+
+A raw shard holds the sample count (uint32), then n + 1 uint32 offsets (absolute byte
+positions: sample i is bytes [offsets[i], offsets[i + 1])), then the writer's configuration as
+JSON, then the samples. Each sample is one uint32 size per variable-size column, then every
+column's bytes in column order. All integers are little-endian.
+
+The shard files are the shards; `index.json` is their companion (`matches` is False for it),
+read once per directory with a listing of the directory, and kept on the format instance.
+Sub-directories with an `index.json` of their own (MDS "streams") are read the same way.
+
+Records: text from a `str` column (`text_field`, default "text"), or token ids from an ndarray
+column (`tokens_field`: encodings `ndarray`, `ndarray:<int dtype>` and
+`ndarray:<int dtype>:<shape>`). Pickled columns (`pkl`) are refused, never unpickled. A
+record's index is the sample's index in its shard.
+
+Reads: a raw shard's header (count and offsets) is one small range read by `open`; the samples
+are read by range, consecutive samples coalesced into ranges of about `chunk_bytes`. A
+compressed shard is read whole (one range) and decompressed. When a raw copy and a compressed
+copy of the same shard both exist (a StreamingDataset cache), the raw one is read and the
+compressed one yields nothing.
+
+`document_lengths`: a fixed-shape token column from the index alone (every sample holds the
+same number of ids); anything else by decoding the samples (`lengths.stream_lengths`).
+
+The package keeps apart what LitData's and MosaicML's own readers keep apart: `index.py` reads
+`index.json`, `layouts.py` finds the column in a sample and decodes it, `stream.py` reads a
+shard's bytes; this module is the format (detection, the index cache, open, lengths).
+"""
+from __future__ import annotations
+
+import asyncio
+import re
+import threading
+from collections import OrderedDict
+
+import numpy as np
+
+from ...errors import ConfigError, DataError
+from ...storage.base import ObjectInfo, ObjectStore
+from ...tokenizer import TextTokenizer
+from ..base import (LENGTHS_CHUNK_BYTES, BadShard, DocumentLengths, EmptyStream, SkipCallback,
+                    shard_failed)
+from ..lengths import stream_lengths
+from .index import Directory, Entry, load_directory
+from .layouts import Decoder, Layout, check_header, layout_of
+from .stream import DECOMPRESSORS, MdsCompressedStream, MdsRawStream
+
+
+_SHARD_NAME = re.compile(r"shard\.\d+\.mds(?:\.(zstd|gz|bz2|br|snappy))?")
+
+
+_CACHED_DIRECTORIES = 1024
+
+
+# ---------------------------------------------------------------- the format
+
+
+class MdsFormat:
+    """MDS shards (`shard.NNNNN.mds[.zstd|.gz|.bz2]`) with the `index.json` beside them."""
+
+    name = "mds"
+    # "scan" (decoded records) but for fixed-shape token columns, measured from the index:
+    # `document_lengths` sets it to what it used last.
+
+    def __init__(self, text_field: str | None = None, tokens_field: str | None = None,
+                 named: bool = False):
+        self.tokens = tokens_field is not None
+        self.field = tokens_field if self.tokens else ("text" if text_field is None
+                                                       else text_field)
+        if not self.field:
+            raise ConfigError.at("tokens_field" if self.tokens else "text_field",
+                                 "must be a non-empty string (the MDS column to read)")
+        # Directory URI -> Directory, the least recently used dropped past a bound. A format
+        # instance is shared by every loader of the process (each its own event loop), so the
+        # cache is guarded by a lock, and loads in flight are shared per event loop.
+        self._lock = threading.Lock()
+        self._directories: OrderedDict[str, Directory] = OrderedDict()
+        self._loading: dict[tuple[int, str], asyncio.Task] = {}
+
+    def matches(self, uri: str) -> bool:
+        return _SHARD_NAME.fullmatch(uri.rsplit("/", 1)[-1]) is not None
+
+    # -- the index, once per directory
+
+    async def _directory(self, store: ObjectStore, uri: str, refresh: bool) -> Directory:
+        if not refresh:
+            with self._lock:
+                found = self._directories.get(uri)
+                if found is not None:
+                    self._directories.move_to_end(uri)
+                    return found
+        loop = asyncio.get_running_loop()
+        key = (id(loop), uri)
+        with self._lock:
+            task = self._loading.get(key)
+            if task is None:
+                task = loop.create_task(load_directory(store, uri))
+                self._loading[key] = task
+                task.add_done_callback(lambda t: self._loaded(key, uri, t))
+        return await asyncio.shield(task)
+
+    def _loaded(self, key: tuple[int, str], uri: str, task: asyncio.Task) -> None:
+        with self._lock:
+            if self._loading.get(key) is task:
+                del self._loading[key]
+            if task.cancelled() or task.exception() is not None:
+                return   # errors are not kept: the next open tries again
+            self._directories[uri] = task.result()
+            self._directories.move_to_end(uri)
+            while len(self._directories) > _CACHED_DIRECTORIES:
+                self._directories.popitem(last=False)
+
+    async def _resolve(self, store: ObjectStore, shard: ObjectInfo, *, source: str,
+                       shard_name: str, on_skip: SkipCallback | None,
+                       report_missing: bool = True) -> tuple[Entry, str, Layout] | None:
+        """(entry, kind, layout) for a shard: kind "raw", "zip" or "copy" (a compressed copy
+        whose raw file is read instead). Shard-level problems raise DataError, or with
+        `on_skip` are reported and give None."""
+        if "/" not in shard.uri:
+            raise DataError(f"cannot find the directory of {shard.uri!r}", source=source,
+                            shard=shard_name)
+        directory_uri, name = shard.uri.rsplit("/", 1)
+        try:
+            directory = await self._directory(store, directory_uri, refresh=False)
+            if not directory.fits(name, shard.size) or name not in directory.entries:
+                directory = await self._directory(store, directory_uri, refresh=True)
+            if report_missing:
+                self._report_missing(directory, name, source=source, shard_name=shard_name,
+                                     on_skip=on_skip)
+            entry = directory.entries.get(name)
+            if entry is None:
+                listed = [e.raw for e in directory.order]
+                raise BadShard(f"the shard is not named in {directory.index_uri} (it names "
+                                f"{len(listed)} shard(s): {', '.join(listed[:5])}"
+                                f"{', ...' if len(listed) > 5 else ''})")
+            if name == entry.raw:
+                kind, expected = "raw", entry.raw_bytes
+            elif entry.raw in directory.files:
+                kind, expected = "copy", None
+            else:
+                kind, expected = "zip", entry.zip_bytes
+                if entry.compression not in DECOMPRESSORS:
+                    raise BadShard(f"compression {entry.compression!r} is not supported "
+                                    f"(zstd, gz and bz2 are)")
+            if expected is not None and shard.size != expected:
+                raise BadShard(f"the shard holds {shard.size} bytes but "
+                                f"{directory.index_uri} says {expected}: it is truncated, or "
+                                f"the index is not this shard's")
+            return entry, kind, layout_of(entry, self.field, self.tokens)
+        except BadShard as exc:
+            shard_failed(exc, source, shard_name, on_skip)
+            return None
+
+    @staticmethod
+    def _report_missing(directory: Directory, name: str, *, source: str, shard_name: str,
+                        on_skip: SkipCallback | None) -> None:
+        """Shards the index names that do not exist: an error from every shard of the
+        directory, or in skip mode one counted skip each, reported by one shard."""
+        if not directory.missing or (on_skip is not None and name != directory.reporter):
+            return
+        folder = shard_name.rsplit("/", 1)[0] + "/" if "/" in shard_name else ""
+        for missing, samples in directory.missing:
+            reason = (f"{directory.index_uri} names shard {missing!r} ({samples} samples), "
+                      f"which does not exist")
+            if on_skip is None:
+                raise DataError(reason, source=source, shard=folder + missing, skippable=True)
+            on_skip(None, reason)
+
+    # -- reading
+
+    async def open(self, store: ObjectStore, shard: ObjectInfo, *, source: str, shard_name: str,
+                   on_skip: SkipCallback | None, chunk_bytes: int
+                   ) -> MdsRawStream | MdsCompressedStream | EmptyStream:
+        return await self._open(store, shard, source=source, shard_name=shard_name,
+                                on_skip=on_skip, chunk_bytes=chunk_bytes, report_missing=True)
+
+    async def _open(self, store: ObjectStore, shard: ObjectInfo, *, source: str,
+                    shard_name: str, on_skip: SkipCallback | None, chunk_bytes: int,
+                    report_missing: bool) -> MdsRawStream | MdsCompressedStream | EmptyStream:
+        if chunk_bytes <= 0:
+            raise ConfigError.at("chunk_bytes", f"must be positive, got {chunk_bytes}")
+        resolved = await self._resolve(store, shard, source=source, shard_name=shard_name,
+                                       on_skip=on_skip, report_missing=report_missing)
+        if resolved is None or resolved[1] == "copy":
+            return EmptyStream()
+        entry, kind, layout = resolved
+        decoder = Decoder(layout, source=source, shard_name=shard_name, on_skip=on_skip)
+        if kind == "zip":
+            return MdsCompressedStream(decoder, entry, shard.size, source=source,
+                                       shard_name=shard_name, on_skip=on_skip)
+        try:
+            want = 4 * (entry.samples + 2)
+            head = await store.read_range(shard.uri, 0, min(want, shard.size))
+            offsets = check_header(head, entry.samples, shard.size, "the shard")
+        except BadShard as exc:
+            shard_failed(exc, source, shard_name, on_skip)
+            return EmptyStream()
+        return MdsRawStream(decoder, offsets, chunk_bytes, source=source, shard_name=shard_name)
+
+    async def document_lengths(self, store: ObjectStore, shard: ObjectInfo, *, source: str,
+                               shard_name: str, on_skip: SkipCallback | None,
+                               tokenizer: TextTokenizer | None = None, limit: int | None = None,
+                               chunk_bytes: int = LENGTHS_CHUNK_BYTES) -> DocumentLengths:
+        """Each document's length in tokens (`ShardFormat.document_lengths`). A token column
+        of fixed shape: from the index alone (its sample count; the shard is not read).
+        Otherwise the samples are decoded and measured (texts with `tokenizer`, UTF-8 bytes
+        without one)."""
+        if limit is not None and limit < 0:
+            raise ConfigError.at("limit", f"must be >= 0, got {limit}")
+        if self.tokens:
+            resolved = await self._resolve(store, shard, source=source, shard_name=shard_name,
+                                           on_skip=on_skip)
+            if resolved is None or resolved[1] == "copy":
+                return DocumentLengths(np.zeros(0, np.int64), "index")
+            entry, _, layout = resolved
+            if layout.static_count is not None:
+                n = entry.samples if limit is None else min(limit, entry.samples)
+                return DocumentLengths(np.full(n, layout.static_count, np.int64), "index")
+        # Token columns were resolved above, missing shards reported: not a second time.
+        reader = _Reader(self, report_missing=not self.tokens)
+        return await stream_lengths(reader, store, shard, source=source, shard_name=shard_name,
+                                    on_skip=on_skip, tokenizer=tokenizer, limit=limit,
+                                    chunk_bytes=chunk_bytes)
+
+
+class _Reader:
+    """`MdsFormat.open` for `lengths.stream_lengths`, with or without the missing-shard report."""
+
+    def __init__(self, fmt: MdsFormat, report_missing: bool):
+        self._fmt, self._report_missing = fmt, report_missing
+
+    async def open(self, store: ObjectStore, shard: ObjectInfo, **options):
+        return await self._fmt._open(store, shard, report_missing=self._report_missing,
+                                     **options)
