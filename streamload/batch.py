@@ -16,6 +16,7 @@ import numpy as np
 import torch
 
 from .mixreport import StepMix
+from .plan.cost import pipeline_time
 from .plan.packing import IGNORE_INDEX   # labels with no target: segment ends, padding
 
 __all__ = ["Batch", "MicroBatch", "IGNORE_INDEX"]
@@ -82,6 +83,10 @@ class Batch:
     # The step's mix facts: the configured target shares, whether the epoch's tail had begun,
     # which sources ran out with this step (`mixreport`)
     mix: Optional[StepMix] = field(default=None, repr=False)
+    # Predicted cost of each (rank, micro-batch) [R, M], and the pipeline stages P of the
+    # 1F1B cost model (`step_time`); None on a broadcast follower
+    row_cost: Optional[np.ndarray] = field(default=None, repr=False)
+    pipeline_stages: int = 1
     # This rank's skips so far (on_error="skip"), [sources, 2]: records and shards skipped
     skipped: Optional[np.ndarray] = field(default=None, repr=False)
 
@@ -94,6 +99,26 @@ class Batch:
         """Predicted max rank cost / mean rank cost (1.0 is perfect)."""
         mean = float(self.rank_cost.mean())
         return float(self.rank_cost.max() / mean) if mean > 0 else 1.0
+
+    @property
+    def step_time(self) -> float:
+        """The step's predicted time: the slowest rank's 1F1B time over its micro-batches,
+        (sum + (P - 1) * max) / P (`cost.pipeline_time`); the largest rank cost without rows."""
+        if self.row_cost is None:
+            return float(self.rank_cost.max(initial=0.0))
+        return float(pipeline_time(self.row_cost, self.pipeline_stages).max(initial=0.0))
+
+    @property
+    def pipeline_efficiency(self) -> float:
+        """The step's time with its work spread evenly over every (rank, micro-batch), over its
+        predicted time (1.0: no rank and no micro-batch waits on another)."""
+        if self.row_cost is None or self.row_cost.size == 0:
+            return 1.0
+        R, M = self.row_cost.shape
+        P = self.pipeline_stages
+        bound = float(self.row_cost.sum()) / R * (M + P - 1) / (M * P)
+        time = self.step_time
+        return bound / time if time > 0 else 1.0
 
     def to_megatron(self) -> list[dict]:
         """One dict per micro-batch, in order (`MicroBatch.to_megatron`). Megatron's external

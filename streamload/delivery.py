@@ -82,12 +82,14 @@ class Delivery:
                 position_ids=torch.from_numpy(row.position_ids),
                 labels=torch.from_numpy(row.labels), loss_mask=torch.from_numpy(row.loss_mask),
                 sample_ids=ids, max_seqlen=row.max_seqlen, padding=row.padding))
-        rank_tokens, rank_cost, deferral = self._count(summaries, plan, sources, lengths[entries])
+        rank_tokens, row_cost, deferral = self._count(summaries, plan, sources, lengths[entries])
         job_sources = np.bincount(c.source[plan.take], weights=lengths,
                                   minlength=len(self.source_names)).astype(np.int64)
         exchanged = int(lengths[holder != plan.rank].sum())   # the job's, moved between ranks
         self.step_metrics.exchanged_tokens += exchanged
-        return Batch(step, epoch, micro_batches, rank_tokens, rank_cost, max_deferral=deferral,
+        return Batch(step, epoch, micro_batches, rank_tokens, row_cost.sum(axis=1),
+                     row_cost=row_cost, pipeline_stages=self.geometry.pipeline_stages,
+                     max_deferral=deferral,
                      source_tokens=job_sources, exchanged_tokens=exchanged, mix=mix)
 
     def _count(self, summaries: Summaries, plan: PlanMessage, sources: np.ndarray,
@@ -102,10 +104,10 @@ class Delivery:
             metrics.delivered_tokens += int(t)
         lengths = plan.length
         rank_tokens = np.bincount(plan.rank, weights=lengths, minlength=R)
-        rank_cost = self.cost.row_costs(lengths, plan.rank * M + plan.row, R * M,
-                                        extra_cost=c.extra_cost[plan.take]).reshape(R, M).sum(axis=1)
+        row_cost = self.cost.row_costs(lengths, plan.rank * M + plan.row, R * M,
+                                       extra_cost=c.extra_cost[plan.take]).reshape(R, M)
         metrics = self.step_metrics
-        metrics.record(rank_tokens, rank_cost)
+        metrics.record(rank_tokens, row_cost.sum(axis=1), row_cost, self.geometry.pipeline_stages)
         whole = c.length[plan.take]
         cut = lengths < whole
         if cut.any():
@@ -116,7 +118,7 @@ class Delivery:
         metrics.deferral_max = max(metrics.deferral_max, deferral)
         metrics.deferral_sum += int(ages.sum())
         metrics.delivered += int(ages.size)
-        return rank_tokens, rank_cost, deferral
+        return rank_tokens, row_cost, deferral
 
     def _sample_id(self, source: int, shard: int, record: int, chunk: int) -> str:
         """"source/shard/record", ":k" for piece k of a split document, ":k+o" for what was

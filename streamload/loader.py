@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import functools
+import logging
 import queue
 import signal
 import threading
@@ -30,6 +31,7 @@ from .metrics import job_totals
 from .mixreport import format_mix
 from .observe import step_record
 from .configfile import load_config
+from .plan.cost import CostModel
 from .plan.mix_spec import Mixture
 from .config import LoaderConfig, Source, check_fields, make_config
 from .collective.comm import Comm, connect, connect_broadcast
@@ -43,6 +45,7 @@ from .state import decode_state, encode_state
 from .tokenizer import as_tokenizer
 
 
+log = logging.getLogger("streamload")
 T = TypeVar("T")
 
 
@@ -196,6 +199,9 @@ class Loader:
         if self.topology is not None and self.topology.cp > 1:   # the CP group shares a row
             row_config = msgspec.structs.replace(
                 self.config, micro_batch_tokens=self.topology.cp * self.config.micro_batch_tokens)
+        if self.config.pipeline_stages is None and self.topology is not None and \
+                self.topology.pp > 1:   # the 1F1B cost model takes P from the topology
+            row_config = msgspec.structs.replace(row_config, pipeline_stages=self.topology.pp)
         if isinstance(mixture, dict):   # checked as Mixture(**mixture) is, nested keys too
             check_fields(mixture, Mixture, "mixture")
             mixture = Mixture(**mixture)
@@ -215,6 +221,11 @@ class Loader:
         self._runtime_step_tokens = row_config.micro_batches * row_config.micro_batch_tokens * \
             self.world_size
         self._source_names = [src.name for src in self.sources]
+        if comm is not None and self.rank == 0:
+            log.info("planner %s, %s; %d pipeline stage(s) (1F1B)", row_config.planner,
+                     CostModel(row_config.cost_a, row_config.cost_b,
+                               row_config.document_masking).describe(),
+                     row_config.pipeline_stages or 1)
         self._background: Optional[_Background] = None
         self._finished = False
         self._closed = False   # close() was called: next() is a mistake, not an end

@@ -10,6 +10,7 @@ from typing import Optional
 import numpy as np
 
 from .mixreport import MixTally, StepMix
+from .plan.cost import pipeline_time
 
 FILL_BINS = 1000   # tokens-per-step histogram resolution: 0.1% of a full step
 LOW_FILL = 0.9     # a step below this share of its capacity counts as low
@@ -56,6 +57,8 @@ class StepMetrics:
     epoch: int = 0
     last_rank_tokens: list = field(default_factory=list)
     last_rank_cost: list = field(default_factory=list)
+    last_row_cost: list = field(default_factory=list)   # [R][M]: each (rank, micro-batch)
+    last_step_time: float = 0.0    # the slowest rank's 1F1B time (`cost.pipeline_time`)
     last_imbalance: float = 0.0
     imbalance_sum: float = 0.0
     plan_ms: deque = field(default_factory=lambda: deque(maxlen=256))
@@ -89,8 +92,12 @@ class StepMetrics:
         self.source_tokens += tokens
         self.mix.add(epoch, step, units, mix)
 
-    def record(self, rank_tokens: np.ndarray, rank_cost: np.ndarray) -> None:
+    def record(self, rank_tokens: np.ndarray, rank_cost: np.ndarray,
+               row_cost: np.ndarray | None = None, pipeline_stages: int = 1) -> None:
         self.steps += 1
+        if row_cost is not None:
+            self.last_row_cost = row_cost.tolist()
+            self.last_step_time = float(pipeline_time(row_cost, pipeline_stages).max(initial=0.0))
         tokens = int(rank_tokens.sum())
         if self.step_tokens:
             self.fill_bins[min(int(round(tokens / self.step_tokens * FILL_BINS)), FILL_BINS)] += 1
@@ -122,6 +129,7 @@ class StepMetrics:
             "tokens_per_step": self.tokens_per_step(), "step_capacity_tokens": self.step_tokens,
             "steps_planned": self.steps, "epoch": self.epoch,
             "rank_tokens": self.last_rank_tokens, "rank_cost": self.last_rank_cost,
+            "row_cost": self.last_row_cost, "step_time": self.last_step_time,
             "imbalance": self.last_imbalance,
             "imbalance_mean": self.imbalance_sum / self.steps if self.steps else None,
             "plan_ms_median": float(np.median(plan)) if plan.size else None,

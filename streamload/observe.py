@@ -19,6 +19,10 @@ The record is a flat dict of numbers (float), so every key is a time series:
     fill                  job_tokens / step_tokens (step_tokens = R * M * C)
     imbalance             predicted max / mean rank cost (1.0: perfect)
     rank_cost_max, rank_cost_mean   the predicted rank costs
+    step_time, row_cost_max  the step's predicted time (the slowest rank's 1F1B time over its
+                          micro-batches, `Batch.step_time`) and its costliest micro-batch
+    pipeline_efficiency   the step's work spread evenly over every (rank, micro-batch), over
+                          step_time (1.0: nothing waits)
     max_deferral          steps the longest-waiting sample of this step was deferred
     tokens/<source>, samples/<source>   this rank's tokens and documents of each source
     job_tokens/<source>   the job's tokens of each source this step, over every DP rank (the
@@ -89,6 +93,10 @@ def step_record(batch: "Batch", step_tokens: int, sources: Sequence[str]) -> dic
         "imbalance": float(batch.imbalance) if rank_cost.size else 1.0,
         "rank_cost_max": float(rank_cost.max()) if rank_cost.size else 0.0,
         "rank_cost_mean": float(rank_cost.mean()) if rank_cost.size else 0.0,
+        "step_time": float(batch.step_time) if rank_cost.size else 0.0,
+        "pipeline_efficiency": float(batch.pipeline_efficiency),
+        "row_cost_max": float(np.max(batch.row_cost)) if batch.row_cost is not None
+        and batch.row_cost.size else 0.0,
         "max_deferral": float(batch.max_deferral),
     }
     for name, count in tokens.items():

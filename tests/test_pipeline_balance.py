@@ -93,3 +93,28 @@ def test_outliers_wait_for_a_step_that_gives_every_slot_one():
         assert sorted(slots.tolist()) == list(range(R * M)), (step, slots)   # one per slot
     assert sum(int((a.length == C).sum()) for _, a in heavy_steps) == 4
     assert max(int(c.age[a.take].max(initial=0)) for c, a in plans) <= 2 * W
+
+
+def test_the_loader_logs_its_cost_model_and_planner_at_start(tmp_path, caplog):
+    import json
+    import logging
+
+    import streamload as sl
+    docs = tmp_path / "docs"
+    docs.mkdir()
+    (docs / "part-0.jsonl").write_text(
+        "".join(json.dumps({"text": "x" * n}) + "\n" for n in (40, 300, 1200, 90)))
+    with caplog.at_level(logging.INFO, logger="streamload"):
+        records = []
+        with sl.Loader([sl.Source(str(docs))], micro_batch_tokens=512, epochs=1,
+                       pipeline_stages=2, on_step=records.append) as loader:
+            batches = list(loader)
+            stats = loader.stats()
+    # Per (rank, micro-batch) costs and the 1F1B step time, in stats() and the step records.
+    assert np.asarray(stats["row_cost"]).shape == (1, 2) and stats["step_time"] > 0
+    assert records and all(r["step_time"] > 0 and 0 < r["pipeline_efficiency"] <= 1
+                           for r in records)
+    assert batches[-1].row_cost.shape == (1, 2)
+    text = "\n".join(r.getMessage() for r in caplog.records)
+    assert "planner lookahead" in text and "a=2.035e-05, b=1" in text
+    assert "CostModel.transformer" in text and "2 pipeline stage(s)" in text
