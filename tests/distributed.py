@@ -1,10 +1,25 @@
-"""Run a function on N real gloo ranks (separate processes) and collect what each returns."""
+"""Run a function on N real gloo ranks (separate processes) and collect what each returns.
+
+The ranks are forked from a forkserver that imported torch and streamload once per session, so
+a rank starts in milliseconds instead of paying the seconds of a fresh `import torch` each time
+(with spawn, that import was most of the suite's time). The forkserver is a clean process of
+its own (no pytest threads, no loop), the usual safe way to fork with torch, and each rank gets
+the test's current environment, as a spawned one would. STREAMLOAD_TEST_START=spawn goes back
+to spawn.
+"""
 from __future__ import annotations
 
 import multiprocessing as mp
 import os
+import queue
 import socket
+import time
 import traceback
+
+START_METHOD = os.environ.get("STREAMLOAD_TEST_START", "forkserver")
+# A hang guard, scaled like the tests' own timeouts (conftest.py): a loaded machine is slower.
+TIMEOUT_SCALE = float(os.environ.get("STREAMLOAD_TIMEOUT_SCALE", "3"))
+PRELOAD = ["torch", "torch.distributed", "numpy", "msgspec", "streamload", "streamload.loader"]
 
 
 def free_port() -> int:
@@ -14,6 +29,7 @@ def free_port() -> int:
 
 
 def _entry(fn, rank, world, port, results, env, args):
+    os.environ.clear()    # the test's environment now, not the forkserver's at its start
     os.environ.update(env)
     import torch
     import torch.distributed as dist
@@ -29,24 +45,53 @@ def _entry(fn, rank, world, port, results, env, args):
             dist.destroy_process_group()
 
 
+def _drain(results, out: dict, wait_s: float, ranks: list[int]) -> bool:
+    """Read results for up to `wait_s` until `ranks` have all given one; whether they did."""
+    end = time.monotonic() + wait_s
+    while any(r not in out for r in ranks) and time.monotonic() < end:
+        try:
+            rank, status, value = results.get(timeout=max(0.05, end - time.monotonic()))
+            out[rank] = (status, value)
+        except queue.Empty:
+            break
+    return all(r in out for r in ranks)
+
+
 def run_ranks(fn, world: int, *args, timeout: float = 90.0, env: dict | None = None,
               expect_errors: bool = False) -> list:
     """fn(rank, world, *args) on `world` gloo ranks; returns results by rank.
 
     Raises AssertionError with the rank's traceback if any rank fails (unless expect_errors,
     in which case failed ranks give ("error", message))."""
-    ctx = mp.get_context("spawn")
+    ctx = mp.get_context(START_METHOD)
+    if START_METHOD == "forkserver":
+        ctx.set_forkserver_preload(PRELOAD)   # read once, when the server starts
     results = ctx.Queue()
     port = free_port()
-    procs = [ctx.Process(target=_entry, args=(fn, r, world, port, results, env or {}, args),
+    env = {**os.environ, **(env or {})}
+    procs = [ctx.Process(target=_entry, args=(fn, r, world, port, results, env, args),
                          daemon=True) for r in range(world)]
     for p in procs:
         p.start()
     out: dict[int, tuple] = {}
+    deadline = time.monotonic() + timeout * TIMEOUT_SCALE
     try:
-        for _ in range(world):
-            rank, status, value = results.get(timeout=timeout)
-            out[rank] = (status, value)
+        while len(out) < world:
+            try:
+                rank, status, value = results.get(timeout=1.0)
+                out[rank] = (status, value)
+                continue
+            except queue.Empty:
+                pass
+            # A rank that died without a word (killed, crashed in C++) fails the run now, not
+            # at the deadline; one that is merely slow is waited for.
+            gone = [r for r, p in enumerate(procs) if p.exitcode is not None and r not in out]
+            if gone and not _drain(results, out, 5.0, gone):
+                raise AssertionError(f"ranks {gone} exited without a result "
+                                     f"(exit codes {[procs[r].exitcode for r in gone]})")
+            if time.monotonic() > deadline:
+                raise AssertionError(f"ranks {sorted(set(range(world)) - set(out))} gave no "
+                                     f"result within {timeout * TIMEOUT_SCALE:.0f} s")
     finally:
         for p in procs:
             p.join(timeout=10)
