@@ -24,6 +24,7 @@ import streamload as sl
 from resumecheck import stop_and_resume
 from streamload.errors import DataError
 from streamload.formats import format_for
+from streamload.formats.catalog import catalog
 from streamload.formats.litdata import LitdataFormat
 from streamload.storage.base import ObjectInfo, StoreCounters
 from streamload.storage.fs import LocalStore
@@ -448,14 +449,23 @@ async def test_whole_file_compressed_and_arrow_chunks_are_read_whole(litdata_roo
                 assert ranges[0][1] == shard.size - 12
 
 
-async def test_the_index_is_read_once_per_directory(litdata_root):
+async def test_the_index_is_read_once_per_directory_by_the_catalog(litdata_root):
+    """The source's catalog keeps the index (its chunks read it once, together); the format,
+    shared by every Loader, keeps nothing, so another catalog (another Loader) reads it again."""
     root, sets = litdata_root
-    fmt = LitdataFormat()
-    store = CountingStore()
-    for filename, _items, _dim in sets["text_plain"]["chunks"]:
-        await read_chunk(fmt, store, chunk_info(root, "text_plain", filename))
-    assert [r for r in store.reads if r[0] == "index.json"] == [
-        ("index.json", 0, (root / "text_plain" / "index.json").stat().st_size)]
+    size = (root / "text_plain" / "index.json").stat().st_size
+    for reads in (1, 2):
+        store = CountingStore()
+        found = await catalog(sl.Source(str(root / "text_plain"), format="litdata"), store)
+        await asyncio.gather(*(read_chunk(s.format, store, s.info) for s in found.shards))
+        assert len(found.shards) == len(sets["text_plain"]["chunks"]) > 1
+        assert [r for r in store.reads if r[0] == "index.json"] == [("index.json", 0, size)]
+    fmt = found.shards[0].format.format
+    assert set(vars(fmt)) == {"text_field", "tokens_field", "block_size"}
+    store = CountingStore()   # the format alone reads the index for each call
+    for s in found.shards:
+        await read_chunk(fmt, store, s.info)
+    assert len([r for r in store.reads if r[0] == "index.json"]) == len(found.shards)
 
 
 def test_block_size_argument(litdata_root):

@@ -32,6 +32,7 @@ from formatcheck import (FileStore, Skips, assert_matches, info, loader, read_sh
 from resumecheck import stop_and_resume
 from streamload.errors import DataError
 from streamload.formats import format_for
+from streamload.formats.catalog import catalog
 from streamload.formats.mds import MdsFormat
 
 pytestmark = pytest.mark.timeout(120)
@@ -259,19 +260,26 @@ async def test_compressed_shards_are_read_whole(tmp_path):
     assert stream.ranges() == [(0, path.stat().st_size)]
 
 
-async def test_the_index_is_read_once_per_directory(tmp_path):
+async def test_the_index_is_read_once_per_directory_by_the_catalog(tmp_path):
+    """The source's catalog keeps each directory's index: its shards read it once, together.
+    The format, shared by every Loader, keeps nothing: another catalog reads it again."""
     root = write(tmp_path / "ds", TEXT_COLUMNS, text_samples(60, 5))
-    store, fmt = FileStore(), MdsFormat()
-    shards = shards_of(root)
-    await asyncio.gather(*(read_shard(fmt, p, store=store) for p in shards))
-    assert len(store.lists) == 1
-    assert len(store.reads_of(root / "index.json")) == 1
-    # a rewritten directory (other shard sizes) is noticed, and its index read again
+    for _ in range(2):
+        store = FileStore()
+        found = await catalog(sl.Source(str(root)), store)
+        assert len(found.shards) == len(shards_of(root)) > 1
+        await asyncio.gather(*(read_shard(s.format, Path(s.info.uri), store=store)
+                               for s in found.shards))
+        assert len(store.lists) == 2   # the source, then the index's directory
+        assert len(store.reads_of(root / "index.json")) == 1
+    assert set(vars(found.shards[0].format.format)) == {"tokens", "field"}
+    # a directory rewritten after the listing (other shard sizes) is noticed, its index read again
     shutil.rmtree(root)
     write(root, {"text": "str"}, [{"text": t.upper() * 2} for t in texts(40, 6)])
+    fmt = found.shards[0].format
     got = [r.payload for p in shards_of(root) for r in await read_shard(fmt, p, store=store)]
     assert got == [t.upper() * 2 for t in texts(40, 6)]
-    assert len(store.reads_of(root / "index.json")) == 2
+    assert len(store.reads_of(root / "index.json")) == 1 + len(shards_of(root))
 
 
 # ---------------------------------------------------------------- the loader

@@ -19,6 +19,11 @@ token shard from its offsets index alone, a record shard by decoding it and meas
 with the tokenizer (UTF-8 bytes without one). Both follow the skip policy of `open`. It returns
 `DocumentLengths`: the lengths and how they were measured, per shard (a format object is shared,
 so it keeps no result of its own).
+
+A format whose shards share a directory's index (MDS, LitData) also has `await
+fmt.load_index(store, directory)`, and `open` and `document_lengths` take its result as `index=`
+(None: the format reads it for that call). The source's catalog keeps the indexes
+(`catalog.Indexed`); format objects are shared by every Loader and keep nothing.
 """
 from __future__ import annotations
 

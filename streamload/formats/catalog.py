@@ -10,6 +10,12 @@
 Companion files (an index beside its shards: `index.json`, Megatron's `.idx`, a token shard's
 `.offsets.npy`) and hidden ones (`.x`, `_SUCCESS`) are neither.
 
+Formats whose shards share a directory's index (MDS, LitData: a `load_index` method) get their
+indexes from the catalog: each shard's `format` is an `Indexed`, the shared format with this
+catalog's indexes, read at most once per directory (when its first shard is opened) and passed
+to the format's `open` and `document_lengths`. The format objects, shared by every Loader of
+the process, keep no state.
+
 A `.json` name (optionally `.gz` / `.zst`) is ambiguous: Hugging Face dumps write JSON Lines
 under it, but a directory may also hold a single JSON document (a dataset card, a config).
 When the source does not name its format, the catalog reads the first bytes of each such object
@@ -31,7 +37,7 @@ from ..config import Source
 from ..errors import ConfigError, StorageError
 from ..storage import ObjectInfo, ObjectStore, relative_name
 from . import format_for
-from .base import ShardFormat
+from .base import BadShard, DocumentLengths, ShardFormat, ShardStream
 
 # A shard's compression suffix: x.jsonl and x.jsonl.zst are one shard in two encodings.
 _COMPRESSION = re.compile(r"\.(gz|zst|zstd|bz2|xz)$", re.IGNORECASE)
@@ -50,6 +56,49 @@ class Shard:
     name: str             # name relative to the source URI, used in sample ids
     info: ObjectInfo
     format: ShardFormat
+
+
+class Indexed:
+    """A format whose shards share their directory's index (`fmt.load_index(store,
+    directory)`), with the indexes of one catalog: each read once, by the first shard of its
+    directory to open, and shared by the others (a load that failed with a StorageError is tried
+    again; a BadShard is kept, and every shard of the directory reports it). One per format and
+    catalog, used on one event loop."""
+
+    def __init__(self, fmt: ShardFormat):
+        self.format, self.name = fmt, fmt.name
+        self._loads: dict[str, asyncio.Task] = {}   # directory URI -> its index (or BadShard)
+
+    def matches(self, uri: str) -> bool:
+        return self.format.matches(uri)
+
+    async def index(self, store: ObjectStore, uri: str) -> object:
+        """The index of the directory holding `uri`, or the BadShard reading it raised."""
+        directory = uri.rsplit("/", 1)[0]
+        task = self._loads.get(directory)
+        if task is None:
+            task = self._loads[directory] = asyncio.ensure_future(self._load(store, directory))
+        try:
+            return await asyncio.shield(task)   # one shard cancelled: the others still wait
+        except Exception:
+            if self._loads.get(directory) is task:
+                del self._loads[directory]
+            raise
+
+    async def _load(self, store: ObjectStore, directory: str) -> object:
+        try:
+            return await self.format.load_index(store, directory)
+        except BadShard as exc:
+            return exc
+
+    async def open(self, store: ObjectStore, shard: ObjectInfo, **options) -> ShardStream:
+        return await self.format.open(store, shard, index=await self.index(store, shard.uri),
+                                      **options)
+
+    async def document_lengths(self, store: ObjectStore, shard: ObjectInfo,
+                               **options) -> DocumentLengths:
+        return await self.format.document_lengths(
+            store, shard, index=await self.index(store, shard.uri), **options)
 
 
 @dataclass(frozen=True)
@@ -153,9 +202,12 @@ async def catalog(source: Source, store: ObjectStore) -> Catalog:
             if yes:
                 formats[k] = jsonl
     shards, left_out = [], []
+    indexed: dict[int, Indexed] = {}   # id(format) -> the format with this catalog's indexes
     for info, fmt in zip(objects, formats):
         name = relative_name(source.uri, info.uri)
         if fmt is not None:
+            if hasattr(fmt, "load_index"):
+                fmt = indexed.setdefault(id(fmt), Indexed(fmt))
             shards.append(Shard(len(shards), name, info, fmt))
         elif not (_COMPANIONS.search(name) or name.rsplit("/", 1)[-1].startswith((".", "_"))):
             left_out.append(LeftOut(name, _hint(name, source)))

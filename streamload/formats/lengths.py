@@ -79,16 +79,17 @@ async def measure_records(records: list[RawRecord], tokenizer: Optional[TextToke
 async def stream_lengths(fmt, store: ObjectStore, shard: ObjectInfo, *, source: str,
                          shard_name: str, on_skip: Optional[SkipCallback],
                          tokenizer: Optional[TextTokenizer], limit: Optional[int],
-                         chunk_bytes: int) -> DocumentLengths:
+                         chunk_bytes: int, **open_options) -> DocumentLengths:
     """`fmt.document_lengths` by reading the shard's records: decode, measure (see the module
-    docstring). With `limit`, reading stops once that many documents are measured."""
+    docstring). With `limit`, reading stops once that many documents are measured.
+    `open_options` go to `fmt.open` (an indexed format's `index`)."""
     if limit is not None and limit < 0:
         raise ConfigError.at("limit", f"must be >= 0, got {limit}")
     out: list[int] = []
     if limit == 0:
         return DocumentLengths(np.zeros(0, np.int64), "scan")
     stream = await fmt.open(store, shard, source=source, shard_name=shard_name,
-                            on_skip=on_skip, chunk_bytes=chunk_bytes)
+                            on_skip=on_skip, chunk_bytes=chunk_bytes, **open_options)
 
     async def add(records: list[RawRecord]) -> bool:
         """Measure `records` (no more than the limit needs); True once the limit is reached."""

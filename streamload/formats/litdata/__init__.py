@@ -3,7 +3,8 @@
 A dataset is a directory: `index.json` plus chunk files `chunk-{rank}-{index}.bin` (with
 whole-file compression `chunk-{rank}-{index}.{compression}.bin`). The chunk files are the
 shards; `index.json` is their companion, read once per directory (and listed with the
-directory, so that chunks it names but that are missing show) and cached on the format.
+directory, so that chunks it names but that are missing show: `load_index`) and kept by the
+source's catalog (`catalog.Indexed`), not by the format, which every Loader shares.
 
 `index.json` holds `"chunks"` (per chunk: `filename`, `chunk_size` = items, `chunk_bytes`, `dim`
 = tokens for TokensLoader chunks) and `"config"` (`data_format`: one serializer name per pytree
@@ -43,10 +44,7 @@ and bytes; this module is the format (detection, the index cache, open, lengths)
 """
 from __future__ import annotations
 
-import asyncio
 import re
-import threading
-from collections import OrderedDict
 from typing import Optional
 
 import numpy as np
@@ -62,9 +60,6 @@ from .stream import LitdataStream, index_lengths, plan_chunk
 
 
 CHUNK_NAME = re.compile(r"chunk-\d+-\d+(?:\.[A-Za-z0-9_:+-]+)?\.bin")
-
-
-_CACHED_DIRECTORIES = 256
 
 
 class LitdataFormat:
@@ -85,76 +80,34 @@ class LitdataFormat:
         if block_size is not None and (not isinstance(block_size, int) or block_size < 1):
             raise ConfigError.at("block_size", f"must be a positive integer, got {block_size!r}")
         self.text_field, self.tokens_field, self.block_size = text_field, tokens_field, block_size
-        self._lock = threading.Lock()
-        self._cache: OrderedDict[str, Dataset] = OrderedDict()
-        self._loading: dict[tuple[str, int], asyncio.Future] = {}
 
     def matches(self, uri: str) -> bool:
         return CHUNK_NAME.fullmatch(uri.rsplit("/", 1)[-1]) is not None
 
-    # -- the directory's index
+    # -- the directory's index (the catalog's, `catalog.Indexed`)
 
-    async def _dataset(self, store: ObjectStore, shard: ObjectInfo) -> Dataset:
-        """The shard's directory, from the cache; read again when the shard does not fit it
-        (not named by it, or of another size than listed: the dataset was rewritten)."""
-        directory = shard.uri.rsplit("/", 1)[0]
-        name = shard.uri.rsplit("/", 1)[-1]
-        with self._lock:
-            cached = self._cache.get(directory)
-            if cached is not None:
-                self._cache.move_to_end(directory)
-        if cached is not None and name in cached.chunks \
-                and cached.present.get(name) == shard.size:
-            return cached
-        loop = asyncio.get_running_loop()
-        key = (directory, id(loop))
-        while True:   # one read per directory at a time; the others wait for it
-            with self._lock:
-                pending = self._loading.get(key)
-                owner = pending is None
-                if owner:
-                    pending = self._loading[key] = loop.create_future()
-            if owner:
-                break
-            try:
-                return await asyncio.shield(pending)
-            except asyncio.CancelledError:
-                if not pending.cancelled():   # this task itself was cancelled
-                    raise
-                # the reader was cancelled: read it here instead
-        try:
-            dataset = await load_dataset(store, directory, text_field=self.text_field,
-                                         tokens_field=self.tokens_field,
-                                         block_size=self.block_size)
-        except Exception as exc:
-            with self._lock:
-                self._loading.pop(key, None)
-            pending.set_exception(exc)
-            pending.exception()   # retrieved: no "never retrieved" warning without waiters
-            raise
-        except BaseException:
-            with self._lock:
-                self._loading.pop(key, None)
-            pending.cancel()
-            raise
-        with self._lock:
-            self._loading.pop(key, None)
-            self._cache[directory] = dataset
-            while len(self._cache) > _CACHED_DIRECTORIES:
-                self._cache.popitem(last=False)
-        pending.set_result(dataset)
-        return dataset
+    async def load_index(self, store: ObjectStore, directory: str) -> Dataset:
+        """The directory's listing and parsed index.json, with this format's fields. The
+        catalog keeps one per directory for its source and passes it to `open` and
+        `document_lengths` as `index`; the format keeps none."""
+        return await load_dataset(store, directory, text_field=self.text_field,
+                                  tokens_field=self.tokens_field, block_size=self.block_size)
 
     async def _open_chunk(self, store: ObjectStore, shard: ObjectInfo, shard_name: str,
-                          on_skip: SkipCallback | None
+                          on_skip: SkipCallback | None, index: object
                           ) -> tuple[Dataset, Chunk, Optional[str]]:
         """The dataset, the shard's index entry and, in skip mode, a missing chunk to report
         (once per pass: by the first chunk of the index that exists); BadShard for what makes
-        the shard unreadable (in raise mode, any chunk the index names but that is missing)."""
-        dataset = await self._dataset(store, shard)
+        the shard unreadable (in raise mode, any chunk the index names but that is missing).
+        `index`: the directory's (`load_index`); None, or one that does not list the chunk as
+        the catalog did (the dataset was rewritten): read here."""
+        directory, name = shard.uri.rsplit("/", 1)
+        dataset = index
+        if dataset is None or name not in dataset.chunks \
+                or dataset.present.get(name) != shard.size:
+            dataset = await self.load_index(store, directory)
         if dataset.layout_error is not None:   # a fresh copy: the dataset is shared
             raise type(dataset.layout_error)(str(dataset.layout_error))
-        name = shard.uri.rsplit("/", 1)[-1]
         index_name = index_json_name(shard_name)
         chunk = dataset.chunks.get(name)
         if chunk is None:
@@ -175,11 +128,13 @@ class LitdataFormat:
     # -- the protocol
 
     async def open(self, store: ObjectStore, shard: ObjectInfo, *, source: str, shard_name: str,
-                   on_skip: SkipCallback | None, chunk_bytes: int):
+                   on_skip: SkipCallback | None, chunk_bytes: int, index: object = None):
+        """`index`: the chunk's directory's (`load_index`; see `_open_chunk`)."""
         if chunk_bytes <= 0:
             raise ConfigError.at("chunk_bytes", f"must be positive, got {chunk_bytes}")
         try:
-            dataset, chunk, missing = await self._open_chunk(store, shard, shard_name, on_skip)
+            dataset, chunk, missing = await self._open_chunk(store, shard, shard_name, on_skip,
+                                                             index)
             if missing is not None:
                 on_skip(None, missing)
             plan = await plan_chunk(store, shard, dataset.layout, chunk, chunk_bytes)
@@ -192,7 +147,8 @@ class LitdataFormat:
     async def document_lengths(self, store: ObjectStore, shard: ObjectInfo, *, source: str,
                                shard_name: str, on_skip: SkipCallback | None,
                                tokenizer: TextTokenizer | None = None, limit: int | None = None,
-                               chunk_bytes: int = LENGTHS_CHUNK_BYTES) -> DocumentLengths:
+                               chunk_bytes: int = LENGTHS_CHUNK_BYTES,
+                               index: object = None) -> DocumentLengths:
         """Each record's length in tokens (`ShardFormat.document_lengths`): from index.json
         alone for TokensLoader blocks; from the chunk's offsets for TokensLoader items, token
         fields, and texts without a tokenizer when the other leaves have fixed sizes (the
@@ -200,7 +156,8 @@ class LitdataFormat:
         if limit is not None and limit < 0:
             raise ConfigError.at("limit", f"must be >= 0, got {limit}")
         try:
-            dataset, chunk, missing = await self._open_chunk(store, shard, shard_name, on_skip)
+            dataset, chunk, missing = await self._open_chunk(store, shard, shard_name, on_skip,
+                                                             index)
             lengths = await index_lengths(store, shard, dataset.layout, chunk, tokenizer)
         except BadShard as exc:
             shard_failed(exc, source, shard_name, on_skip)
@@ -210,5 +167,5 @@ class LitdataFormat:
         if lengths is None:   # `open` reports the missing chunk, if any
             return await stream_lengths(self, store, shard, source=source, shard_name=shard_name,
                                         on_skip=on_skip, tokenizer=tokenizer, limit=limit,
-                                        chunk_bytes=chunk_bytes)
+                                        chunk_bytes=chunk_bytes, index=index)
         return DocumentLengths(lengths if limit is None else lengths[:limit], "index")

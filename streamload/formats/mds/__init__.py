@@ -12,7 +12,8 @@ JSON, then the samples. Each sample is one uint32 size per variable-size column,
 column's bytes in column order. All integers are little-endian.
 
 The shard files are the shards; `index.json` is their companion (`matches` is False for it),
-read once per directory with a listing of the directory, and kept on the format instance.
+read once per directory with a listing of the directory (`load_index`) and kept by the
+source's catalog (`catalog.Indexed`), not by the format, which every Loader shares.
 Sub-directories with an `index.json` of their own (MDS "streams") are read the same way.
 
 Records: text from a `str` column (`text_field`, default "text"), or token ids from an ndarray
@@ -35,10 +36,7 @@ shard's bytes; this module is the format (detection, the index cache, open, leng
 """
 from __future__ import annotations
 
-import asyncio
 import re
-import threading
-from collections import OrderedDict
 
 import numpy as np
 
@@ -56,9 +54,6 @@ from .stream import DECOMPRESSORS, MdsCompressedStream, MdsRawStream
 _SHARD_NAME = re.compile(r"shard\.\d+\.mds(?:\.(zstd|gz|bz2|br|snappy))?")
 
 
-_CACHED_DIRECTORIES = 1024
-
-
 # ---------------------------------------------------------------- the format
 
 
@@ -66,8 +61,6 @@ class MdsFormat:
     """MDS shards (`shard.NNNNN.mds[.zstd|.gz|.bz2]`) with the `index.json` beside them."""
 
     name = "mds"
-    # "scan" (decoded records) but for fixed-shape token columns, measured from the index:
-    # `document_lengths` sets it to what it used last.
 
     def __init__(self, text_field: str | None = None, tokens_field: str | None = None,
                  named: bool = False):
@@ -77,60 +70,38 @@ class MdsFormat:
         if not self.field:
             raise ConfigError.at("tokens_field" if self.tokens else "text_field",
                                  "must be a non-empty string (the MDS column to read)")
-        # Directory URI -> Directory, the least recently used dropped past a bound. A format
-        # instance is shared by every loader of the process (each its own event loop), so the
-        # cache is guarded by a lock, and loads in flight are shared per event loop.
-        self._lock = threading.Lock()
-        self._directories: OrderedDict[str, Directory] = OrderedDict()
-        self._loading: dict[tuple[int, str], asyncio.Task] = {}
 
     def matches(self, uri: str) -> bool:
         return _SHARD_NAME.fullmatch(uri.rsplit("/", 1)[-1]) is not None
 
-    # -- the index, once per directory
+    # -- the index, once per directory (the catalog's, `catalog.Indexed`)
 
-    async def _directory(self, store: ObjectStore, uri: str, refresh: bool) -> Directory:
-        if not refresh:
-            with self._lock:
-                found = self._directories.get(uri)
-                if found is not None:
-                    self._directories.move_to_end(uri)
-                    return found
-        loop = asyncio.get_running_loop()
-        key = (id(loop), uri)
-        with self._lock:
-            task = self._loading.get(key)
-            if task is None:
-                task = loop.create_task(load_directory(store, uri))
-                self._loading[key] = task
-                task.add_done_callback(lambda t: self._loaded(key, uri, t))
-        return await asyncio.shield(task)
-
-    def _loaded(self, key: tuple[int, str], uri: str, task: asyncio.Task) -> None:
-        with self._lock:
-            if self._loading.get(key) is task:
-                del self._loading[key]
-            if task.cancelled() or task.exception() is not None:
-                return   # errors are not kept: the next open tries again
-            self._directories[uri] = task.result()
-            self._directories.move_to_end(uri)
-            while len(self._directories) > _CACHED_DIRECTORIES:
-                self._directories.popitem(last=False)
+    async def load_index(self, store: ObjectStore, directory_uri: str) -> Directory:
+        """The directory's listing and parsed index.json (BadShard when it is missing or
+        unreadable). The catalog keeps one per directory for its source and passes it to
+        `open` and `document_lengths` as `index`; the format keeps none."""
+        return await load_directory(store, directory_uri)
 
     async def _resolve(self, store: ObjectStore, shard: ObjectInfo, *, source: str,
                        shard_name: str, on_skip: SkipCallback | None,
-                       report_missing: bool = True) -> tuple[Entry, str, Layout] | None:
+                       report_missing: bool = True, index: object = None
+                       ) -> tuple[Entry, str, Layout] | None:
         """(entry, kind, layout) for a shard: kind "raw", "zip" or "copy" (a compressed copy
-        whose raw file is read instead). Shard-level problems raise DataError, or with
-        `on_skip` are reported and give None."""
+        whose raw file is read instead). `index`: the directory's (`load_index`), or the
+        BadShard loading it raised; None, or one that does not list the shard as the catalog
+        did (the directory was rewritten): read here. Shard-level problems raise DataError, or
+        with `on_skip` are reported and give None."""
         if "/" not in shard.uri:
             raise DataError(f"cannot find the directory of {shard.uri!r}", source=source,
                             shard=shard_name)
         directory_uri, name = shard.uri.rsplit("/", 1)
         try:
-            directory = await self._directory(store, directory_uri, refresh=False)
-            if not directory.fits(name, shard.size) or name not in directory.entries:
-                directory = await self._directory(store, directory_uri, refresh=True)
+            if isinstance(index, BadShard):   # a fresh copy: the catalog's is shared
+                raise type(index)(str(index))
+            directory = index
+            if directory is None or not directory.fits(name, shard.size) \
+                    or name not in directory.entries:
+                directory = await self.load_index(store, directory_uri)
             if report_missing:
                 self._report_missing(directory, name, source=source, shard_name=shard_name,
                                      on_skip=on_skip)
@@ -176,18 +147,22 @@ class MdsFormat:
     # -- reading
 
     async def open(self, store: ObjectStore, shard: ObjectInfo, *, source: str, shard_name: str,
-                   on_skip: SkipCallback | None, chunk_bytes: int
+                   on_skip: SkipCallback | None, chunk_bytes: int, index: object = None
                    ) -> MdsRawStream | MdsCompressedStream | EmptyStream:
+        """`index`: the shard's directory's (`load_index`; see `_resolve`)."""
         return await self._open(store, shard, source=source, shard_name=shard_name,
-                                on_skip=on_skip, chunk_bytes=chunk_bytes, report_missing=True)
+                                on_skip=on_skip, chunk_bytes=chunk_bytes, report_missing=True,
+                                index=index)
 
     async def _open(self, store: ObjectStore, shard: ObjectInfo, *, source: str,
                     shard_name: str, on_skip: SkipCallback | None, chunk_bytes: int,
-                    report_missing: bool) -> MdsRawStream | MdsCompressedStream | EmptyStream:
+                    report_missing: bool, index: object = None
+                    ) -> MdsRawStream | MdsCompressedStream | EmptyStream:
         if chunk_bytes <= 0:
             raise ConfigError.at("chunk_bytes", f"must be positive, got {chunk_bytes}")
         resolved = await self._resolve(store, shard, source=source, shard_name=shard_name,
-                                       on_skip=on_skip, report_missing=report_missing)
+                                       on_skip=on_skip, report_missing=report_missing,
+                                       index=index)
         if resolved is None or resolved[1] == "copy":
             return EmptyStream()
         entry, kind, layout = resolved
@@ -207,7 +182,8 @@ class MdsFormat:
     async def document_lengths(self, store: ObjectStore, shard: ObjectInfo, *, source: str,
                                shard_name: str, on_skip: SkipCallback | None,
                                tokenizer: TextTokenizer | None = None, limit: int | None = None,
-                               chunk_bytes: int = LENGTHS_CHUNK_BYTES) -> DocumentLengths:
+                               chunk_bytes: int = LENGTHS_CHUNK_BYTES,
+                               index: object = None) -> DocumentLengths:
         """Each document's length in tokens (`ShardFormat.document_lengths`). A token column
         of fixed shape: from the index alone (its sample count; the shard is not read).
         Otherwise the samples are decoded and measured (texts with `tokenizer`, UTF-8 bytes
@@ -216,7 +192,7 @@ class MdsFormat:
             raise ConfigError.at("limit", f"must be >= 0, got {limit}")
         if self.tokens:
             resolved = await self._resolve(store, shard, source=source, shard_name=shard_name,
-                                           on_skip=on_skip)
+                                           on_skip=on_skip, index=index)
             if resolved is None or resolved[1] == "copy":
                 return DocumentLengths(np.zeros(0, np.int64), "index")
             entry, _, layout = resolved
@@ -224,7 +200,7 @@ class MdsFormat:
                 n = entry.samples if limit is None else min(limit, entry.samples)
                 return DocumentLengths(np.full(n, layout.static_count, np.int64), "index")
         # Token columns were resolved above, missing shards reported: not a second time.
-        reader = _Reader(self, report_missing=not self.tokens)
+        reader = _Reader(self, report_missing=not self.tokens, index=index)
         return await stream_lengths(reader, store, shard, source=source, shard_name=shard_name,
                                     on_skip=on_skip, tokenizer=tokenizer, limit=limit,
                                     chunk_bytes=chunk_bytes)
@@ -233,9 +209,9 @@ class MdsFormat:
 class _Reader:
     """`MdsFormat.open` for `lengths.stream_lengths`, with or without the missing-shard report."""
 
-    def __init__(self, fmt: MdsFormat, report_missing: bool):
-        self._fmt, self._report_missing = fmt, report_missing
+    def __init__(self, fmt: MdsFormat, report_missing: bool, index: object):
+        self._fmt, self._report_missing, self._index = fmt, report_missing, index
 
     async def open(self, store: ObjectStore, shard: ObjectInfo, **options):
         return await self._fmt._open(store, shard, report_missing=self._report_missing,
-                                     **options)
+                                     index=self._index, **options)
