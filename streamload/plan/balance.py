@@ -31,6 +31,9 @@ Phases, in order (vectorized over bins; Python loops run per round, never per it
    step when that gains the epoch: the step saves more than the items cost later, at w/R, plus
    the overhead of the steps they add (`fill.deferral_gain`; never at R = 1).
 
+With rows as bins (P > 1), the filled rows are then dealt to ranks costliest first in snake
+order (`deal_rows`), so rows that could not come out even land one per rank.
+
 Items not taken stay in their buffers; the coordinator offers them again with age + 1, and
 `max_age` bounds how often that can happen. When the selection leaves room to spare (under
 `TIGHT` of the capacity) nothing that fits is left out.
@@ -582,6 +585,21 @@ def _refine(bins: _Bins, max_iters: int, neighbours: int = 16, swap_neighbours: 
             members.moved(y, int(bx))
 
 
+def deal_rows(load: np.ndarray, ranks: int, rows: int) -> np.ndarray:
+    """Where each of R·M filled rows goes, as rank·M + row: costliest first, dealt in snake
+    order (ranks 0..R-1, then R-1..0, ...). Rows that could not come out even (a step with
+    fewer full-row documents than rows) are spread one per rank before any rank gets two: under
+    1F1B a rank pays its costliest row P - 1 more times, so two heavy rows on one rank cost
+    more than one on each, and the snake evens out the ranks' sums too."""
+    order = np.argsort(-load, kind="stable")
+    position = np.arange(order.size)
+    sweep, j = position // ranks, position % ranks
+    rank = np.where(sweep % 2 == 0, j, ranks - 1 - j)
+    cell = np.empty(order.size, dtype=np.int64)
+    cell[order] = rank * rows + sweep
+    return cell
+
+
 def _oldest_that_fit(c: Candidates, selected: np.ndarray, forced: np.ndarray,
                      geometry: Geometry) -> np.ndarray:
     """`forced`, cut to the oldest items that take at most half the step (what first-fit
@@ -716,6 +734,9 @@ def assign_balanced(c: Candidates, selected: np.ndarray, geometry: Geometry, cos
     placed = local[bins.bin >= 0]
     if masking and not rows_are_bins:
         rank, row = bins.bin[placed], bins.row[placed]
+    elif rows_are_bins:
+        cell = deal_rows(bins.load, R, M)[bins.bin[placed]]
+        rank, row = cell // M, cell % M
     else:
         rank, row = bins.bin[placed] // M, bins.bin[placed] % M
     take = selected[placed]
