@@ -22,8 +22,8 @@ from formatcheck import FileStore, Skips, assert_delivered, collect, info
 from resumecheck import stop_and_resume
 from streamload.errors import DataError
 from streamload.formats import format_for
-from streamload.formats.webdataset import (WebdatasetFormat, text_source,
-                                           write_webdataset_shard)
+from streamload.formats.webdataset import WebdatasetFormat, text_source
+from streamload.formats.writers import write_webdataset_shard
 
 pytestmark = pytest.mark.timeout(180)
 

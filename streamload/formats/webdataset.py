@@ -34,14 +34,10 @@ not read (or, with on_error="skip", the shard is reported as skipped).
 from __future__ import annotations
 
 import io
-import os
 import re
-import struct
-import tarfile
 import zlib
 from functools import lru_cache
-from pathlib import Path
-from typing import Mapping, Optional, Sequence, Union
+from typing import Optional, Union
 
 import msgspec
 import numpy as np
@@ -52,18 +48,14 @@ from ..tokenizer import TextTokenizer
 from .base import (LENGTHS_CHUNK_BYTES, BadShard, DocumentLengths, RawRecord, SkipCallback,
                    field_hint)
 from .lengths import stream_lengths
+from .tar import (BLOCK, REGULAR, SUPPORTED, ZERO_BLOCK, checksum_ok, member_name, pax_fields,
+                  tar_number)
 
-BLOCK = 512
-_ZERO_BLOCK = bytes(BLOCK)
 _SUFFIXES = {".tar": None, ".tar.gz": "gzip", ".tgz": "gzip"}
 # WebDataset's `base_plus_ext` and `tar_file_iterator`'s skip_meta.
 _KEY_EXT = re.compile(r"^((?:.*/|)[^.]+)[.]([^/]*)$")
 _META = re.compile(r"__[^/]*__($|/)")
 _JSON_FIELD = re.compile(r"(.*?json)\.(.+)", re.IGNORECASE | re.DOTALL)
-# tarfile's member types.
-_REGULAR = (b"0", b"\0", b"7")
-_SUPPORTED = _REGULAR + (b"1", b"2", b"3", b"4", b"5", b"6", b"L", b"K", b"S")
-_PAX_RECORD = re.compile(rb"(\d+) ([^=]+)=")
 
 
 def compression_of(uri: str) -> Union[str, None, bool]:
@@ -73,48 +65,6 @@ def compression_of(uri: str) -> Union[str, None, bool]:
         if name.endswith(suffix) and len(name) > len(suffix):
             return compression
     return False
-
-
-
-def _number(field: bytes, what: str) -> int:
-    """A tar header's numeric field: octal digits, or GNU's base-256 (high bit set)."""
-    if field[0] in (0o200, 0o377):
-        n = int.from_bytes(field[1:], "big")
-        return n - 256 ** (len(field) - 1) if field[0] == 0o377 else n
-    text = field.split(b"\0", 1)[0].strip()
-    try:
-        return int(text or b"0", 8)
-    except ValueError:
-        raise BadShard(f"{what}: bad number field {field!r}") from None
-
-
-def _name(field: bytes) -> str:
-    return field.split(b"\0", 1)[0].decode("utf-8", "surrogateescape")
-
-
-def _checksum_ok(block: bytes) -> bool:
-    """The stored checksum is the unsigned (or, for some old tars, signed) sum of the header
-    with its checksum field counted as spaces."""
-    try:
-        stored = _number(block[148:156], "checksum")
-    except BadShard:
-        return False
-    unsigned = 256 + sum(struct.unpack_from("148B8x356B", block))
-    signed = 256 + sum(struct.unpack_from("148b8x356b", block))
-    return stored in (unsigned, signed)
-
-
-def _pax_fields(data: bytes) -> dict[str, str]:
-    fields, pos = {}, 0
-    while match := _PAX_RECORD.match(data, pos):
-        length = int(match.group(1))
-        if length <= 0:
-            break
-        value = data[match.end(2) + 1:match.start(1) + length - 1]
-        fields[match.group(2).decode("utf-8", "surrogateescape")] = \
-            value.decode("utf-8", "surrogateescape")
-        pos += length
-    return fields
 
 
 @lru_cache(maxsize=None)
@@ -284,15 +234,15 @@ class WebdatasetStream:
 
     def _on_header(self, block: bytes) -> None:
         at = self._offset - BLOCK
-        if block == _ZERO_BLOCK:
+        if block == ZERO_BLOCK:
             self._done = True
             return
-        if not _checksum_ok(block):
+        if not checksum_ok(block):
             raise BadShard(f"corrupt tar header at byte {at} (bad checksum)")
         what = f"tar header at byte {at}"
         kind = block[156:157]
-        size = _number(block[124:136], what)
-        name = _name(block[0:100])
+        size = tar_number(block[124:136], what)
+        name = member_name(block[0:100])
         if kind in (b"x", b"X", b"g"):
             return self._start_kept("global" if kind == b"g" else "pax", size)
         if kind == b"L":
@@ -303,7 +253,7 @@ class WebdatasetStream:
             raise BadShard(f"{what}: sparse members are not supported")
         if kind == b"\0" and name.endswith("/"):
             kind = b"5"                  # an old V7 directory
-        prefix = _name(block[345:500])
+        prefix = member_name(block[345:500])
         if prefix:
             name = prefix + "/" + name
         if self._long_name is not None:
@@ -318,9 +268,9 @@ class WebdatasetStream:
                 raise BadShard(f"{what}: bad pax size {pax['size']!r}") from None
         if size < 0:
             raise BadShard(f"{what}: negative size {size}")
-        if kind in _REGULAR:
+        if kind in REGULAR:
             self._on_member(name, size)
-        elif kind not in _SUPPORTED:     # unknown types carry data, as tarfile reads them
+        elif kind not in SUPPORTED:     # unknown types carry data, as tarfile reads them
             self._start_skip(size)
 
     def _start_skip(self, size: int) -> None:
@@ -338,9 +288,9 @@ class WebdatasetStream:
         if what == "text":
             self._sample.text = data
         elif what == "pax":
-            self._pax.update(_pax_fields(data))
+            self._pax.update(pax_fields(data))
         elif what == "global":
-            self._global_pax.update(_pax_fields(data))
+            self._global_pax.update(pax_fields(data))
         elif what == "longname":
             self._long_name = data.split(b"\0", 1)[0].decode("utf-8", "surrogateescape")
 
@@ -477,26 +427,3 @@ class WebdatasetFormat:
         return await stream_lengths(self, store, shard, source=source, shard_name=shard_name,
                                     on_skip=on_skip, tokenizer=tokenizer, limit=limit,
                                     chunk_bytes=chunk_bytes)
-
-
-def write_webdataset_shard(path: str | os.PathLike,
-                           samples: Sequence[Mapping[str, Union[str, bytes]]],
-                           keys: Optional[Sequence[str]] = None,
-                           format: int = tarfile.PAX_FORMAT) -> Path:
-    """Write a WebDataset tar with Python's `tarfile`: sample k's members are
-    `<key>.<extension>` for each (extension, data) it maps (str data as UTF-8), its key
-    `keys[k]` (default `%06d` of k). `.tar.gz` / `.tgz` names are gzip-compressed."""
-    path = Path(path)
-    if keys is not None and len(keys) != len(samples):
-        raise ConfigError.at("keys", f"{len(keys)} keys for {len(samples)} samples")
-    path.parent.mkdir(parents=True, exist_ok=True)
-    mode = "w:gz" if compression_of(str(path)) == "gzip" else "w"
-    with tarfile.open(path, mode, format=format) as tar:
-        for k, sample in enumerate(samples):
-            key = keys[k] if keys is not None else f"{k:06d}"
-            for extension, data in sample.items():
-                data = data.encode("utf-8") if isinstance(data, str) else bytes(data)
-                info = tarfile.TarInfo(f"{key}.{extension}")
-                info.size, info.mtime, info.mode = len(data), 0, 0o644
-                tar.addfile(info, io.BytesIO(data))
-    return path

@@ -5,9 +5,11 @@ These write local files; upload them to object storage with any tool.
 from __future__ import annotations
 
 import gzip
+import io
 import os
+import tarfile
 from pathlib import Path
-from typing import Any, Iterable, Mapping, Sequence
+from typing import Any, Iterable, Mapping, Optional, Sequence, Union
 
 import msgspec
 import numpy as np
@@ -85,3 +87,28 @@ def write_token_shard(path_stem: str | os.PathLike, docs: Sequence[np.ndarray],
     np.save(tokens_path, tokens, allow_pickle=False)
     np.save(offsets_path, offsets.astype("<i8"), allow_pickle=False)
     return tokens_path, offsets_path
+
+
+def write_webdataset_shard(path: str | os.PathLike,
+                           samples: Sequence[Mapping[str, Union[str, bytes]]],
+                           keys: Optional[Sequence[str]] = None,
+                           format: int = tarfile.PAX_FORMAT) -> Path:
+    """Write a WebDataset tar with Python's `tarfile`: sample k's members are
+    `<key>.<extension>` for each (extension, data) it maps (str data as UTF-8), its key
+    `keys[k]` (default `%06d` of k). `.tar.gz` / `.tgz` names are gzip-compressed."""
+    from .webdataset import compression_of   # here: the formats import lazily (FORMATS)
+
+    path = Path(path)
+    if keys is not None and len(keys) != len(samples):
+        raise ConfigError.at("keys", f"{len(keys)} keys for {len(samples)} samples")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    mode = "w:gz" if compression_of(str(path)) == "gzip" else "w"
+    with tarfile.open(path, mode, format=format) as tar:
+        for k, sample in enumerate(samples):
+            key = keys[k] if keys is not None else f"{k:06d}"
+            for extension, data in sample.items():
+                data = data.encode("utf-8") if isinstance(data, str) else bytes(data)
+                info = tarfile.TarInfo(f"{key}.{extension}")
+                info.size, info.mtime, info.mode = len(data), 0, 0o644
+                tar.addfile(info, io.BytesIO(data))
+    return path
