@@ -94,6 +94,7 @@ def test_report_reads_the_mix_from_the_log_without_a_target_flag(tmp_path, capsy
     assert "epoch tails" in out
 
 
+@pytest.mark.core
 def test_the_tally_keeps_the_tail_apart_and_each_epoch_with_its_run_out():
     tally = MixTally(["a", "b"])
     target = np.array([0.75, 0.25])

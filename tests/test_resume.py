@@ -124,6 +124,7 @@ def test_a_state_from_an_older_version_is_refused_saying_why(tmp_path):
         loader_for(tmp_path).load_state_dict({"streamload": msgspec.json.encode(old).decode()})
 
 
+@pytest.mark.core
 def test_tokenizer_identity_tells_tokenizers_apart():
     from tokenizers import Tokenizer, models
     from streamload.tokenizer import as_tokenizer, identity
