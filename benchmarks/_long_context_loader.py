@@ -42,7 +42,7 @@ from epoch import free_port  # noqa: E402   (sets OMP_NUM_THREADS & co. to 1 if 
 
 VERSION = 1
 WORKDIR = "/tmp/streamload-long-context"
-LOADER_STEPS = 32        # default corpus: this many full steps of R x M x C tokens
+LOADER_STEPS = 96   # full steps of R x M x C in the corpus: the mix and fill need an epoch of length
 SHARDS = {"web": 6, "code": 4, "math": 1, "books": 5, "longmix": 3}
 TIMEOUT_S = 1800.0
 

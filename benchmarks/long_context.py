@@ -25,9 +25,10 @@ Per (configuration, mode, R, planner): efficiency, speedup_vs_baseline, fill, st
 mix_dev_active (max over sources of |realized share - weight| over the steps where every source
 had data), tail_steps (the steps after a source ran out), waited_items / waited_mean /
 waited_max (the dry run's deferred items: taken after a later item of their own (rank, source)
-stream went ahead of them; their delay counts the steps since then), age_max (the most steps a
-taken item sat in a head window; the deferral bound is on this), plan_ms (planner CPU per step:
-mean and max).
+stream went ahead of them; their delay counts the steps since then), delay_mean_all (the same
+delays over every token delivered, deferred or not: what a token waits on average), age_max
+(the most steps a taken item sat in a head window; the deferral bound is on this), plan_ms
+(planner CPU per step: mean and max).
 The last line is the JSON of everything.
 """
 from __future__ import annotations
@@ -53,7 +54,7 @@ CONFIGS = {   # name: (C, M, P, CP)
     "128k_pp4": (128 * K, 4, 4, 1),
     "128k_cp4": (128 * K, 2, 1, 4),   # rows of 128k over a CP group of 4 (32k per GPU)
 }
-PLANNERS = ("naive", "balanced", "lookahead")
+PLANNERS = ("naive", "balanced", "lookahead", "lookahead:8")
 
 
 def doc_cost(lengths) -> np.ndarray:
@@ -114,10 +115,12 @@ def sources():
 
 
 def options(C, M, P, planner, seed=0) -> dict:
-    return dict(micro_batch_tokens=C, micro_batches=M, pipeline_stages=P, planner=planner,
-                cost_a=COST_A, cost_b=COST_B, epochs=1, seed=seed,
-                **({"lookahead": int(os.environ["LC_W"]), "max_deferral": 2 * int(os.environ["LC_W"])}
-                   if os.environ.get("LC_W") else {}))
+    """Loader options. `planner` is a method, or "lookahead:W": the lookahead over W steps
+    with the deferral bound 2W (`max_deferral`)."""
+    method, _, window = planner.partition(":")
+    extra = {"lookahead": int(window), "max_deferral": 2 * int(window)} if window else {}
+    return dict(micro_batch_tokens=C, micro_batches=M, pipeline_stages=P, planner=method,
+                cost_a=COST_A, cost_b=COST_B, epochs=1, seed=seed, **extra)
 
 
 def summarize(row_cost: np.ndarray, P: int, tokens_by_source: np.ndarray, active: np.ndarray,
@@ -133,6 +136,8 @@ def summarize(row_cost: np.ndarray, P: int, tokens_by_source: np.ndarray, active
     return {"steps": int(row_cost.shape[0]), "efficiency": round(eff, 4),
             "speedup_vs_baseline": round(eff / base_eff, 4),
             "fill": round(float(fill.mean()), 4),
+            # The epoch's last step holds what is left: a short step whatever the planner.
+            "fill_but_last": round(float(fill[:-1].mean()), 4) if fill.size > 1 else None,
             "fill_p1": round(float(np.percentile(fill, 1)), 4),
             "mix_dev_active": None if mix_dev is None else round(mix_dev, 4),
             "tail_steps": int((~all_active).sum()),
@@ -171,6 +176,8 @@ def run_sim(name: str, R: int, planners, args, seed: int = 0) -> list[dict]:
                         np.array([r.waited_steps for r in reports]),
                         np.array([1e3 * r.plan_seconds for r in reports]), base_eff)
         res["waited_max"] = int(max(r.delay_max for r in reports))
+        res["delay_mean_all"] = round(sum(r.waited_token_steps for r in reports) /
+                                      max(sum(int(r.tokens.sum()) for r in reports), 1), 3)
         res["age_max"] = int(max(r.max_age for r in reports))
         out.append({"config": name, "mode": "sim", "ranks": R, "planner": planner,
                     "wall_s": round(wall, 1), **res})
@@ -178,8 +185,8 @@ def run_sim(name: str, R: int, planners, args, seed: int = 0) -> list[dict]:
 
 
 def print_row(r: dict) -> None:
-    keys = ("efficiency", "speedup_vs_baseline", "fill", "mix_dev_active", "waited_mean",
-            "waited_max", "plan_ms_mean", "steps")
+    keys = ("efficiency", "speedup_vs_baseline", "fill_but_last", "mix_dev_active",
+            "waited_mean", "waited_max", "delay_mean_all", "plan_ms_mean", "steps")
     print(f"{r['config']:>9} {r['mode']:>6} R={r['ranks']:<5} {r['planner']:>17} " +
           " ".join(f"{k}={r.get(k)}" for k in keys), file=sys.stderr, flush=True)
 
@@ -191,7 +198,7 @@ def main(argv=None) -> int:
     ap.add_argument("--sim-ranks", default="64,512,4096")
     ap.add_argument("--sim-steps", type=int, default=24)
     ap.add_argument("--loader-ranks", default="2,4")
-    ap.add_argument("--loader-tokens", type=float, default=None, help="loader corpus tokens (default: 32 steps of R*M*C)")
+    ap.add_argument("--loader-tokens", type=float, default=None, help="loader corpus tokens (default: 96 steps of R*M*C)")
     ap.add_argument("--no-loader", action="store_true")
     args = ap.parse_args(argv)
     planners = args.planners.split(",")

@@ -47,6 +47,7 @@ class StepReport:
                                 # window was taken before them) ...
     waited_steps: int = 0       # ... and the steps since then, summed (their delays)
     delay_max: int = 0          # the longest of those delays
+    waited_token_steps: int = 0  # their delays weighted by their tokens
     plan_seconds: float = 0.0   # CPU time of the planner (`Stepper.assign`) for this step
     mix: Optional[StepMix] = None   # the configured target, the tail, run-outs (`mixreport`)
 
@@ -138,16 +139,17 @@ class _Window:
     def commit(self, taken: np.ndarray, lengths: np.ndarray, ages: np.ndarray,
                taken_lengths: Optional[np.ndarray] = None, step: int = 0) -> np.ndarray:
         """Remove the taken window positions (`taken_lengths`: tokens taken of each; an item
-        cut short keeps its rest in place); the rest of the window ages one step. Returns the
-        delays of the taken items that had been deferred (steps since a later item of this
-        window went ahead of them)."""
+        cut short keeps its rest in place); the rest of the window ages one step. Returns
+        [2, n]: the delays of the taken items that had been deferred (steps since a later item
+        of this window went ahead of them) and their tokens."""
         keep = np.ones(lengths.size, dtype=bool)
         keep[taken] = False
         skipped = np.concatenate([self.head_skipped[:self.offered],
                                   np.full(lengths.size - self.offered, -1, np.int64)])
         whole = np.asarray(taken)[np.asarray(taken_lengths) >= lengths[taken]] \
             if taken_lengths is not None else np.asarray(taken)
-        delays = step - skipped[whole][skipped[whole] >= 0]
+        late = whole[skipped[whole] >= 0]
+        delays = np.stack([step - skipped[late], np.asarray(lengths, np.int64)[late]])
         if whole.size:   # a later item went ahead of what stays before it
             overtaken = keep & (np.arange(lengths.size) < int(whole.max())) & (skipped < 0)
             skipped[overtaken] = step
@@ -305,9 +307,10 @@ def simulate(spec: LoaderSpec, lengths: Sequence[Union[SourceScan, np.ndarray]],
             delays.append(windows[r][s].commit(positions, c.length[window],
                                                c.age[window].astype(np.int64),
                                                taken[window][positions], step.index))
-        delays = np.concatenate(delays) if delays else np.zeros(0, np.int64)
+        delays, tokens = np.concatenate(delays, axis=1) if delays else np.zeros((2, 0), np.int64)
         report = reports[-1]
         report.waited, report.waited_steps = int(delays.size), int(delays.sum())
+        report.waited_token_steps = int((delays * tokens).sum())
         report.delay_max = int(delays.max(initial=0))
     return reports
 
