@@ -38,10 +38,7 @@ from ..storage.base import ObjectInfo, ObjectStore
 from ..tokenizer import TextTokenizer
 
 # on_error="skip" passes a callback (record_index or None for the whole shard, reason);
-# on_error="raise" passes None and the stream raises DataError: for a record with `record=`
-# (and `line=`, the 1-based line, in a line-based format), for a shard that the callback would
-# have skipped with `skippable=True`. Both messages then say that on_error="skip" skips them
-# (`errors.DataError`, the one place of that hint).
+# on_error="raise" passes None. Readers never look at it: they report to `Problems`.
 SkipCallback = Callable[[Union[int, None], str], None]
 
 # Bytes per ranged read when measuring documents (`ShardFormat.document_lengths`).
@@ -49,9 +46,8 @@ LENGTHS_CHUNK_BYTES = 4 << 20
 
 
 class BadShard(Exception):
-    """A shard-level problem (a bad header or index, a truncated file, a missing companion):
-    the format turns it into a DataError naming source and shard, or with on_error="skip"
-    into on_skip(None, reason)."""
+    """A shard-level problem (a bad header or index, a truncated file, a missing companion),
+    raised inside a reader and reported where it is caught (`Problems.bad_shard`)."""
 
 
 class MissingField(BadShard):
@@ -74,16 +70,46 @@ def field_hint(option: str, wanted: str, present: Sequence[str], prefix: str = "
     return f"; set the source's {option} to the field that holds the {what}"
 
 
-def shard_failed(exc: BadShard, source: str, shard_name: str,
-                 on_skip: SkipCallback | None) -> None:
-    """A BadShard that ends a shard before it is read: a DataError naming source and shard
-    (saying that on_error="skip" would skip it, unless the shard lacks the source's field:
-    `MissingField`), or with `on_skip`, a counted skip (the caller then returns its empty
-    result)."""
-    if on_skip is None:
-        raise DataError(str(exc), source=source, shard=shard_name,
-                        skippable=not isinstance(exc, MissingField)) from None
-    on_skip(None, str(exc))
+class Problems:
+    """Where a reader reports what is wrong with the shard it reads, and the one place where
+    on_error is applied to it, with the context.
+
+    A reader reports a record (`record`: it leaves the record out and goes on) or the rest of
+    its shard (`shard`, `bad_shard`: it stops), says what is wrong, and decides nothing more.
+    With on_error="raise" (`on_skip` None) a report is a DataError naming the source, the shard
+    and the record (with the 1-based `line` of a line-based format), saying that
+    on_error="skip" would skip it unless `skippable` is False (a shard without the source's
+    field: skipping would skip them all). With "skip", `on_skip(record or None, reason)`
+    counts it, and the fetcher's `SkipLedger` holds the source to its limit. `skipping` is for
+    a report that one shard makes for a whole directory (files its index names that do not
+    exist): once when they are skipped, from every shard when they raise."""
+
+    def __init__(self, source: str, shard_name: str, on_skip: SkipCallback | None):
+        self.source, self.shard_name, self._on_skip = source, shard_name, on_skip
+
+    @property
+    def skipping(self) -> bool:
+        return self._on_skip is not None
+
+    def record(self, index: int, reason: str, *, line: int | None = None) -> None:
+        if self._on_skip is None:
+            raise DataError(reason, source=self.source, shard=self.shard_name, record=index,
+                            line=line)
+        self._on_skip(index, reason)
+
+    def shard(self, reason: str, *, skippable: bool = True, shard: str | None = None) -> None:
+        """The rest of the shard (`shard`: another one, that its index names) is lost."""
+        if self._on_skip is None:
+            raise DataError(reason, source=self.source, shard=shard or self.shard_name,
+                            skippable=skippable) from None
+        self._on_skip(None, reason)
+
+    def bad_shard(self, exc: BadShard) -> None:
+        """A BadShard caught where the shard's reading ends (the caller then returns its empty
+        result)."""
+        self.shard(str(exc), skippable=not isinstance(exc, MissingField))
+
+
 
 
 async def read_exact(store: ObjectStore, uri: str, start: int, end: int, what: str, *,
@@ -137,14 +163,13 @@ class EmptyStream:
 
 class PlannedStream:
     """What every stream over byte ranges planned when its shard opens shares: the ranges
-    (`_ranges`, set by the stream), handed back in order (`_next_range`), and the skip policy.
-
-    `_record_error` raises a DataError naming source, shard and record, or with on_error="skip"
-    counts the record (`on_skip`); `_shard_error` does the same for the whole shard and marks
-    the stream `_failed` (it yields nothing more)."""
+    (`_ranges`, set by the stream), handed back in order (`_next_range`), and where it reports
+    problems (`problems`, see `Problems`): `_record_error` for a record, `_shard_error` for the
+    rest of the shard, which also marks the stream `_failed` (it yields nothing more)."""
 
     def __init__(self, *, source: str, shard_name: str, on_skip: SkipCallback | None):
-        self._source, self._shard_name, self._on_skip = source, shard_name, on_skip
+        self._source, self._shard_name = source, shard_name
+        self.problems = Problems(source, shard_name, on_skip)
         self._ranges: list[tuple[int, int]] = []
         self._next = 0
         self._failed = False
@@ -188,17 +213,11 @@ class PlannedStream:
                           if wants_any(int(first), int(end))]
 
     def _record_error(self, index: int, reason: str, **where) -> None:
-        if self._on_skip is None:
-            raise DataError(reason, source=self._source, shard=self._shard_name, record=index,
-                            **where)
-        self._on_skip(index, reason)
+        self.problems.record(index, reason, **where)
 
     def _shard_error(self, reason: str, skippable: bool = True) -> None:
-        if self._on_skip is None:
-            raise DataError(reason, source=self._source, shard=self._shard_name,
-                            skippable=skippable)
         self._failed = True
-        self._on_skip(None, reason)
+        self.problems.shard(reason, skippable=skippable)
 
 
 class ShardFormat(Protocol):

@@ -16,20 +16,19 @@ import numpy as np
 from ..errors import ConfigError, DataError
 from ..storage.base import ObjectInfo, ObjectStore
 from ..tokenizer import TextTokenizer, TokenizerError
-from .base import DocumentLengths, RawRecord, SkipCallback
+from .base import DocumentLengths, Problems, RawRecord, SkipCallback
 
 
 async def encode_records(records: list[RawRecord],
-                         encode: Callable[[list[str]], Awaitable[list]], *, source: str,
-                         shard_name: str, on_skip: Optional[SkipCallback]
+                         encode: Callable[[list[str]], Awaitable[list]], problems: Problems
                          ) -> list[tuple[RawRecord, Any]]:
     """(record, token ids) for every record of `records`, in order: a token record's own ids,
     a text's from `encode` (one call for all the texts, `TextTokenizer.encode_texts` or a hop
     to where it runs). The one place of what a tokenizer failure is (the fetcher and
-    `document_lengths` both come here): a text it fails on (`TokenizerError`) is a DataError
-    naming the record, or with `on_skip` left out and reported, and the call goes on past it;
-    a tokenizer that fails the whole call, or returns another number of results, is a
-    DataError naming the records of the call."""
+    `document_lengths` both come here): a text it fails on (`TokenizerError`) is reported
+    (`problems`) and left out, and the call goes on past it; a tokenizer that fails the whole
+    call, or returns another number of results, is a DataError naming the records of the call."""
+    source, shard_name = problems.source, problems.shard_name
     ids: list[Any] = [r.payload if not isinstance(r.payload, str) else None for r in records]
     failed: set[int] = set()
     todo = [k for k, r in enumerate(records) if isinstance(r.payload, str)]
@@ -39,10 +38,10 @@ async def encode_records(records: list[RawRecord],
             tokens = await encode([records[k].payload for k in todo])
         except TokenizerError as exc:
             k = todo[exc.index]
-            if on_skip is None:   # chained: the tokenizer's own traceback stays visible
-                raise DataError(str(exc), source=source, shard=shard_name,
-                                record=records[k].index) from exc.__cause__
-            on_skip(records[k].index, str(exc))
+            try:
+                problems.record(records[k].index, str(exc))
+            except DataError as error:   # chained: the tokenizer's own traceback stays visible
+                raise error from exc.__cause__
             tokens, failed = exc.done, failed | {k}
             todo_next = todo[exc.index + 1:]
         except Exception as exc:   # a batch tokenizer: no record to name
@@ -71,8 +70,7 @@ async def measure_records(records: list[RawRecord], tokenizer: Optional[TextToke
     async def encode(texts: list[str]) -> list:
         return tokenizer.encode_texts(texts)
 
-    pairs = await encode_records(records, encode, source=source, shard_name=shard_name,
-                                 on_skip=on_skip)
+    pairs = await encode_records(records, encode, Problems(source, shard_name, on_skip))
     return [int(np.size(ids)) for _, ids in pairs]
 
 

@@ -36,7 +36,7 @@ from ..errors import ConfigError, DataError
 from ..storage.base import ObjectInfo, ObjectStore
 from ..tokenizer import TextTokenizer
 from .base import (LENGTHS_CHUNK_BYTES, BadShard, DocumentLengths, EmptyStream, PlannedStream,
-                   RawRecord, SkipCallback, read_exact, shard_failed)
+                   Problems, RawRecord, SkipCallback, read_exact)
 from .litdata import CHUNK_NAME as LITDATA_CHUNK
 from .tokens import plan_groups
 
@@ -147,11 +147,9 @@ def _check_index(lengths: np.ndarray, pointers: np.ndarray, documents: Optional[
                                                        and steps.min() < 0 else "") + ")")
 
 
-def _fitting(index: MegatronIndex, bin_size: int, *, source: str, shard_name: str,
-             on_skip: Optional[SkipCallback]) -> np.ndarray:
-    """The sequences whose bytes lie inside the .bin (all of them unless it is truncated). The
-    first that does not fit raises a DataError naming it; with `on_skip`, each is reported and
-    left out."""
+def _fitting(index: MegatronIndex, bin_size: int, problems: Problems) -> np.ndarray:
+    """The sequences whose bytes lie inside the .bin (all of them unless it is truncated);
+    each that does not is reported (the first with how many there are) and left out."""
     ends = index.pointers + index.lengths.astype(np.int64) * index.dtype.itemsize
     outside = (ends > bin_size) & (index.lengths > 0)
     if not outside.any():
@@ -160,11 +158,10 @@ def _fitting(index: MegatronIndex, bin_size: int, *, source: str, shard_name: st
     first = int(bad[0])
     reason = (f"sequence {first} ends at byte {int(ends[first])} but the .bin holds {bin_size} "
               f"bytes: the .bin is truncated ({bad.size} sequence(s) do not fit)")
-    if on_skip is None:
-        raise DataError(reason, source=source, shard=shard_name, record=first)
-    for record in bad.tolist():
-        on_skip(record, f"sequence {record} ends at byte {int(ends[record])}, past the end of "
-                        f"the .bin ({bin_size} bytes): the .bin is truncated")
+    problems.record(first, reason)
+    for record in bad.tolist()[1:]:
+        problems.record(record, f"sequence {record} ends at byte {int(ends[record])}, past the "
+                                f"end of the .bin ({bin_size} bytes): the .bin is truncated")
     return np.flatnonzero(~outside)
 
 
@@ -238,17 +235,13 @@ class MegatronStream(PlannedStream):
 
     def _without_negative(self, tokens: np.ndarray, records: list[int], lows: list[int],
                           highs: list[int]) -> list[RawRecord]:
-        """The records of a range with negative ids in it: each sequence holding one raises a
-        DataError naming it, or with `on_skip` is reported and left out."""
+        """The records of a range with negative ids in it: each sequence holding one is
+        reported and left out."""
         out = []
         for record, lo, hi in zip(records, lows, highs):
             piece = tokens[lo:hi]
             if piece.size and piece.min() < 0:
-                reason = "negative token id"
-                if self._on_skip is None:
-                    raise DataError(reason, source=self._source, shard=self._shard_name,
-                                    record=record)
-                self._on_skip(record, reason)
+                self._record_error(record, "negative token id")
             else:
                 out.append(RawRecord(record, piece))
         return out
@@ -272,13 +265,12 @@ class MegatronFormat:
             return False
         return self._named or not LITDATA_CHUNK.fullmatch(name)
 
-    async def _index(self, store: ObjectStore, shard: ObjectInfo, *, source: str,
-                     shard_name: str, on_skip: SkipCallback | None,
+    async def _index(self, store: ObjectStore, shard: ObjectInfo, problems: Problems,
                      max_sequences: Optional[int] = None) -> Optional[MegatronIndex]:
         try:
             return await read_index(store, idx_uri(shard.uri), max_sequences)
         except BadShard as exc:
-            shard_failed(exc, source, shard_name, on_skip)
+            problems.bad_shard(exc)
             return None
 
     async def open(self, store: ObjectStore, shard: ObjectInfo, *, source: str, shard_name: str,
@@ -286,11 +278,11 @@ class MegatronFormat:
                    chunk_bytes: int) -> MegatronStream | EmptyStream:
         if chunk_bytes <= 0:
             raise ConfigError.at("chunk_bytes", f"must be positive, got {chunk_bytes}")
-        index = await self._index(store, shard, source=source, shard_name=shard_name,
-                                  on_skip=on_skip)
+        problems = Problems(source, shard_name, on_skip)
+        index = await self._index(store, shard, problems)
         if index is None:
             return EmptyStream()
-        keep = _fitting(index, shard.size, source=source, shard_name=shard_name, on_skip=on_skip)
+        keep = _fitting(index, shard.size, problems)
         return MegatronStream(source=source, shard_name=shard_name, on_skip=on_skip, index=index,
                               keep=keep, chunk_bytes=chunk_bytes)
 
@@ -306,11 +298,11 @@ class MegatronFormat:
         used: the documents are token ids already."""
         if limit is not None and limit < 0:
             raise ConfigError.at("limit", f"must be >= 0, got {limit}")
-        index = await self._index(store, shard, source=source, shard_name=shard_name,
-                                  on_skip=on_skip, max_sequences=limit)
+        problems = Problems(source, shard_name, on_skip)
+        index = await self._index(store, shard, problems, max_sequences=limit)
         if index is None:
             return DocumentLengths(np.zeros(0, np.int64), "index")
-        keep = _fitting(index, shard.size, source=source, shard_name=shard_name, on_skip=on_skip)
+        keep = _fitting(index, shard.size, problems)
         return DocumentLengths(index.lengths[keep].astype(np.int64), "index")
 
 

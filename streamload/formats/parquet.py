@@ -47,7 +47,7 @@ from ..errors import ConfigError
 from ..storage.base import ObjectInfo, ObjectStore
 from ..tokenizer import TextTokenizer
 from .base import (LENGTHS_CHUNK_BYTES, BadShard, DocumentLengths, EmptyStream, MissingField,
-                   PlannedStream, RawRecord, SkipCallback, field_hint, read_exact, shard_failed)
+                   PlannedStream, Problems, RawRecord, SkipCallback, field_hint, read_exact)
 from .lengths import stream_lengths
 
 _SUFFIX = ".parquet"
@@ -314,7 +314,7 @@ class ParquetFormat:
                                  metadata=metadata, footer_start=footer_start, field=self.field,
                                  tokens=self.tokens)
         except BadShard as exc:
-            shard_failed(exc, source, shard_name, on_skip)
+            Problems(source, shard_name, on_skip).bad_shard(exc)
             return EmptyStream()
 
     def _check_column(self, pa, metadata) -> None:

@@ -18,11 +18,11 @@ from typing import Optional
 
 import numpy as np
 
-from ..errors import ConfigError, DataError
+from ..errors import ConfigError
 from ..storage.base import ObjectInfo, ObjectStore
 from ..tokenizer import TextTokenizer
 from .base import (LENGTHS_CHUNK_BYTES, BadShard, DocumentLengths, EmptyStream, PlannedStream,
-                   RawRecord, SkipCallback, read_exact, shard_failed)
+                   Problems, RawRecord, SkipCallback, read_exact)
 
 TOKENS_SUFFIX = ".tokens.npy"
 OFFSETS_SUFFIX = ".offsets.npy"
@@ -202,10 +202,7 @@ class TokensStream(PlannedStream):
         positions = np.flatnonzero(tokens < 0)
         docs = sorted(set((np.searchsorted(bounds, positions, side="right") - 1 + first).tolist()))
         for doc in docs:
-            reason = "negative token id"
-            if self._on_skip is None:
-                raise DataError(reason, source=self._source, shard=self._shard_name, record=doc)
-            self._on_skip(doc, reason)
+            self._record_error(doc, "negative token id")
         return set(docs)
 
 
@@ -229,7 +226,7 @@ class TokensFormat:
         try:
             dtype, data_start, offsets = await _read_index(store, shard)
         except BadShard as exc:
-            shard_failed(exc, source, shard_name, on_skip)
+            Problems(source, shard_name, on_skip).bad_shard(exc)
             return EmptyStream()
         return TokensStream(source=source, shard_name=shard_name, on_skip=on_skip, dtype=dtype,
                             data_start=data_start, offsets=offsets, chunk_bytes=chunk_bytes)
@@ -251,6 +248,6 @@ class TokensFormat:
             offsets = await _read_offsets(store, companion, limit)
             _check_offsets(offsets, None, what)   # the token count is in the unread token file
         except BadShard as exc:
-            shard_failed(exc, source, shard_name, on_skip)
+            Problems(source, shard_name, on_skip).bad_shard(exc)
             return DocumentLengths(np.zeros(0, np.int64), "index")
         return DocumentLengths(np.diff(offsets).astype(np.int64, copy=False), "index")

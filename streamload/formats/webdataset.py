@@ -42,11 +42,11 @@ from typing import Optional, Union
 import msgspec
 import numpy as np
 
-from ..errors import ConfigError, DataError
+from ..errors import ConfigError
 from ..storage.base import ObjectInfo, ObjectStore
 from ..tokenizer import TextTokenizer
-from .base import (LENGTHS_CHUNK_BYTES, BadShard, DocumentLengths, RawRecord, SkipCallback,
-                   field_hint)
+from .base import (LENGTHS_CHUNK_BYTES, BadShard, DocumentLengths, Problems, RawRecord,
+                   SkipCallback, field_hint)
 from .lengths import stream_lengths
 from .tar import (BLOCK, REGULAR, SUPPORTED, ZERO_BLOCK, checksum_ok, member_name, pax_fields,
                   tar_number)
@@ -130,7 +130,7 @@ class WebdatasetStream:
     def __init__(self, shard: ObjectInfo, *, source: str, shard_name: str,
                  on_skip: SkipCallback | None, chunk_bytes: int, compression: Optional[str],
                  member: str, field: Optional[str], tokens: bool = False):
-        self._source, self._shard_name, self._on_skip = source, shard_name, on_skip
+        self.problems = Problems(source, shard_name, on_skip)
         step, size = chunk_bytes, shard.size
         self._ranges = [(start, min(start + step, size)) for start in range(0, size, step)]
         self._next_range = 0
@@ -328,11 +328,7 @@ class WebdatasetStream:
         if problem is None:
             text, problem = (self._ids if self._tokens else self._text)(sample.text)
         if problem is not None:
-            reason = f"sample {sample.key!r}: {problem}"
-            if self._on_skip is None:
-                raise DataError(reason, source=self._source, shard=self._shard_name,
-                                record=sample.index)
-            self._on_skip(sample.index, reason)
+            self.problems.record(sample.index, f"sample {sample.key!r}: {problem}")
             return
         self._out.append(RawRecord(sample.index, text))
 
@@ -366,11 +362,9 @@ class WebdatasetStream:
     def _shard_error(self, reason: str) -> list[RawRecord]:
         """Records already complete go out; the rest of the shard is not read."""
         out, self._out = self._out, []
-        if self._on_skip is None:
-            raise DataError(reason, source=self._source, shard=self._shard_name, skippable=True)
         self._failed = True
         self._sample = None
-        self._on_skip(None, reason)
+        self.problems.shard(reason)
         return out
 
 

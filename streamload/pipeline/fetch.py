@@ -16,7 +16,7 @@ import numpy as np
 
 from ..config import LoaderConfig, Source
 from ..errors import DataError
-from ..formats.base import PlannedStream, RawRecord
+from ..formats.base import PlannedStream, Problems, RawRecord
 from ..formats.catalog import Shard
 from ..formats.lengths import encode_records
 from ..metrics import SourceMetrics
@@ -98,6 +98,9 @@ class SourceFetcher:
         skips: list[tuple[Optional[int], str]] = []
         on_skip = (lambda record, reason: skips.append((record, reason))) \
             if self.config.on_error == "skip" else None
+        # on_error applied here, for every problem of the shard: a DataError naming it, or a
+        # skip counted by the ledger (`SkipLedger`) after each range.
+        problems = Problems(self.source.name, shard.name, on_skip)
         stream = await shard.format.open(self.store, shard.info, source=self.source.name,
                                          shard_name=shard.name, on_skip=on_skip,
                                          chunk_bytes=self.config.chunk_bytes)
@@ -116,7 +119,7 @@ class SourceFetcher:
         def to_items(records):
             return records_to_items(records, virtual, self.config.micro_batch_tokens,
                                     self.config.long_documents, keep, self.ages,
-                                    where=(self.source.name, shard.name), on_skip=on_skip)
+                                    problems=problems)
 
         def wanted(records):   # a resumed shard: records already delivered go no further
             return records if keep is None else [r for r in records if keep.wants(r.index)]
@@ -131,7 +134,7 @@ class SourceFetcher:
                                                            decode, *args)
             else:   # one tokenizer call for the range, on a thread or in a process
                 records = wanted(await loop.run_in_executor(self.executor, decode, *args))
-                records = await self._tokenize(records, shard, on_skip)
+                records = await self._tokenize(records, problems)
                 items, counts = await loop.run_in_executor(self.executor, to_items, records)
             counts.add_to(self.metrics)
             self.metrics.transform_s += time.perf_counter() - started
@@ -150,7 +153,7 @@ class SourceFetcher:
         self.metrics.shards_read += 1
         await queue.put(None)
 
-    async def _tokenize(self, records: list[RawRecord], shard: Shard, on_skip) -> list[RawRecord]:
+    async def _tokenize(self, records: list[RawRecord], problems: Problems) -> list[RawRecord]:
         """Text payloads -> token ids, one `encode_texts` call for all of a range's texts (on
         a transform thread, or in the tokenizer processes); failures as `encode_records` has
         them (a DataError naming the record, or with on_error="skip" skipped and counted)."""
@@ -160,8 +163,7 @@ class SourceFetcher:
             pool, call = self.executor, self.tokenizer.encode_texts
         loop = asyncio.get_running_loop()
         pairs = await encode_records(
-            records, lambda texts: loop.run_in_executor(pool, call, texts),
-            source=self.source.name, shard_name=shard.name, on_skip=on_skip)
+            records, lambda texts: loop.run_in_executor(pool, call, texts), problems)
         out = []
         for record, ids in pairs:
             if isinstance(record.payload, str):

@@ -6,12 +6,11 @@ metrics, so the loop thread stays the only writer.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, Optional
+from typing import Optional
 
 import numpy as np
 
-from ..errors import DataError
-from ..formats.base import RawRecord
+from ..formats.base import Problems, RawRecord
 from ..tokenizer import TextTokenizer
 from .. import pieces
 from .buffer import Item
@@ -93,14 +92,14 @@ def token_ids(ids: np.ndarray) -> np.ndarray:
 
 def records_to_items(records: list[RawRecord], shard: int, capacity: int, long_documents: str,
                      keep=None,
-                     ages: Optional[dict] = None, where: tuple = (None, None),
-                     on_skip: Optional[Callable[[int, str], None]] = None
+                     ages: Optional[dict] = None, problems: Optional[Problems] = None
                      ) -> tuple[list[Item], TransformCounts]:
     """`keep(record, chunk)` filters items of a resumed shard: it gives the offset to start an
     item at (0: whole; a remainder of a piece that was cut) or None to leave it out. `ages`
     restores deferral ages.
-    A record whose token ids batches cannot carry raises a DataError naming it (`where`: the
-    source and shard names), or goes to `on_skip(record, reason)` when given."""
+    A record whose token ids batches cannot carry is reported to `problems` and left out
+    (None: a DataError naming the record)."""
+    problems = problems or Problems(None, None, None)
     counts = TransformCounts(records=len(records))
     indexes: list[int] = []
     arrays: list[np.ndarray] = []
@@ -108,10 +107,7 @@ def records_to_items(records: list[RawRecord], shard: int, capacity: int, long_d
         try:
             tokens = to_tokens(record.payload)
         except TokenIdError as exc:   # from the tokenizer, or a uint32 / int64 token shard
-            if on_skip is None:
-                raise DataError(str(exc), source=where[0], shard=where[1],
-                                record=record.index) from None
-            on_skip(record.index, str(exc))
+            problems.record(record.index, str(exc))
             counts.records -= 1   # counted as skipped instead
             continue
         indexes.append(record.index)

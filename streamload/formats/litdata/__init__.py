@@ -52,8 +52,8 @@ import numpy as np
 from ...errors import ConfigError
 from ...storage.base import ObjectInfo, ObjectStore
 from ...tokenizer import TextTokenizer
-from ..base import (LENGTHS_CHUNK_BYTES, BadShard, DocumentLengths, EmptyStream, SkipCallback,
-                    shard_failed)
+from ..base import (LENGTHS_CHUNK_BYTES, BadShard, DocumentLengths, EmptyStream, Problems,
+                    SkipCallback)
 from ..lengths import stream_lengths
 from .index import Chunk, Dataset, index_json_name, load_dataset
 from .stream import LitdataStream, index_lengths, plan_chunk
@@ -93,9 +93,8 @@ class LitdataFormat:
         return await load_dataset(store, directory, text_field=self.text_field,
                                   tokens_field=self.tokens_field, block_size=self.block_size)
 
-    async def _open_chunk(self, store: ObjectStore, shard: ObjectInfo, shard_name: str,
-                          on_skip: SkipCallback | None, index: object
-                          ) -> tuple[Dataset, Chunk, Optional[str]]:
+    async def _open_chunk(self, store: ObjectStore, shard: ObjectInfo, problems: Problems,
+                          index: object) -> tuple[Dataset, Chunk, Optional[str]]:
         """The dataset, the shard's index entry and, in skip mode, a missing chunk to report
         (once per pass: by the first chunk of the index that exists); BadShard for what makes
         the shard unreadable (in raise mode, any chunk the index names but that is missing).
@@ -108,7 +107,7 @@ class LitdataFormat:
             dataset = await self.load_index(store, directory)
         if dataset.layout_error is not None:   # a fresh copy: the dataset is shared
             raise type(dataset.layout_error)(str(dataset.layout_error))
-        index_name = index_json_name(shard_name)
+        index_name = index_json_name(problems.shard_name)
         chunk = dataset.chunks.get(name)
         if chunk is None:
             raise BadShard(f"chunk {name!r} is not named in {index_name} (a leftover of "
@@ -119,7 +118,7 @@ class LitdataFormat:
                       f"its 'chunks'), which does not exist"
                       + (f", nor {len(dataset.missing) - 1} more" if len(dataset.missing) > 1
                          else ""))
-            if on_skip is None:
+            if not problems.skipping:
                 raise BadShard(reason)
             if name == dataset.first_present:
                 return dataset, chunk, reason
@@ -132,14 +131,14 @@ class LitdataFormat:
         """`index`: the chunk's directory's (`load_index`; see `_open_chunk`)."""
         if chunk_bytes <= 0:
             raise ConfigError.at("chunk_bytes", f"must be positive, got {chunk_bytes}")
+        problems = Problems(source, shard_name, on_skip)
         try:
-            dataset, chunk, missing = await self._open_chunk(store, shard, shard_name, on_skip,
-                                                             index)
+            dataset, chunk, missing = await self._open_chunk(store, shard, problems, index)
             if missing is not None:
-                on_skip(None, missing)
+                problems.shard(missing)
             plan = await plan_chunk(store, shard, dataset.layout, chunk, chunk_bytes)
         except BadShard as exc:
-            shard_failed(exc, source, shard_name, on_skip)
+            problems.bad_shard(exc)
             return EmptyStream()
         return LitdataStream(plan, dataset.layout, source=source, shard_name=shard_name,
                              on_skip=on_skip, expected_items=chunk.items, dim=chunk.dim)
@@ -155,15 +154,15 @@ class LitdataFormat:
         records are not decoded, so a bad one is not noticed here); else by a scan."""
         if limit is not None and limit < 0:
             raise ConfigError.at("limit", f"must be >= 0, got {limit}")
+        problems = Problems(source, shard_name, on_skip)
         try:
-            dataset, chunk, missing = await self._open_chunk(store, shard, shard_name, on_skip,
-                                                             index)
+            dataset, chunk, missing = await self._open_chunk(store, shard, problems, index)
             lengths = await index_lengths(store, shard, dataset.layout, chunk, tokenizer)
         except BadShard as exc:
-            shard_failed(exc, source, shard_name, on_skip)
+            problems.bad_shard(exc)
             return DocumentLengths(np.zeros(0, np.int64), "index")
         if lengths is not None and missing is not None:
-            on_skip(None, missing)
+            problems.shard(missing)
         if lengths is None:   # `open` reports the missing chunk, if any
             return await stream_lengths(self, store, shard, source=source, shard_name=shard_name,
                                         on_skip=on_skip, tokenizer=tokenizer, limit=limit,

@@ -43,8 +43,8 @@ import numpy as np
 from ...errors import ConfigError, DataError
 from ...storage.base import ObjectInfo, ObjectStore
 from ...tokenizer import TextTokenizer
-from ..base import (LENGTHS_CHUNK_BYTES, BadShard, DocumentLengths, EmptyStream, SkipCallback,
-                    shard_failed)
+from ..base import (LENGTHS_CHUNK_BYTES, BadShard, DocumentLengths, EmptyStream, Problems,
+                    SkipCallback)
 from ..lengths import stream_lengths
 from .index import Directory, Entry, load_directory
 from .layouts import Decoder, Layout, check_header, layout_of
@@ -82,18 +82,17 @@ class MdsFormat:
         `open` and `document_lengths` as `index`; the format keeps none."""
         return await load_directory(store, directory_uri)
 
-    async def _resolve(self, store: ObjectStore, shard: ObjectInfo, *, source: str,
-                       shard_name: str, on_skip: SkipCallback | None,
+    async def _resolve(self, store: ObjectStore, shard: ObjectInfo, problems: Problems, *,
                        report_missing: bool = True, index: object = None
                        ) -> tuple[Entry, str, Layout] | None:
         """(entry, kind, layout) for a shard: kind "raw", "zip" or "copy" (a compressed copy
         whose raw file is read instead). `index`: the directory's (`load_index`), or the
         BadShard loading it raised; None, or one that does not list the shard as the catalog
-        did (the directory was rewritten): read here. Shard-level problems raise DataError, or
-        with `on_skip` are reported and give None."""
+        did (the directory was rewritten): read here. Shard-level problems are reported and
+        give None."""
         if "/" not in shard.uri:
-            raise DataError(f"cannot find the directory of {shard.uri!r}", source=source,
-                            shard=shard_name)
+            raise DataError(f"cannot find the directory of {shard.uri!r}",
+                            source=problems.source, shard=problems.shard_name)
         directory_uri, name = shard.uri.rsplit("/", 1)
         try:
             if isinstance(index, BadShard):   # a fresh copy: the catalog's is shared
@@ -103,8 +102,7 @@ class MdsFormat:
                     or name not in directory.entries:
                 directory = await self.load_index(store, directory_uri)
             if report_missing:
-                self._report_missing(directory, name, source=source, shard_name=shard_name,
-                                     on_skip=on_skip)
+                self._report_missing(directory, name, problems)
             entry = directory.entries.get(name)
             if entry is None:
                 listed = [e.raw for e in directory.order]
@@ -126,23 +124,21 @@ class MdsFormat:
                                 f"the index is not this shard's")
             return entry, kind, layout_of(entry, self.field, self.tokens)
         except BadShard as exc:
-            shard_failed(exc, source, shard_name, on_skip)
+            problems.bad_shard(exc)
             return None
 
     @staticmethod
-    def _report_missing(directory: Directory, name: str, *, source: str, shard_name: str,
-                        on_skip: SkipCallback | None) -> None:
-        """Shards the index names that do not exist: an error from every shard of the
-        directory, or in skip mode one counted skip each, reported by one shard."""
-        if not directory.missing or (on_skip is not None and name != directory.reporter):
+    def _report_missing(directory: Directory, name: str, problems: Problems) -> None:
+        """Shards the index names that do not exist, each reported as that shard's problem:
+        by every shard of the directory when they raise, by one when they are skipped (each is
+        then counted once)."""
+        if not directory.missing or (problems.skipping and name != directory.reporter):
             return
-        folder = shard_name.rsplit("/", 1)[0] + "/" if "/" in shard_name else ""
+        name_of = problems.shard_name
+        folder = name_of.rsplit("/", 1)[0] + "/" if "/" in name_of else ""
         for missing, samples in directory.missing:
-            reason = (f"{directory.index_uri} names shard {missing!r} ({samples} samples), "
-                      f"which does not exist")
-            if on_skip is None:
-                raise DataError(reason, source=source, shard=folder + missing, skippable=True)
-            on_skip(None, reason)
+            problems.shard(f"{directory.index_uri} names shard {missing!r} ({samples} samples), "
+                           f"which does not exist", shard=folder + missing)
 
     # -- reading
 
@@ -160,13 +156,13 @@ class MdsFormat:
                     ) -> MdsRawStream | MdsCompressedStream | EmptyStream:
         if chunk_bytes <= 0:
             raise ConfigError.at("chunk_bytes", f"must be positive, got {chunk_bytes}")
-        resolved = await self._resolve(store, shard, source=source, shard_name=shard_name,
-                                       on_skip=on_skip, report_missing=report_missing,
+        problems = Problems(source, shard_name, on_skip)
+        resolved = await self._resolve(store, shard, problems, report_missing=report_missing,
                                        index=index)
         if resolved is None or resolved[1] == "copy":
             return EmptyStream()
         entry, kind, layout = resolved
-        decoder = Decoder(layout, source=source, shard_name=shard_name, on_skip=on_skip)
+        decoder = Decoder(layout, problems)
         if kind == "zip":
             return MdsCompressedStream(decoder, entry, shard.size, source=source,
                                        shard_name=shard_name, on_skip=on_skip)
@@ -175,7 +171,7 @@ class MdsFormat:
             head = await store.read_range(shard.uri, 0, min(want, shard.size))
             offsets = check_header(head, entry.samples, shard.size, "the shard")
         except BadShard as exc:
-            shard_failed(exc, source, shard_name, on_skip)
+            problems.bad_shard(exc)
             return EmptyStream()
         return MdsRawStream(decoder, offsets, chunk_bytes, source=source, shard_name=shard_name)
 
@@ -191,8 +187,8 @@ class MdsFormat:
         if limit is not None and limit < 0:
             raise ConfigError.at("limit", f"must be >= 0, got {limit}")
         if self.tokens:
-            resolved = await self._resolve(store, shard, source=source, shard_name=shard_name,
-                                           on_skip=on_skip, index=index)
+            resolved = await self._resolve(store, shard, Problems(source, shard_name, on_skip),
+                                           index=index)
             if resolved is None or resolved[1] == "copy":
                 return DocumentLengths(np.zeros(0, np.int64), "index")
             entry, _, layout = resolved

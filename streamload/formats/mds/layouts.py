@@ -8,8 +8,7 @@ from typing import Optional
 
 import numpy as np
 
-from ...errors import DataError
-from ..base import BadShard, MissingField, RawRecord, SkipCallback, field_hint
+from ..base import BadShard, MissingField, Problems, RawRecord, field_hint
 from .index import Entry
 
 
@@ -26,7 +25,7 @@ _SMALL_INTS = {"uint8", "int8", "uint16", "int16", "int32"}   # handed out as in
 
 
 class _BadSample(Exception):
-    """One sample cannot be decoded: a DataError naming it, or a counted skip."""
+    """One sample cannot be decoded: reported (`Problems.record`) and left out."""
 
 
 # ---------------------------------------------------------------- columns
@@ -142,10 +141,8 @@ def check_header(head: bytes, samples: int, size: int, what: str) -> np.ndarray:
 class Decoder:
     """Turns samples (bytes of one buffer) into records of the layout's column."""
 
-    def __init__(self, layout: Layout, *, source: str, shard_name: str,
-                 on_skip: SkipCallback | None):
-        self._layout = layout
-        self._source, self._shard_name, self._on_skip = source, shard_name, on_skip
+    def __init__(self, layout: Layout, problems: Problems):
+        self._layout, self._problems = layout, problems
 
     def records(self, buf: bytes, starts: np.ndarray, ends: np.ndarray,
                 first: int) -> list[RawRecord]:
@@ -179,10 +176,7 @@ class Decoder:
                                      f"its column sizes add up to {int(total[k])}")
                 out.append(RawRecord(first + k, decode(buf, start, size)))
             except _BadSample as exc:
-                if self._on_skip is None:
-                    raise DataError(str(exc), source=self._source, shard=self._shard_name,
-                                    record=first + k) from None
-                self._on_skip(first + k, str(exc))
+                self._problems.record(first + k, str(exc))
         return out
 
     def _text(self, buf: bytes, start: int, size: int) -> str:
