@@ -222,11 +222,11 @@ async def catalog(source: Source, store: ObjectStore) -> Catalog:
 
 
 def _check_encodings(source: Source, shards: list[Shard]) -> None:
-    """The same shard in two encodings would be delivered twice (MDS reads one of a raw and a
-    compressed copy itself)."""
+    """The same shard in two encodings would be delivered twice. A format with a directory index
+    (`Indexed`: MDS keeps a raw and a compressed copy side by side) picks one copy itself."""
     encodings: dict[str, list[str]] = {}
     for shard in shards:
-        if shard.format.name != "mds":
+        if not isinstance(shard.format, Indexed):
             encodings.setdefault(_COMPRESSION.sub("", shard.name), []).append(shard.name)
     twice = [names for names in encodings.values() if len(names) > 1]
     if twice:
