@@ -1,11 +1,12 @@
 """`streamload inspect URI`: a source's shards, record counts and document-length histogram.
 
 It reads the source with the loader's own code: `formats.catalog` picks the shards (and leaves
-out companion files; objects of no known format are listed, with what to do about them), and each shard's format measures its documents (`document_lengths`, as the
-dry run does): JSONL records are decoded and measured in UTF-8 bytes (the loader's default
-tokenizer); pre-tokenized shards are measured from their offsets index alone, in token ids (the
-token arrays are not read, so a bad token file or negative ids do not show here). Bad records
-are counted and shown, not raised.
+out companion files; objects of no known format are listed, with what to do about them), and
+each shard's format measures its documents (`document_lengths`, as the dry run does): JSONL
+records are decoded and measured in UTF-8 bytes (the loader's default tokenizer); pre-tokenized
+shards are measured from their offsets index alone, in token ids (the token arrays are not
+read, so a bad token file or negative ids do not show here). Bad records are counted and
+shown, not raised.
 """
 from __future__ import annotations
 
