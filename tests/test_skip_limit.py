@@ -47,8 +47,8 @@ def test_a_misspelt_text_field_stops_the_source_after_its_first_records(tmp_path
     short = folder(tmp_path, "short", shards=3, per_shard=80)
     good = folder(tmp_path, "good", shards=2, per_shard=200)
     with pytest.raises(sl.DataError) as caught:
-        run([sl.Source(str(good), weight=0.9), sl.Source(str(short), weight=0.1, text_field="body")],
-            on_error="skip")
+        run([sl.Source(str(good), weight=0.9),
+             sl.Source(str(short), weight=0.1, text_field="body")], on_error="skip")
     message = str(caught.value)
     assert caught.value.source == "short"
     first = re.match(r"source 'short': on_error='skip' skipped all of the first (\d+) "
@@ -150,4 +150,5 @@ def test_the_limit_fails_the_job_on_every_rank(tmp_path):
     folder(tmp_path, "good", shards=2, per_shard=200)
     results = run_ranks(skip_job, 2, str(tmp_path), timeout=60)
     assert all(isinstance(r, str) for r in results), results
-    assert any("source 'short': on_error='skip' skipped all of the first" in r for r in results), results
+    assert any("source 'short': on_error='skip' skipped all of the first" in r
+               for r in results), results

@@ -234,8 +234,9 @@ class ShardFormat(Protocol):
                                tokenizer: TextTokenizer | None = None, limit: int | None = None,
                                chunk_bytes: int = LENGTHS_CHUNK_BYTES) -> DocumentLengths:
         """The length in tokens of each of the shard's documents (int64, in record order), and
-        whether an index gave them or a scan of the records (`DocumentLengths`); as the loader would measure it (empty documents included, as 0; records that
-        are skipped left out). `tokenizer` measures texts (None: UTF-8 bytes, the loader's
-        default); `limit` stops after that many documents (at most `limit` come back). Errors
-        are DataErrors naming `source`, `shard_name` and the record where there is one, or
-        with `on_skip` given (on_error="skip") go to it, as in `open`."""
+        whether an index gave them or a scan of the records (`DocumentLengths`); as the loader
+        would measure it (empty documents included, as 0; records that are skipped left out).
+        `tokenizer` measures texts (None: UTF-8 bytes, the loader's default); `limit` stops
+        after that many documents (at most `limit` come back). Problems are reported as in
+        `open` (`Problems`: a DataError naming `source`, `shard_name` and the record where there
+        is one, or with `on_skip` given, on_error="skip", a call to it)."""

@@ -357,7 +357,8 @@ class WebdatasetStream:
         except msgspec.MsgspecError as exc:
             if "UTF-8" in str(exc):
                 return None, f"member {self._member!r} is not valid UTF-8"
-            return None, f"member {self._member!r}: {_json_problem(exc, self._field, data, self._member)}"
+            problem = _json_problem(exc, self._field, data, self._member)
+            return None, f"member {self._member!r}: {problem}"
 
     def _shard_error(self, reason: str) -> list[RawRecord]:
         """Records already complete go out; the rest of the shard is not read."""
