@@ -129,8 +129,11 @@ class LoaderConfig(msgspec.Struct, kw_only=True):
     long_documents: LongDocuments = "split"
     planner: PlannerMethod = "lookahead"    # "naive" | "balanced" | "lookahead" (the default:
                                             # it groups outliers across steps, issue 20)
-    lookahead: int = 4                      # W for planner="lookahead" (deferral <= 2W)
-    max_deferral: Optional[int] = 8         # a sample offered this many steps is taken first
+    # W for planner="lookahead" (deferral <= 2W). 8: a window that shows every slot a long
+    # document like the others often enough (at W = 4 and one row per rank, long documents
+    # waited for company until forced, and their sources' forced items pushed the mix 0.05 off)
+    lookahead: int = 8
+    max_deferral: Optional[int] = 16        # a sample offered this many steps is taken first
     step_overhead: float = 0.05             # per-step cost the planner weighs against an empty
                                             # slot: this share of a rank's full step at b/token
     window_factor: float = 2.0              # head window per source per rank, in steps of quota

@@ -69,8 +69,8 @@ def test_every_planner_fills_its_steps_on_gloo_ranks(skewed, world):
         assert fill >= 0.95, (planner, fill, steps, ideal)
         assert steps <= 1.05 * ideal, (planner, steps, ideal)
         # stats() reports the job's tokens per step, the same on every rank.
-        if planner == "lookahead":   # the deferral bound, two windows of W = 4 steps
-            assert max(r[planner][3] for r in results) <= 8
+        if planner == "lookahead":   # the deferral bound, two windows of W = 8 steps
+            assert max(r[planner][3] for r in results) <= 16
         reported = results[0][planner][2]
         assert reported["fill"] == pytest.approx(fill)
         assert reported["p50"] <= world * M * C and reported["p1"] <= reported["p50"]

@@ -201,7 +201,7 @@ def test_the_planner_configuration_is_validated_once_at_the_boundary():
     assert info.value.key == "planner"
     with pytest.raises(ConfigError, match="lookahead: must be an integer >= 1"):
         make_config(planner="lookahead", lookahead=0)
-    assert Planner(Geometry(2, 2, 64), CostModel(a=1 / 4096), method="lookahead").force_age == 8
+    assert Planner(Geometry(2, 2, 64), CostModel(a=1 / 4096), method="lookahead").force_age == 16
     assert Planner(Geometry(2, 2, 64), CostModel(a=1 / 4096), method="lookahead", max_age=2).force_age == 2
     assert Planner(Geometry(2, 2, 64), CostModel(a=1 / 4096), method="balanced").force_age is None
 

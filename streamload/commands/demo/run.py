@@ -49,8 +49,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "of CPU in all, most of it starting torch in the ranks)")
     p.add_argument("--scale", type=float, default=1.0,
                    help="multiply every source's size by this (default 1: about 2.5M tokens)")
-    p.add_argument("--planner", default="balanced",
-                   help="planning method passed to the Loader (default: naive)")
+    p.add_argument("--planner", default="lookahead",
+                   help="planning method passed to the Loader (default: lookahead, the "
+                        "Loader's default)")
     p.add_argument("--micro-batch-tokens", type=int, default=4096, metavar="C",
                    help="token capacity of one packed row (default 4096)")
     p.add_argument("--micro-batches", type=int, default=2, metavar="M",
