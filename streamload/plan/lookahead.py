@@ -97,11 +97,8 @@ def _take_arrival(c: Candidates, mask: np.ndarray, used: np.ndarray,
 
 
 def select_lookahead(c: Candidates, targets: np.ndarray, geometry: Geometry, cost: CostModel, *,
-                     window: int, force_age: int, urgent: np.ndarray | None = None
-                     ) -> tuple[np.ndarray, np.ndarray]:
-    """This step's items out of a `window`-step lookahead. Returns (selected, forced).
-    `urgent` (bool per source): sources whose heavy documents join now, oldest first within
-    their quota, as if forced (the mixer owes them more than its carry can hold)."""
+                     window: int, force_age: int) -> tuple[np.ndarray, np.ndarray]:
+    """This step's items out of a `window`-step lookahead. Returns (selected, forced)."""
     S = c.num_sources
     slots = balance_slots(geometry, cost)
     targets = np.maximum(np.asarray(targets, dtype=np.float64), 0.0)
@@ -138,16 +135,8 @@ def select_lookahead(c: Candidates, targets: np.ndarray, geometry: Geometry, cos
     free = np.flatnonzero(heavy & ~forced & (quota[source] > used[source]))
     slot_tokens = geometry.capacity if slots == geometry.rows else \
         geometry.micro_batches * geometry.capacity
-    must = np.flatnonzero(forced & heavy)
-    if urgent is not None and urgent.any():
-        hot = free[np.asarray(urgent, dtype=bool)[source[free]]]
-        hot = hot[np.lexsort((hot, -age[hot]))]
-        hot = _take_quota(hot, length[hot], source[hot].astype(np.int64), used, quota)
-        room -= float(length[hot].sum())
-        taken[hot] = True
-        free = free[~taken[free]]
-        must = np.concatenate([must, hot])
-    picked = heavy_layer(excess, must, free, age, length, slots, slot_tokens, room)
+    picked = heavy_layer(excess, np.flatnonzero(forced & heavy), free, age, length, slots,
+                         slot_tokens, room)
     used += np.bincount(source[picked], weights=length[picked], minlength=S)
     room -= float(length[picked].sum())
     taken[picked] = True

@@ -37,9 +37,6 @@ NAIVE_CHECK_ITEMS = 64   # up to this many items, a cost-aware plan is never wor
 # a bound of one window left no slack, the overdue items outgrew the step (the bound did not
 # hold: ages of 7 at W = 4) and, taken past their quotas, pushed the mix off by 0.02-0.03.
 DEFERRAL_WINDOWS = 2
-# A source owed more than this share of a step (its carried deficit, clipped at one step by the
-# mixer) gives its long documents now (`lookahead.select_lookahead`'s `urgent`).
-OWED_STEPS = 0.5
 
 
 def overdue_first(c: Candidates, selected: np.ndarray, force_age: int | None) -> np.ndarray:
@@ -128,23 +125,14 @@ class Planner:
         if quota.counts is not None and self.method != "lookahead":
             return self.assign(quota.candidates, quota.targets, step, counts=quota.counts,
                                eligible=eligible)
-        # Sources owed more than OWED_STEPS of a step (their carried deficit): the lookahead
-        # takes their long documents now, before the carry reaches its clip and the mix loses it.
-        per_source = np.bincount(quota.virtual_source, weights=quota.token_targets,
-                                 minlength=quota.shares.size)
-        owed = per_source - quota.shares * float(quota.token_targets.sum())
-        urgent = (owed > OWED_STEPS * self.geometry.step_tokens)[quota.virtual_source]
-        return self.assign(quota.candidates, quota.token_targets, step, eligible=eligible,
-                           urgent=urgent)
+        return self.assign(quota.candidates, quota.token_targets, step, eligible=eligible)
 
     def assign(self, c: Candidates, targets: np.ndarray, step: int,
-               counts: np.ndarray | None = None, eligible: np.ndarray | None = None,
-               urgent: np.ndarray | None = None) -> Assignment:
+               counts: np.ndarray | None = None, eligible: np.ndarray | None = None
+               ) -> Assignment:
         """`targets[s]`: tokens of source s this step; with `counts` (what each candidate counts
         toward its source's target, as in `select`), targets in that unit (naive, balanced).
-        `eligible` (bool per source; None: all): the sources the top-up may fill rows from.
-        `urgent` (bool per source; None: none): sources whose long documents the lookahead
-        takes now (a carried deficit near its clip)."""
+        `eligible` (bool per source; None: all): the sources the top-up may fill rows from."""
         if counts is not None and self.method == "lookahead":
             raise ValueError("the lookahead method plans token targets only")
         method = self.effective_method
@@ -160,8 +148,7 @@ class Planner:
                                               overhead=self.overhead)
         else:   # "lookahead" (LoaderConfig.planner is one of METHODS)
             selected, forced = select_lookahead(c, targets, self.geometry, self.cost,
-                                                window=self.lookahead, force_age=self.force_age,
-                                                urgent=urgent)
+                                                window=self.lookahead, force_age=self.force_age)
             take, rank, row = assign_balanced(c, selected, self.geometry, self.cost, forced=forced,
                                               overhead=self.overhead)
         if method != "naive" and 0 < len(take) == len(selected) <= NAIVE_CHECK_ITEMS:
