@@ -28,6 +28,29 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def context():
+    """The multiprocessing context the tests' processes start from (the preloaded forkserver)."""
+    ctx = mp.get_context(START_METHOD)
+    if START_METHOD == "forkserver":
+        ctx.set_forkserver_preload(PRELOAD)   # read once, when the server starts
+    return ctx
+
+
+def start_process(target, *args, daemon: bool = True):
+    """A started process running target(*args), forked like the ranks (torch already imported),
+    with the test's environment."""
+    process = context().Process(target=_with_environment, args=(dict(os.environ), target, args),
+                                daemon=daemon)
+    process.start()
+    return process
+
+
+def _with_environment(env, target, args):
+    os.environ.clear()
+    os.environ.update(env)
+    target(*args)
+
+
 def _entry(fn, rank, world, port, results, env, args):
     os.environ.clear()    # the test's environment now, not the forkserver's at its start
     os.environ.update(env)
@@ -63,9 +86,7 @@ def run_ranks(fn, world: int, *args, timeout: float = 90.0, env: dict | None = N
 
     Raises AssertionError with the rank's traceback if any rank fails (unless expect_errors,
     in which case failed ranks give ("error", message))."""
-    ctx = mp.get_context(START_METHOD)
-    if START_METHOD == "forkserver":
-        ctx.set_forkserver_preload(PRELOAD)   # read once, when the server starts
+    ctx = context()
     results = ctx.Queue()
     port = free_port()
     env = {**os.environ, **(env or {})}

@@ -1,4 +1,5 @@
-"""One rank of a small training job, for tests/test_kill.py (not collected by pytest).
+"""One rank of a small training job, for tests/test_kill.py (not collected by pytest), which runs
+`main(argv)` in a process of its own; by hand:
 
     python tests/kill_worker.py --rank R --world W --port P --corpus DIR --run-dir DIR --attempt A
 

@@ -2,7 +2,8 @@
 are the steps after the last checkpoint. And a rank that dies or freezes makes the other fail
 with a named error within collective_timeout_s, instead of hanging.
 
-The ranks are real processes (tests/kill_worker.py) in a 2-rank gloo job on 127.0.0.1.
+The ranks are real processes (tests/kill_worker.py) in a 2-rank gloo job on 127.0.0.1, forked
+from the tests' forkserver (torch already imported: a launch costs no fresh `import torch`).
 
 Nothing here waits a fixed time for a job: a wait fails only when the job stops making progress
 (no step logged for STALL_S), so a loaded machine makes these tests slower, not red. Bounds on
@@ -11,6 +12,7 @@ how fast a rank notices a dead peer have the same slack.
 from __future__ import annotations
 
 import hashlib
+import os
 import random
 import signal
 import subprocess
@@ -22,9 +24,7 @@ import msgspec
 import pytest
 
 from corpus import base_ids, write_jsonl_source, write_token_source
-from distributed import free_port
-
-WORKER = Path(__file__).with_name("kill_worker.py")
+from distributed import free_port, start_process
 WORLD = 2
 EVERY = 3          # rank 0 saves the loader state every EVERY steps
 STALL_S = 60.0     # a job that logs nothing for this long is stuck (start-up included)
@@ -41,6 +41,41 @@ def corpus(tmp_path) -> tuple[Path, set[str]]:
     return root, ids
 
 
+def _worker_main(output: str, argv: list[str]) -> None:
+    fd = os.open(output, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    os.dup2(fd, 1)
+    os.dup2(fd, 2)
+    os.close(fd)
+    sys.stdout.reconfigure(line_buffering=True)
+    sys.stderr.reconfigure(line_buffering=True)
+    import kill_worker
+    sys.exit(kill_worker.main(argv))
+
+
+class Rank:
+    """One rank: `kill_worker.main(argv)` in its own process, its output to `output`; the
+    part of subprocess.Popen the tests use (poll, wait, returncode, send_signal)."""
+
+    def __init__(self, output: Path, argv: list[str]):
+        self.process = start_process(_worker_main, str(output), argv)
+
+    @property
+    def returncode(self):
+        return self.process.exitcode     # -N when signal N ended it, as with Popen
+
+    def poll(self):
+        return self.process.exitcode
+
+    def wait(self, timeout: float | None = None) -> int:
+        self.process.join(timeout)
+        if self.process.exitcode is None:
+            raise subprocess.TimeoutExpired("kill_worker", timeout)
+        return self.process.exitcode
+
+    def send_signal(self, sig: int) -> None:
+        os.kill(self.process.pid, sig)
+
+
 class Job:
     """The ranks of one attempt, as subprocesses."""
 
@@ -51,13 +86,10 @@ class Job:
         port = free_port()
         self.procs = []
         for rank in range(WORLD):
-            out = open(run_dir / f"output-rank{rank}-attempt{attempt}.txt", "wb")
-            command = [sys.executable, str(WORKER), "--rank", str(rank), "--world", str(WORLD),
-                       "--port", str(port), "--corpus", str(corpus), "--run-dir", str(run_dir),
-                       "--attempt", str(attempt), "--every", str(EVERY), *args,
-                       *(per_rank or {}).get(rank, [])]
-            self.procs.append(subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT))
-            out.close()
+            argv = ["--rank", str(rank), "--world", str(WORLD), "--port", str(port),
+                    "--corpus", str(corpus), "--run-dir", str(run_dir), "--attempt", str(attempt),
+                    "--every", str(EVERY), *args, *(per_rank or {}).get(rank, [])]
+            self.procs.append(Rank(run_dir / f"output-rank{rank}-attempt{attempt}.txt", argv))
 
     def kill(self) -> None:
         for proc in self.procs:
