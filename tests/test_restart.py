@@ -205,19 +205,19 @@ def long_run_loader(root, **kw):
 def test_a_long_run_keeps_the_endless_tracker_small_and_resumes_exactly(tmp_path):
     write_jsonl_source(tmp_path, "tiny", shards=2, per_shard=3, median=40, seed=5)
     write_jsonl_source(tmp_path, "long", shards=4, per_shard=400, median=200, seed=6)
-    with long_run_loader(tmp_path) as loader:
-        steps = sum(1 for _ in loader)
+    # The loop may run ahead as far as it can (its queue full: the trainer's state is the
+    # oldest in flight); the tracker still keeps what those states need, and no more.
+    with long_run_loader(tmp_path, prefetch_steps=16) as loader:
+        full = [flat(b) for b in loader]
         tracker = loader._runtime.progress.trackers[0]
         units_read = tracker.offsets[0] + len(tracker.unit_lists[0])
+    steps = len(full)
     # Hundreds of passes, but the tracker holds only the recent ones.
     # (What it keeps: about the units of the last 64 steps, plus up to 256 waiting to go.)
     assert steps > 300 and units_read > 3000, (steps, units_read)
     assert tracker.offsets[0] > 0 and len(tracker.unit_lists[0]) < 1000, len(tracker.unit_lists[0])
     assert len(tracker.unit_index) == len(tracker.unit_lists[0])
-    # States taken after the tracker dropped units resume exactly, also when the loop has run
-    # ahead as far as it may (its queue full: the trainer's state is the oldest in flight).
-    with long_run_loader(tmp_path, prefetch_steps=16) as loader:
-        full = [flat(b) for b in loader]
+    # States taken after the tracker dropped units resume exactly.
     for stop in (steps // 2, steps - 20):
         with long_run_loader(tmp_path, prefetch_steps=16) as loader:
             head = [flat(b) for _, b in zip(range(stop), loader)]

@@ -212,12 +212,10 @@ def run_briefly_in_processes(root: str) -> None:
 def test_a_multiprocessing_child_with_tokenizer_processes_exits_after_closing(corpus):
     """The tokenizer pool is shut down and waited for: a pool left running keeps a
     multiprocessing child from exiting (it joins its own children first)."""
-    import multiprocessing
+    from distributed import start_process   # forked with torch imported: no fresh import
     root, _, _ = corpus
-    child = multiprocessing.get_context("spawn").Process(target=run_briefly_in_processes,
-                                                         args=(str(root / "web"),))
-    child.start()
-    child.join(60)
+    child = start_process(run_briefly_in_processes, str(root / "web"), daemon=False)
+    child.join(180)
     alive = child.is_alive()
     if alive:
         child.kill()
