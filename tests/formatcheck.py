@@ -11,7 +11,7 @@ import numpy as np
 import streamload as sl
 from streamload import pieces
 from streamload.errors import StorageError
-from streamload.formats import RawRecord
+from streamload.formats import Problems, RawRecord
 from streamload.storage.base import ObjectInfo, StoreCounters
 
 # ---------------------------------------------------------------- stores, shards
@@ -61,28 +61,48 @@ class FileStore:
         return sum(end - start for _, start, end in self.reads)
 
 
-class Skips:
-    def __init__(self):
-        self.calls: list[tuple[int | None, str]] = []
+class Skips(Problems):
+    """A shard's `Problems` with on_error="skip": `calls` are the skips reported so far,
+    (record or None for the rest of the shard, reason). `for_shard` names the shard when the
+    test does not."""
 
-    def __call__(self, index, reason):
-        self.calls.append((index, reason))
+    def __init__(self, source: str = "src", shard_name: str | None = None):
+        super().__init__(source, shard_name, "skip")
+
+    @property
+    def calls(self) -> list[tuple[int | None, str]]:
+        return self.skipped
+
+
+def problems(shard_name: str, source: str = "src") -> Problems:
+    """A shard's `Problems` with on_error="raise"."""
+    return Problems(source, shard_name)
+
+
+def for_shard(skips: Skips | None, shard_name: str) -> Problems:
+    """What a test reading shard `shard_name` gives its format: `skips` (on_error="skip"),
+    named after the shard if it is not yet, or without them a raising `problems`."""
+    if skips is None:
+        return problems(shard_name)
+    skips.shard_name = skips.shard_name or shard_name
+    return skips
 
 
 def info(path: Path) -> ObjectInfo:
     return ObjectInfo(str(path), path.stat().st_size)
 
 
-async def read_shard(fmt, path: Path, *, chunk_bytes: int = 1 << 20, on_skip=None,
+async def read_shard(fmt, path: Path, *, chunk_bytes: int = 1 << 20, skips: Skips | None = None,
                      store: FileStore | None = None, order: str | None = "ascending"
                      ) -> list[RawRecord]:
-    """Read one shard as the fetcher does: open, every planned range in order, finish.
+    """Read one shard as the fetcher does: open, every planned range in order, finish; its
+    problems raise, or with `skips` given (on_error="skip") are kept there.
     `order` checks the planned ranges: "ascending" (none empty, none before the previous one's
     end), "contiguous" (each starting where the previous ended, together the whole object), or
     None (not checked)."""
     store = store or FileStore()
     shard = info(path)
-    stream = await fmt.open(store, shard, source="src", shard_name=path.name, on_skip=on_skip,
+    stream = await fmt.open(store, shard, problems=for_shard(skips, path.name),
                             chunk_bytes=chunk_bytes)
     records, previous = [], 0
     for start, end in stream.ranges():

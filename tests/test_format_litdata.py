@@ -21,6 +21,7 @@ import numpy as np
 import pytest
 
 import streamload as sl
+from formatcheck import Skips, for_shard, problems
 from resumecheck import stop_and_resume
 from streamload.errors import DataError
 from streamload.formats import format_for
@@ -358,9 +359,9 @@ def chunk_info(root: Path, name: str, filename: str) -> ObjectInfo:
     return ObjectInfo(str(path), path.stat().st_size)
 
 
-async def read_chunk(fmt, store, info: ObjectInfo, *, chunk_bytes=256, on_skip=None):
-    stream = await fmt.open(store, info, source="src", shard_name=info.uri.rsplit("/", 1)[-1],
-                            on_skip=on_skip, chunk_bytes=chunk_bytes)
+async def read_chunk(fmt, store, info: ObjectInfo, *, chunk_bytes=256, skips=None):
+    stream = await fmt.open(store, info, problems=for_shard(skips, info.uri.rsplit("/", 1)[-1]),
+                            chunk_bytes=chunk_bytes)
     records = []
     for start, end in stream.ranges():
         records += stream.decode(await store.read_range(info.uri, start, end))
@@ -386,12 +387,11 @@ async def test_document_lengths(litdata_root, name, method):
     store = CountingStore()
     for filename, _items, _dim in info["chunks"]:
         shard = chunk_info(root, name, filename)
-        lengths, measured = await fmt.document_lengths(store, shard, source="src",
-                                                       shard_name=filename, on_skip=None)
+        lengths, measured = await fmt.document_lengths(store, shard, problems=problems(filename))
         want = [len(t) for (c, _k), t in expected.items() if c == filename]
         assert lengths.tolist() == want
-        assert (await fmt.document_lengths(store, shard, source="src", shard_name=filename,
-                                           on_skip=None, limit=2)).lengths.tolist() == want[:2]
+        assert (await fmt.document_lengths(store, shard, problems=problems(filename),
+                                           limit=2)).lengths.tolist() == want[:2]
         assert method is None or measured == method
     if name == "tokens_blocks":   # block_size from the index: no chunk is read at all
         assert not store.chunk_reads()
@@ -556,11 +556,11 @@ async def test_bad_chunks_and_indexes(litdata_root, tmp_path):
         fmt = fmt or LitdataFormat()
         with pytest.raises(DataError, match=message):
             await read_chunk(fmt, store, chunk_info(tmp_path, "text_plain", filename))
-        skips = []
+        skips = Skips()
         records, _ = await read_chunk(fmt or LitdataFormat(), store,
                                       chunk_info(tmp_path, "text_plain", filename),
-                                      on_skip=lambda i, r: skips.append((i, r)))
-        assert records == [] and len(skips) == 1 and skips[0][0] is None
+                                      skips=skips)
+        assert records == [] and len(skips.calls) == 1 and skips.calls[0][0] is None
 
     # a chunk file the index does not name
     shutil.copy(data / first, data / "chunk-9-9.bin")
@@ -593,10 +593,10 @@ async def test_corrupt_items_are_record_errors(litdata_root, tmp_path):
     fmt = LitdataFormat()
     with pytest.raises(DataError, match="record 1.*UTF-8"):
         await read_chunk(fmt, LocalStore(), chunk_info(tmp_path, "text_plain", first))
-    skips = []
+    skips = Skips()
     records, _ = await read_chunk(fmt, LocalStore(), chunk_info(tmp_path, "text_plain", first),
-                                  on_skip=lambda i, r: skips.append((i, r)))
-    assert [i for i, _ in skips] == [1, 2]
+                                  skips=skips)
+    assert [i for i, _ in skips.calls] == [1, 2]
     assert [r.index for r in records] == [k for k in range(items) if k not in (1, 2)]
 
 
@@ -627,7 +627,7 @@ async def test_truncated_compressed_chunks_are_shard_errors(litdata_root, tmp_pa
         fmt = format_for_set(sets[name])
         with pytest.raises(DataError, match=message):
             await read_chunk(fmt, LocalStore(), chunk_info(tmp_path, name, first))
-        skips = []
+        skips = Skips()
         records, _ = await read_chunk(fmt, LocalStore(), chunk_info(tmp_path, name, first),
-                                      on_skip=lambda i, r: skips.append((i, r)))
-        assert records == [] and [i for i, _ in skips] == [None]
+                                      skips=skips)
+        assert records == [] and [i for i, _ in skips.calls] == [None]

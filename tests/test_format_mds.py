@@ -27,8 +27,8 @@ import pytest
 
 import streamload as sl
 from corpus import upload_dir
-from formatcheck import (FileStore, Skips, assert_matches, info, loader, read_shard, run,
-                         texts)
+from formatcheck import (FileStore, Skips, assert_matches, info, loader, problems, read_shard,
+                         run, texts)
 from resumecheck import stop_and_resume
 from streamload.errors import DataError
 from streamload.formats import format_for
@@ -233,8 +233,8 @@ async def test_raw_shards_are_read_by_range(tmp_path):
     size = path.stat().st_size
     header = 4 * (200 + 2)
     store = FileStore()
-    stream = await MdsFormat().open(store, info(path), source="src", shard_name=path.name,
-                                    on_skip=None, chunk_bytes=8192)
+    stream = await MdsFormat().open(store, info(path), problems=problems(path.name),
+                                    chunk_bytes=8192)
     assert store.reads_of(path) == [(0, header)]         # open: the count and offsets only
     ranges = stream.ranges()
     assert len(ranges) > 10
@@ -243,8 +243,8 @@ async def test_raw_shards_are_read_by_range(tmp_path):
     assert ranges[-1][1] == size and ranges[0][0] > header   # the JSON config is skipped
     # a few documents' lengths read a small part of the shard
     store = FileStore()
-    lengths, _ = await MdsFormat().document_lengths(store, info(path), source="src",
-                                                    shard_name=path.name, on_skip=None, limit=5,
+    lengths, _ = await MdsFormat().document_lengths(store, info(path),
+                                                    problems=problems(path.name), limit=5,
                                                     chunk_bytes=4096)
     assert lengths.tolist() == [len(s["text"].encode()) for s in samples[:5]]
     assert sum(b - a for a, b in store.reads_of(path)) < size / 10
@@ -254,8 +254,7 @@ async def test_compressed_shards_are_read_whole(tmp_path):
     root = write(tmp_path / "ds", TEXT_COLUMNS, text_samples(30, 4), compression="zstd")
     path = shards_of(root)[1]
     store = FileStore()
-    stream = await MdsFormat().open(store, info(path), source="src", shard_name=path.name,
-                                    on_skip=None, chunk_bytes=10)
+    stream = await MdsFormat().open(store, info(path), problems=problems(path.name), chunk_bytes=10)
     assert store.reads_of(path) == []
     assert stream.ranges() == [(0, path.stat().st_size)]
 
@@ -423,7 +422,7 @@ async def test_unusable_columns_are_shard_errors(tmp_path, columns, sample, fmt,
     with pytest.raises(DataError, match="source 'src', shard 'shard.00000.mds': .*" + message):
         await read_shard(fmt, path)
     skips = Skips()
-    assert await read_shard(fmt, path, on_skip=skips) == []
+    assert await read_shard(fmt, path, skips=skips) == []
     assert [i for i, _ in skips.calls] == [None]
 
 
@@ -437,7 +436,7 @@ async def test_bad_arrays_are_record_errors(tmp_path):
     with pytest.raises(DataError, match="shard 'shard.00000.mds', record 1: negative token id"):
         await read_shard(fmt, path)
     skips = Skips()
-    records = await read_shard(fmt, path, on_skip=skips)
+    records = await read_shard(fmt, path, skips=skips)
     assert [(r.index, r.payload.tolist()) for r in records] == [(0, [1, 2]), (4, [7])]
     assert [i for i, _ in skips.calls] == [1, 2, 3]
     assert "float32 array, not integer token ids" in skips.calls[1][1]
@@ -458,7 +457,7 @@ async def test_corrupt_samples_are_record_errors(tmp_path):
                                         "column sizes add up to 1011"):
         await read_shard(MdsFormat(), path)
     skips = Skips()
-    records = await read_shard(MdsFormat(), path, on_skip=skips)
+    records = await read_shard(MdsFormat(), path, skips=skips)
     assert [(r.index, r.payload) for r in records] == [(0, "alpha"), (3, "delta")]
     assert [i for i, _ in skips.calls] == [1, 2]
     assert "invalid UTF-8 in column 'text'" in skips.calls[1][1]
@@ -472,7 +471,7 @@ async def test_bad_shards_and_indexes(tmp_path):
         with pytest.raises(DataError, match=f"shard '{path.name}': .*{message}"):
             await read_shard(MdsFormat(), path)
         skips = Skips()
-        assert await read_shard(MdsFormat(), path, on_skip=skips) == []
+        assert await read_shard(MdsFormat(), path, skips=skips) == []
         assert [i for i, _ in skips.calls] == [None]
 
     # a truncated raw shard: its size differs from the index's
@@ -511,7 +510,7 @@ async def test_corrupt_compressed_shard(tmp_path):
     with pytest.raises(DataError, match=f"shard '{path.name}': corrupt zstd data"):
         await read_shard(MdsFormat(), path)
     skips = Skips()
-    assert await read_shard(MdsFormat(), path, on_skip=skips) == []
+    assert await read_shard(MdsFormat(), path, skips=skips) == []
     assert [i for i, _ in skips.calls] == [None]
 
 
@@ -523,8 +522,8 @@ async def test_document_lengths(tmp_path):
     expected = reference_samples(root, tmp_path / "ref")
     fmt = MdsFormat()
     for path in shards_of(root):
-        lengths, method = await fmt.document_lengths(FileStore(), info(path), source="src",
-                                                     shard_name=path.name, on_skip=None)
+        lengths, method = await fmt.document_lengths(FileStore(), info(path),
+                                                     problems=problems(path.name))
         n = sum(1 for k in expected if k.startswith(path.name + "/"))
         assert lengths.tolist() == [len(expected[f"{path.name}/{k}"]["text"].encode())
                                     for k in range(n)]
@@ -536,8 +535,8 @@ async def test_document_lengths(tmp_path):
         fmt = MdsFormat(None, field)
         for path in shards_of(tok):
             store = FileStore()
-            lengths, method = await fmt.document_lengths(store, info(path), source="src",
-                                                         shard_name=path.name, on_skip=None,
+            lengths, method = await fmt.document_lengths(store, info(path),
+                                                         problems=problems(path.name),
                                                          limit=None)
             n = sum(1 for k in expected if k.startswith(path.name + "/"))
             assert lengths.tolist() == [np.size(expected[f"{path.name}/{k}"][field])
@@ -547,8 +546,8 @@ async def test_document_lengths(tmp_path):
             else:
                 assert method == "scan" and store.reads_of(path)
         path = shards_of(tok)[0]
-        limited, _ = await fmt.document_lengths(FileStore(), info(path), source="src",
-                                                shard_name=path.name, on_skip=None, limit=2)
+        limited, _ = await fmt.document_lengths(FileStore(), info(path),
+                                                problems=problems(path.name), limit=2)
         assert limited.size == 2
 
 
@@ -585,11 +584,13 @@ async def test_document_lengths_report_a_missing_shard_once(tmp_path, field):
     fmt = MdsFormat(None, field) if field else MdsFormat()
     with pytest.raises(DataError, match=f"shard '{shards[1].name}': .*index.json names shard "
                                         f"'{shards[1].name}'"):
-        await fmt.document_lengths(FileStore(), info(shards[0]), source="src",
-                                   shard_name=shards[0].name, on_skip=None)
-    skips, total = Skips(), 0
-    for path in shards[:1] + shards[2:]:
-        total += ((await fmt.document_lengths(FileStore(), info(path), source="src",
-                                             shard_name=path.name, on_skip=skips)).lengths).size
-    assert [i for i, _ in skips.calls] == [None]
+        await fmt.document_lengths(FileStore(), info(shards[0]),
+                                   problems=problems(shards[0].name))
+    calls, total = [], 0
+    for path in shards[:1] + shards[2:]:   # each shard its own Problems, as the fetcher has it
+        skips = Skips("src", path.name)
+        total += ((await fmt.document_lengths(FileStore(), info(path),
+                                              problems=skips)).lengths).size
+        calls += skips.calls
+    assert [i for i, _ in calls] == [None]
     assert total == 40 - deleted

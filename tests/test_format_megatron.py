@@ -12,7 +12,7 @@ import pytest
 
 import formatcheck
 import streamload as sl
-from formatcheck import Skips, assert_delivered, collect, info
+from formatcheck import Skips, assert_delivered, collect, info, problems
 from resumecheck import stop_and_resume
 from streamload.errors import DataError
 from streamload.formats import format_for
@@ -134,8 +134,7 @@ async def test_files_written_by_megatron_core_builder(tmp_path, dtype):
     for chunk_bytes in (3, 500, 1 << 20):
         assert_records(await read_shard(tmp_path / "a.bin", chunk_bytes=chunk_bytes), expected)
     lengths, _ = await MegatronFormat().document_lengths(FileStore(), info(tmp_path / "a.bin"),
-                                                         source="src", shard_name="a.bin",
-                                                         on_skip=None)
+                                                         problems=problems("a.bin"))
     assert lengths.tolist() == dataset.sequence_lengths.tolist()
 
 
@@ -174,8 +173,8 @@ async def test_ranges_hold_whole_sequences_and_only_the_index_is_read_whole(tmp_
     sequences = [np.arange(n, dtype=np.int64) % 1000 for n in [10, 0, 300, 5, 5, 5, 2000, 1, 0]]
     path = write_megatron_dataset(tmp_path / "r", sequences, dtype=np.uint16)
     store = FileStore()
-    stream = await MegatronFormat().open(store, info(path), source="src", shard_name="r.bin",
-                                         on_skip=None, chunk_bytes=100)
+    stream = await MegatronFormat().open(store, info(path), problems=problems("r.bin"),
+                                         chunk_bytes=100)
     assert [(u.rsplit("/", 1)[-1], a, b) for u, a, b in store.reads] == \
         [("r.idx", 0, HEADER_BYTES), ("r.idx", HEADER_BYTES, path.with_suffix(".idx").stat().st_size)]
     # 100 bytes = 50 uint16 tokens: [10, 0] then 300 alone, [5, 5, 5], 2000 alone, [1, 0].
@@ -203,8 +202,8 @@ async def test_pointers_need_not_be_back_to_back(tmp_path):
     expected = reference(tmp_path / "g")
     store = FileStore()
     fmt = MegatronFormat()
-    stream = await fmt.open(store, info(tmp_path / "g.bin"), source="src", shard_name="g.bin",
-                            on_skip=None, chunk_bytes=1 << 20)
+    stream = await fmt.open(store, info(tmp_path / "g.bin"), problems=problems("g.bin"),
+                            chunk_bytes=1 << 20)
     records = []
     for start, end in stream.ranges():
         records += stream.decode(await store.read_range(str(tmp_path / "g.bin"), start, end))
@@ -226,8 +225,8 @@ async def test_document_lengths_from_the_index_alone(tmp_path):
     fmt = MegatronFormat()
     for limit in (None, 0, 1, 17, 80, 500):
         store = FileStore()
-        lengths, method = await fmt.document_lengths(store, info(path), source="src",
-                                                     shard_name="d.bin", on_skip=None, limit=limit)
+        lengths, method = await fmt.document_lengths(store, info(path), problems=problems("d.bin"),
+                                                     limit=limit)
         assert method == "index"
         assert lengths.dtype == np.int64
         assert lengths.tolist() == [s.size for s in sequences][:limit]
@@ -275,16 +274,14 @@ async def test_truncated_bin_names_the_first_sequence_that_does_not_fit(tmp_path
         await read_shard(path)
     assert (err.value.source, err.value.shard, err.value.record) == ("src", "t.bin", 2)
     skips = Skips()
-    records = await read_shard(path, on_skip=skips)
+    records = await read_shard(path, skips=skips)
     assert_records(records, sequences, [0, 1])
     assert [i for i, _ in skips.calls] == [2, 3]
     assert "truncated" in skips.calls[0][1]
     fmt = MegatronFormat()
     with pytest.raises(DataError, match="record 2"):
-        await fmt.document_lengths(FileStore(), info(path), source="src", shard_name="t.bin",
-                                   on_skip=None)
-    lengths, _ = await fmt.document_lengths(FileStore(), info(path), source="src",
-                                            shard_name="t.bin", on_skip=Skips())
+        await fmt.document_lengths(FileStore(), info(path), problems=problems("t.bin"))
+    lengths, _ = await fmt.document_lengths(FileStore(), info(path), problems=Skips("src", "t.bin"))
     assert lengths.tolist() == [10, 20]
 
 
@@ -320,11 +317,10 @@ async def test_bad_index_is_a_shard_error_naming_the_idx(tmp_path, edit, message
         await read_shard(path)
     assert (err.value.source, err.value.shard, err.value.record) == ("src", "i.bin", None)
     skips = Skips()
-    assert await read_shard(path, on_skip=skips) == []
+    assert await read_shard(path, skips=skips) == []
     assert len(skips.calls) == 1 and skips.calls[0][0] is None
     with pytest.raises(DataError, match=message):
-        await MegatronFormat().document_lengths(FileStore(), info(path), source="src",
-                                                shard_name="i.bin", on_skip=None)
+        await MegatronFormat().document_lengths(FileStore(), info(path), problems=problems("i.bin"))
 
 
 async def test_misaligned_pointer(tmp_path):
@@ -342,7 +338,7 @@ async def test_negative_token_ids_are_record_errors(tmp_path):
     with pytest.raises(DataError, match="record 1: negative token id"):
         await read_shard(path)
     skips = Skips()
-    assert_records(await read_shard(path, on_skip=skips), sequences, [0, 2])
+    assert_records(await read_shard(path, skips=skips), sequences, [0, 2])
     assert [i for i, _ in skips.calls] == [1, 3]
 
 

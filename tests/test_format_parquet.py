@@ -17,8 +17,8 @@ pq = pytest.importorskip("pyarrow.parquet")
 import formatcheck  # noqa: E402
 import streamload as sl  # noqa: E402
 from corpus import upload_dir  # noqa: E402
-from formatcheck import (FileStore, Skips, assert_matches, info, loader, run,  # noqa: E402
-                         texts)
+from formatcheck import (FileStore, Skips, assert_matches, info, loader, problems,  # noqa: E402
+                         run, texts)
 from resumecheck import full_run, stop_and_resume  # noqa: E402
 from streamload.errors import DataError  # noqa: E402
 from streamload.formats import RawRecord, format_for  # noqa: E402
@@ -31,9 +31,9 @@ pytestmark = pytest.mark.timeout(120)
 # ---------------------------------------------------------------- helpers
 
 
-async def read_shard(fmt, path: Path, *, on_skip=None, store=None) -> list[RawRecord]:
+async def read_shard(fmt, path: Path, *, skips=None, store=None) -> list[RawRecord]:
     """Read one shard as the fetcher does, its planned ranges unchecked."""
-    return await formatcheck.read_shard(fmt, path, on_skip=on_skip, store=store, order=None)
+    return await formatcheck.read_shard(fmt, path, skips=skips, store=store, order=None)
 
 
 def write(path: Path, columns: dict, row_group_size: int = 7, **options) -> Path:
@@ -157,8 +157,8 @@ async def test_ranges_are_the_column_chunks(tmp_path):
                                           "text": texts(n, 2)}, row_group_size=50)
     metadata = pq.read_metadata(path)
     store = FileStore()
-    stream = await ParquetFormat().open(store, info(path), source="src", shard_name="a",
-                                        on_skip=None, chunk_bytes=1 << 20)
+    stream = await ParquetFormat().open(store, info(path), problems=problems("a"),
+                                        chunk_bytes=1 << 20)
     footer_bytes = store.bytes_read
     assert len(store.reads) == 1 and footer_bytes <= 64 << 10   # the tail, once
     ranges = stream.ranges()
@@ -334,8 +334,8 @@ async def test_a_few_records_read_a_small_part(tmp_path):
     path = make_big_file(tmp_path / "big")
     size = path.stat().st_size
     store = FileStore()
-    lengths, _ = await ParquetFormat().document_lengths(store, info(path), source="src",
-                                                        shard_name="big.parquet", on_skip=None,
+    lengths, _ = await ParquetFormat().document_lengths(store, info(path),
+                                                        problems=problems("big.parquet"),
                                                         limit=10)
     expected = [len(t.encode()) for t in pq.read_table(path).column("text").to_pylist()]
     assert lengths.tolist() == expected[:10]
@@ -420,7 +420,7 @@ async def test_bad_token_lists_are_record_errors(tmp_path):
     with pytest.raises(DataError, match=r"shard 't.parquet', record 1: null value in column 'ids'"):
         await read_shard(fmt, path)
     skips = Skips()
-    records = await read_shard(fmt, path, on_skip=skips)
+    records = await read_shard(fmt, path, skips=skips)
     assert [(r.index, r.payload.tolist()) for r in records] == [(0, [1, 2]), (4, []), (5, [6])]
     assert [i for i, _ in skips.calls] == [1, 2, 3]
     assert "null token id" in skips.calls[1][1] and "negative token id" in skips.calls[2][1]
@@ -440,7 +440,7 @@ async def test_wrong_column_type_is_a_shard_error(tmp_path, columns, fmt, messag
     with pytest.raises(DataError, match=rf"source 'src', shard 'w.parquet': .*{message}"):
         await read_shard(fmt, path)
     skips = Skips()
-    assert await read_shard(fmt, path, on_skip=skips) == []
+    assert await read_shard(fmt, path, skips=skips) == []
     assert skips.calls[0][0] is None and len(skips.calls) == 1
 
 
@@ -470,7 +470,7 @@ async def test_not_parquet_or_truncated_or_corrupt(tmp_path):
         with pytest.raises(DataError, match=rf"shard '{name}': .*{message}"):
             await read_shard(ParquetFormat(), path)
         skips = Skips()
-        assert await read_shard(ParquetFormat(), path, on_skip=skips) == []
+        assert await read_shard(ParquetFormat(), path, skips=skips) == []
         assert len(skips.calls) == 1 and skips.calls[0][0] is None
 
 
@@ -486,7 +486,7 @@ async def test_corrupt_row_group_stops_the_shard(tmp_path):
     with pytest.raises(DataError, match=r"shard 'c.parquet': row group 1: cannot decode"):
         await read_shard(ParquetFormat(), path)
     skips = Skips()
-    records = await read_shard(ParquetFormat(), path, on_skip=skips)
+    records = await read_shard(ParquetFormat(), path, skips=skips)
     assert [r.index for r in records] == list(range(10))     # row group 0, then the shard stops
     assert len(skips.calls) == 1 and skips.calls[0][0] is None
 
@@ -503,19 +503,17 @@ async def test_document_lengths(tmp_path):
                  row_group_size=8)
     fmt, shard = ParquetFormat(), info(path)
     with pytest.raises(DataError, match="record 3: null value"):
-        await fmt.document_lengths(FileStore(), shard, source="src", shard_name="a",
-                                   on_skip=None)
+        await fmt.document_lengths(FileStore(), shard, problems=problems("a"))
     skips = Skips()
-    lengths, _ = await fmt.document_lengths(FileStore(), shard, source="src", shard_name="a",
-                                            on_skip=skips)
+    lengths, _ = await fmt.document_lengths(FileStore(), shard, problems=skips)
     assert lengths.tolist() == [len(t.encode()) for t in values if t is not None]
     assert [i for i, _ in skips.calls] == [3]
     tokenizer = PerDocument(lambda text: [len(w) for w in text.split()])
-    lengths, _ = await fmt.document_lengths(FileStore(), shard, source="src", shard_name="a",
-                                            on_skip=Skips(), tokenizer=tokenizer, limit=20)
+    lengths, _ = await fmt.document_lengths(FileStore(), shard, problems=Skips("src", "a"),
+                                            tokenizer=tokenizer, limit=20)
     assert lengths.tolist() == [len(t.split()) for t in values if t is not None][:20]
     lengths, _ = await ParquetFormat(None, "ids", True).document_lengths(
-        FileStore(), shard, source="src", shard_name="a", on_skip=None)
+        FileStore(), shard, problems=problems("a"))
     assert lengths.tolist() == [i % 13 for i in range(45)]
 
 

@@ -18,7 +18,7 @@ import pytest
 
 import formatcheck
 import streamload as sl
-from formatcheck import FileStore, Skips, assert_delivered, collect, info
+from formatcheck import FileStore, Skips, assert_delivered, collect, info, problems
 from resumecheck import stop_and_resume
 from streamload.errors import DataError
 from streamload.formats import format_for
@@ -167,8 +167,7 @@ async def test_tokens_field_reads_npy_members(tmp_path, dtype):
         for r, ref in zip(records, expected):
             assert r.payload.dtype.isnative
             np.testing.assert_array_equal(r.payload, ref)
-    lengths, _ = await fmt.document_lengths(FileStore(), info(path), source="src",
-                                            shard_name="t.tar", on_skip=None)
+    lengths, _ = await fmt.document_lengths(FileStore(), info(path), problems=problems("t.tar"))
     assert lengths.tolist() == [a.size for a in arrays]
 
 
@@ -184,7 +183,7 @@ async def test_tokens_field_bad_members(tmp_path, data, message):
     with pytest.raises(DataError, match=rf"record 1: sample '1': member 'ids'.*{message}"):
         await read_shard(path, WebdatasetFormat(None, "ids"))
     skips = Skips()
-    records = await read_shard(path, WebdatasetFormat(None, "ids"), on_skip=skips)
+    records = await read_shard(path, WebdatasetFormat(None, "ids"), skips=skips)
     assert [r.index for r in records] == [0, 2] and [i for i, _ in skips.calls] == [1]
 
 
@@ -286,8 +285,8 @@ async def test_document_lengths_scan(tmp_path):
     fmt = WebdatasetFormat()
     expected = [len(t.encode()) for _, t in reference_texts(path)]
     for limit in (None, 0, 3, 25, 99):
-        lengths, method = await fmt.document_lengths(FileStore(), info(path), source="src",
-                                                     shard_name="d.tar.gz", on_skip=None,
+        lengths, method = await fmt.document_lengths(FileStore(), info(path),
+                                                     problems=problems("d.tar.gz"),
                                                      limit=limit, chunk_bytes=777)
         assert lengths.tolist() == expected[:limit] and method == "scan"
 
@@ -353,7 +352,7 @@ async def test_bad_samples_are_record_errors(tmp_path, members, fmt, bad, messag
         await read_shard(path, WebdatasetFormat(fmt), chunk_bytes=100)
     assert (err.value.source, err.value.shard, err.value.record) == ("src", name, bad)
     skips = Skips()
-    records = await read_shard(path, WebdatasetFormat(fmt), chunk_bytes=100, on_skip=skips)
+    records = await read_shard(path, WebdatasetFormat(fmt), chunk_bytes=100, skips=skips)
     assert [r.index for r in records] == [0, 2]
     assert [i for i, _ in skips.calls] == [bad]
 
@@ -388,7 +387,7 @@ async def test_damaged_tar_is_a_shard_error(tmp_path, damage, delivered):
         await read_shard(path, chunk_bytes=700)
     assert err.value.record is None
     skips = Skips()
-    records = await read_shard(path, chunk_bytes=700, on_skip=skips)
+    records = await read_shard(path, chunk_bytes=700, skips=skips)
     assert [r.payload for r in records] == [f"{k}" * 600 for k in range(delivered)]
     assert len(skips.calls) == 1 and skips.calls[0][0] is None
 

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import zstandard
 
-from formatcheck import FileStore, Skips, info, read_shard
+from formatcheck import FileStore, Skips, info, problems, read_shard
 from streamload.errors import ConfigError, DataError
 from streamload.formats import (FORMATS, JsonlFormat, RawRecord, TokensFormat, format_for,
                                 write_jsonl, write_token_shard)
@@ -117,8 +117,8 @@ async def test_jsonl_empty_shards(tmp_path, name):
 async def test_jsonl_ranges_cover_the_object(tmp_path):
     path = write_jsonl(tmp_path / "a.jsonl", TEXTS)
     size = path.stat().st_size
-    stream = await JsonlFormat().open(FileStore(), info(path), source="s", shard_name="a",
-                                      on_skip=None, chunk_bytes=100)
+    stream = await JsonlFormat().open(FileStore(), info(path), problems=problems("a", "s"),
+                                      chunk_bytes=100)
     ranges = stream.ranges()
     assert ranges[0][0] == 0 and ranges[-1][1] == size
     assert all(a[1] == b[0] for a, b in zip(ranges, ranges[1:]))
@@ -167,7 +167,7 @@ async def test_jsonl_bad_record_skipped_and_reported(tmp_path, bad, message):
     path = shard_with_bad_line(tmp_path, bad, ".jsonl.gz")
     for chunk_bytes in (7, 1 << 20):
         skips = Skips()
-        records = await read_shard(JsonlFormat(), path, chunk_bytes=chunk_bytes, on_skip=skips)
+        records = await read_shard(JsonlFormat(), path, chunk_bytes=chunk_bytes, skips=skips)
         assert records == [RawRecord(0, "zero"), RawRecord(3, "three")]
         assert len(skips.calls) == 1
         assert skips.calls[0][0] == 2 and message in skips.calls[0][1]
@@ -225,7 +225,7 @@ async def test_jsonl_bad_compression(tmp_path, make, message):
         assert message in str(caught.value) and path.name in str(caught.value)
 
         skips = Skips()
-        records = await read_shard(JsonlFormat(), path, chunk_bytes=chunk_bytes, on_skip=skips)
+        records = await read_shard(JsonlFormat(), path, chunk_bytes=chunk_bytes, skips=skips)
         assert len(skips.calls) == 1
         assert skips.calls[0][0] is None and message in skips.calls[0][1]
         # what was decoded before the damage is kept, in order, with its line numbers
@@ -236,8 +236,7 @@ async def test_jsonl_bad_compression(tmp_path, make, message):
 async def test_jsonl_corrupt_stream_stops_the_shard(tmp_path):
     path = corrupt_gzip(tmp_path)
     store, skips = FileStore(), Skips()
-    stream = await JsonlFormat().open(store, info(path), source="s", shard_name="c",
-                                      on_skip=skips, chunk_bytes=64)
+    stream = await JsonlFormat().open(store, info(path), problems=skips, chunk_bytes=64)
     after = []
     for start, end in stream.ranges():
         records = stream.decode(await store.read_range(str(path), start, end))
@@ -277,8 +276,8 @@ async def test_tokens_round_trip(tmp_path, dtype, high, out, chunk_bytes):
 async def test_tokens_ranges_hold_whole_documents(tmp_path):
     docs = make_docs(np.random.default_rng(1), 1000, n=200)
     tokens_path, _ = write_token_shard(tmp_path / "s", docs, dtype=np.uint16)
-    stream = await TokensFormat().open(FileStore(), info(tokens_path), source="s",
-                                       shard_name="s", on_skip=None, chunk_bytes=200)
+    stream = await TokensFormat().open(FileStore(), info(tokens_path), problems=problems("s", "s"),
+                                       chunk_bytes=200)
     ranges = stream.ranges()
     header = ranges[0][0]
     boundaries = {header + 2 * int(o) for o in np.cumsum([0] + [d.size for d in docs])}
@@ -326,7 +325,7 @@ async def expect_shard_error(tokens_path: Path, message: str) -> None:
     assert caught.value.shard == tokens_path.name and caught.value.record is None
     assert message in str(caught.value), str(caught.value)
     skips = Skips()
-    assert await read_shard(TokensFormat(), tokens_path, on_skip=skips) == []
+    assert await read_shard(TokensFormat(), tokens_path, skips=skips) == []
     assert len(skips.calls) == 1 and skips.calls[0][0] is None and message in skips.calls[0][1]
 
 
@@ -376,15 +375,15 @@ async def test_tokens_negative_ids(tmp_path):
     with pytest.raises(DataError, match="record 1: negative token id"):
         await read_shard(TokensFormat(), tokens_path)
     skips = Skips()
-    records = await read_shard(TokensFormat(), tokens_path, on_skip=skips)
+    records = await read_shard(TokensFormat(), tokens_path, skips=skips)
     assert [r.index for r in records] == [0, 2] and skips.calls == [(1, "negative token id")]
 
 
 async def test_tokens_reads_are_few_and_small(tmp_path):
     tokens_path, offsets_path = write_token_shard(tmp_path / "r", [np.arange(10)] * 10)
     store = FileStore()
-    stream = await TokensFormat().open(store, info(tokens_path), source="s", shard_name="r",
-                                       on_skip=None, chunk_bytes=1 << 20)
+    stream = await TokensFormat().open(store, info(tokens_path), problems=problems("r", "s"),
+                                       chunk_bytes=1 << 20)
     assert len(store.reads) <= 4                         # token header + offsets header/data
     assert all(end - start <= 1024 for _, start, end in store.reads)
     assert stream.ranges() == [(128, 128 + 200)]
@@ -465,8 +464,8 @@ async def test_reading_a_directory_through_the_local_store(tmp_path):
             fmt = format_for(shard.uri)
             if fmt is None:
                 continue
-            stream = await fmt.open(store, shard, source="text", shard_name=Path(shard.uri).name,
-                                    on_skip=None, chunk_bytes=100)
+            stream = await fmt.open(store, shard, problems=problems(Path(shard.uri).name, "text"),
+                                    chunk_bytes=100)
             records = []
             for start, end in stream.ranges():
                 records += stream.decode(await store.read_range(shard.uri, start, end))
@@ -487,11 +486,11 @@ def words(text: str) -> np.ndarray:
     return np.array([len(w) for w in text.split()], dtype=np.int64)
 
 
-async def fetched_lengths(fmt, path: Path, tokenizer=None, on_skip=None) -> list[int]:
+async def fetched_lengths(fmt, path: Path, tokenizer=None) -> list[int]:
     """Token counts of the records the fetch path makes of a shard: read as the fetcher
     reads, texts tokenized as `SourceFetcher._tokenize` does (UTF-8 bytes without a
     tokenizer), then `to_tokens` as `records_to_items` applies it."""
-    records = await read_shard(fmt, path, chunk_bytes=64, on_skip=on_skip)
+    records = await read_shard(fmt, path, chunk_bytes=64)
     if tokenizer is not None:
         texts = [r.payload for r in records if isinstance(r.payload, str)]
         ids = iter(tokenizer.encode_texts(texts))
@@ -506,16 +505,16 @@ async def test_document_lengths_of_a_token_shard_from_the_index_alone(tmp_path):
     docs = make_docs(np.random.default_rng(7), 2**16, n=300)
     tokens_path, offsets_path = write_token_shard(tmp_path / "s", docs, dtype=np.uint16)
     store = FileStore()
-    lengths, _ = await TokensFormat().document_lengths(store, info(tokens_path), source="src",
-                                                       shard_name="s", on_skip=None)
+    lengths, _ = await TokensFormat().document_lengths(store, info(tokens_path),
+                                                       problems=problems("s"))
     assert lengths.dtype == np.int64
     assert lengths.tolist() == [len(d) for d in docs]
     assert lengths.tolist() == await fetched_lengths(TokensFormat(), tokens_path)
     assert {uri for uri, _, _ in store.reads} == {str(offsets_path)}   # never the token file
 
     store = FileStore()
-    first, _ = await TokensFormat().document_lengths(store, info(tokens_path), source="src",
-                                                     shard_name="s", on_skip=None, limit=10)
+    first, _ = await TokensFormat().document_lengths(store, info(tokens_path),
+                                                     problems=problems("s"), limit=10)
     assert first.tolist() == lengths[:10].tolist()
     assert max(end for _, _, end in store.reads) < offsets_path.stat().st_size
 
@@ -527,16 +526,16 @@ async def test_document_lengths_of_a_jsonl_shard_as_fetched(tmp_path, name, toke
     texts = TEXTS + [" ".join("wörd" for _ in range(int(n))) for n in rng.integers(0, 400, 200)]
     path = write_jsonl(tmp_path / name, texts)
     fmt = JsonlFormat()
-    lengths, _ = await fmt.document_lengths(FileStore(), info(path), source="src",
-                                            shard_name=name, on_skip=None, tokenizer=tokenizer,
+    lengths, _ = await fmt.document_lengths(FileStore(), info(path), problems=problems(name),
+                                            tokenizer=tokenizer,
                                             chunk_bytes=100)
     assert lengths.dtype == np.int64
     assert lengths.tolist() == await fetched_lengths(fmt, path, tokenizer)
     if tokenizer is None:
         assert lengths.tolist() == [len(t.encode("utf-8")) for t in texts]
     for limit in (0, 1, 7, len(texts), len(texts) + 5):
-        cut, _ = await fmt.document_lengths(FileStore(), info(path), source="src", shard_name=name,
-                                            on_skip=None, tokenizer=tokenizer, limit=limit,
+        cut, _ = await fmt.document_lengths(FileStore(), info(path), problems=problems(name),
+                                            tokenizer=tokenizer, limit=limit,
                                             chunk_bytes=100)
         assert cut.tolist() == lengths[:limit].tolist()
 
@@ -565,7 +564,7 @@ async def test_document_lengths_match_what_the_loader_delivers(tmp_path):
     for shard in ("t.tokens.npy", "j.jsonl.gz"):
         path = tmp_path / "src" / shard
         lengths, _ = await format_for(str(path)).document_lengths(
-               store, info(path), source="src", shard_name=shard, on_skip=None)
+               store, info(path), problems=problems(shard))
         expected.update({f"src/{shard}/{d}": int(n) for d, n in enumerate(lengths) if n})
     assert delivered == expected
 
@@ -582,32 +581,29 @@ async def test_document_lengths_skip_and_raise(tmp_path):
 
     fmt = JsonlFormat()
     with pytest.raises(DataError, match=r"source 'src', shard 'bad.jsonl', record 1"):
-        await fmt.document_lengths(FileStore(), info(path), source="src", shard_name="bad.jsonl",
-                                   on_skip=None)
+        await fmt.document_lengths(FileStore(), info(path), problems=problems("bad.jsonl"))
     skips = Skips()
-    lengths, _ = await fmt.document_lengths(FileStore(), info(path), source="src",
-                                            shard_name="bad.jsonl", on_skip=skips,
+    lengths, _ = await fmt.document_lengths(FileStore(), info(path), problems=skips,
                                             tokenizer=PerDocument(fragile))
     assert lengths.tolist() == [2, 0]
     assert [i for i, _ in skips.calls] == [1, 2, 4]      # the tokenizer's failure names record 4
-    lengths, _ = await fmt.document_lengths(FileStore(), info(path), source="src",
-                                            shard_name="bad.jsonl", on_skip=Skips(),
+    lengths, _ = await fmt.document_lengths(FileStore(), info(path),
+                                            problems=Skips("src", "bad.jsonl"),
                                             tokenizer=PerDocument(fragile), limit=2, chunk_bytes=5)
     assert lengths.tolist() == [2, 0]                    # the limit counts documents, not skips
     clean = write_jsonl(tmp_path / "clean.jsonl", ["ok", "boom", "fine"])
     with pytest.raises(DataError, match=r"shard 'clean.jsonl', record 1: tokenizer failed"):
-        await fmt.document_lengths(FileStore(), info(clean), source="src",
-                                   shard_name="clean.jsonl", on_skip=None,
+        await fmt.document_lengths(FileStore(), info(clean), problems=problems("clean.jsonl"),
                                    tokenizer=PerDocument(fragile))
 
     tokens_path, offsets_path = write_token_shard(tmp_path / "t", [np.arange(5), np.arange(3)])
     np.save(offsets_path, np.array([0, 5, 2], dtype=np.int64))
     with pytest.raises(DataError, match=r"source 'src', shard 't'.*decreases at document 1"):
-        await TokensFormat().document_lengths(FileStore(), info(tokens_path), source="src",
-                                              shard_name="t", on_skip=None)
+        await TokensFormat().document_lengths(FileStore(), info(tokens_path),
+                                              problems=problems("t"))
     skips = Skips()
     lengths, _ = await TokensFormat().document_lengths(FileStore(), info(tokens_path),
-                                                       source="src", shard_name="t", on_skip=skips)
+                                                       problems=skips)
     assert lengths.size == 0 and skips.calls[0][0] is None
 
 

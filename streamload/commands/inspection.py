@@ -19,7 +19,7 @@ from typing import Optional
 import numpy as np
 
 from ..config import FormatName, Source
-from ..formats import LENGTHS_CHUNK_BYTES
+from ..formats import LENGTHS_CHUNK_BYTES, Problems
 from ..formats.catalog import LeftOut, Shard, catalog
 from ..storage import ObjectStore, open_store
 
@@ -97,7 +97,10 @@ def histogram(lengths: np.ndarray) -> list[dict]:
 
 async def _read_shard(store: ObjectStore, source: Source, shard: Shard, chunk_bytes: int,
                       report: ShardReport, problems: list[str]) -> np.ndarray:
-    def on_skip(record, reason):
+    skips = Problems(source.name or "source", shard.name, "skip")
+    lengths, _ = await shard.format.document_lengths(store, shard.info, problems=skips,
+                                                     chunk_bytes=chunk_bytes)
+    for record, reason in skips.take():
         if record is None:
             report.error = reason
         else:
@@ -105,10 +108,6 @@ async def _read_shard(store: ObjectStore, source: Source, shard: Shard, chunk_by
         if len(problems) < 20:
             where = f"{shard.name}" + (f" record {record}" if record is not None else "")
             problems.append(f"{where}: {reason}")
-
-    lengths, _ = await shard.format.document_lengths(
-        store, shard.info, source=source.name or "source", shard_name=shard.name,
-        on_skip=on_skip, chunk_bytes=chunk_bytes)
     report.records = int(lengths.size)
     report.tokens = int(lengths.sum())
     return lengths

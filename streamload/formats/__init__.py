@@ -13,7 +13,7 @@ from functools import lru_cache
 from importlib import import_module
 
 from ..errors import ConfigError
-from .base import LENGTHS_CHUNK_BYTES, RawRecord, ShardFormat, ShardStream, SkipCallback
+from .base import LENGTHS_CHUNK_BYTES, Problems, RawRecord, ShardFormat, ShardStream
 from .jsonl import JsonlFormat
 from .tokens import TokensFormat
 from .writers import write_jsonl, write_token_shard
@@ -60,6 +60,6 @@ def format_for(uri: str, *, format_name: str | None = None, text_field: str | No
 
 
 __all__ = [
-    "FORMATS", "JsonlFormat", "LENGTHS_CHUNK_BYTES", "RawRecord", "ShardFormat", "ShardStream",
-    "SkipCallback", "TokensFormat", "format_for", "write_jsonl", "write_token_shard",
+    "FORMATS", "JsonlFormat", "LENGTHS_CHUNK_BYTES", "Problems", "RawRecord", "ShardFormat",
+    "ShardStream", "TokensFormat", "format_for", "write_jsonl", "write_token_shard",
 ]

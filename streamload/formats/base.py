@@ -3,8 +3,10 @@
 A format turns one shard (an object in a store) into records. Reading is split in two so that
 I/O stays on the event loop and CPU work stays off it:
 
-* `await fmt.open(store, shard)` (async, on the loop) reads whatever small index the shard needs
-  and returns a `ShardStream`.
+* `await fmt.open(store, shard, problems=..., chunk_bytes=...)` (async, on the loop) reads
+  whatever small index the shard needs and returns a `ShardStream`. `problems` (`Problems`) is
+  the shard's context, its source and name and the error policy, made by the caller (the
+  fetcher); every problem the open or the stream finds is reported to it.
 * `stream.ranges()` lists the byte ranges to fetch, in order. The fetcher reads them with bounded
   concurrency and hands the bytes back **in the same order** to `stream.decode(chunk)`, which runs
   in a worker thread and may keep state between calls (decompressors, partial lines).
@@ -16,9 +18,9 @@ document number for token shards) and either text (to be tokenized) or a token a
 `await fmt.document_lengths(store, shard, ...)` measures a shard's documents without keeping
 their tokens, as the loader would count them (the dry run and `streamload inspect` use it): a
 token shard from its offsets index alone, a record shard by decoding it and measuring each text
-with the tokenizer (UTF-8 bytes without one). Both follow the skip policy of `open`. It returns
-`DocumentLengths`: the lengths and how they were measured, per shard (a format object is shared,
-so it keeps no result of its own).
+with the tokenizer (UTF-8 bytes without one). It reports to its `problems` as `open` does. It
+returns `DocumentLengths`: the lengths and how they were measured, per shard (a format object is
+shared, so it keeps no result of its own).
 
 A format whose shards share a directory's index (MDS, LitData) also has `await
 fmt.load_index(store, directory)`, and `open` and `document_lengths` take its result as `index=`
@@ -36,10 +38,6 @@ import numpy as np
 from ..errors import DataError, StorageError
 from ..storage.base import ObjectInfo, ObjectStore
 from ..tokenizer import TextTokenizer
-
-# on_error="skip" passes a callback (record_index or None for the whole shard, reason);
-# on_error="raise" passes None. Readers never look at it: they report to `Problems`.
-SkipCallback = Callable[[Union[int, None], str], None]
 
 # Bytes per ranged read when measuring documents (`ShardFormat.document_lengths`).
 LENGTHS_CHUNK_BYTES = 4 << 20
@@ -71,45 +69,61 @@ def field_hint(option: str, wanted: str, present: Sequence[str], prefix: str = "
 
 
 class Problems:
-    """Where a reader reports what is wrong with the shard it reads, and the one place where
-    on_error is applied to it, with the context.
+    """What a reader needs to say what is wrong with the shard it reads, and the one place where
+    on_error is applied to it: the context (`source`, `shard_name`) and the policy (`on_error`,
+    "raise" or "skip"). The fetcher makes one per shard and hands it to the format's `open` (or
+    `document_lengths`), which passes it on to its stream; formats never look at the policy.
 
     A reader reports a record (`record`: it leaves the record out and goes on) or the rest of
     its shard (`shard`, `bad_shard`: it stops), says what is wrong, and decides nothing more.
-    With on_error="raise" (`on_skip` None) a report is a DataError naming the source, the shard
-    and the record (with the 1-based `line` of a line-based format), saying that
-    on_error="skip" would skip it unless `skippable` is False (a shard without the source's
-    field: skipping would skip them all). With "skip", `on_skip(record or None, reason)`
-    counts it, and the fetcher's `SkipLedger` holds the source to its limit. `skipping` is for
-    a report that one shard makes for a whole directory (files its index names that do not
-    exist): once when they are skipped, from every shard when they raise."""
+    With on_error="raise" a report is a DataError naming the source, the shard and the record
+    (with the 1-based `line` of a line-based format), saying that on_error="skip" would skip it
+    unless `skippable` is False (a shard without the source's field: skipping would skip them
+    all). With "skip" it is kept as data, (record or None for the rest of the shard, reason),
+    in `skipped`, which the reader's caller takes (`take`) and counts (the fetcher's
+    `SkipLedger` holds the source to its limit). `directory` is for what a shard's directory
+    index says of other files (files it names that do not exist): every shard of the directory
+    raises it, one counts it."""
 
-    def __init__(self, source: str, shard_name: str, on_skip: SkipCallback | None):
-        self.source, self.shard_name, self._on_skip = source, shard_name, on_skip
+    def __init__(self, source: str | None, shard_name: str | None, on_error: str = "raise"):
+        if on_error not in ("raise", "skip"):
+            raise ValueError(f"on_error must be 'raise' or 'skip', got {on_error!r}")
+        self.source, self.shard_name, self.on_error = source, shard_name, on_error
+        self.skipped: list[tuple[int | None, str]] = []
+        self._counted: set[tuple[str | None, str]] = set()   # `directory` reports counted
 
-    @property
-    def skipping(self) -> bool:
-        return self._on_skip is not None
+    def take(self) -> list[tuple[int | None, str]]:
+        """The skips reported since the last call (on_error="skip"), oldest first."""
+        taken, self.skipped = self.skipped, []
+        return taken
 
     def record(self, index: int, reason: str, *, line: int | None = None) -> None:
-        if self._on_skip is None:
+        if self.on_error == "raise":
             raise DataError(reason, source=self.source, shard=self.shard_name, record=index,
                             line=line)
-        self._on_skip(index, reason)
+        self.skipped.append((index, reason))
 
     def shard(self, reason: str, *, skippable: bool = True, shard: str | None = None) -> None:
         """The rest of the shard (`shard`: another one, that its index names) is lost."""
-        if self._on_skip is None:
+        if self.on_error == "raise":
             raise DataError(reason, source=self.source, shard=shard or self.shard_name,
                             skippable=skippable) from None
-        self._on_skip(None, reason)
+        self.skipped.append((None, reason))
+
+    def directory(self, reason: str, *, counted_here: bool, shard: str | None = None) -> None:
+        """A problem of the shard's directory that every shard of it sees (`shard`: the file it
+        is about, else this shard): with "raise" each of them raises it (whichever is read
+        first fails); with "skip" it is counted once, by the shard `counted_here`, and at most
+        once per Problems however often the shard's reading comes across it."""
+        if self.on_error == "skip" and (not counted_here or (shard, reason) in self._counted):
+            return
+        self._counted.add((shard, reason))
+        self.shard(reason, shard=shard)
 
     def bad_shard(self, exc: BadShard) -> None:
         """A BadShard caught where the shard's reading ends (the caller then returns its empty
         result)."""
         self.shard(str(exc), skippable=not isinstance(exc, MissingField))
-
-
 
 
 async def read_exact(store: ObjectStore, uri: str, start: int, end: int, what: str, *,
@@ -167,9 +181,9 @@ class PlannedStream:
     problems (`problems`, see `Problems`): `_record_error` for a record, `_shard_error` for the
     rest of the shard, which also marks the stream `_failed` (it yields nothing more)."""
 
-    def __init__(self, *, source: str, shard_name: str, on_skip: SkipCallback | None):
-        self._source, self._shard_name = source, shard_name
-        self.problems = Problems(source, shard_name, on_skip)
+    def __init__(self, problems: Problems):
+        self.problems = problems
+        self._source, self._shard_name = problems.source, problems.shard_name
         self._ranges: list[tuple[int, int]] = []
         self._next = 0
         self._failed = False
@@ -226,17 +240,17 @@ class ShardFormat(Protocol):
     def matches(self, uri: str) -> bool:
         """True when this format reads `uri` (by its name). Companion files (indexes) return False."""
 
-    async def open(self, store: ObjectStore, shard: ObjectInfo, *, source: str, shard_name: str,
-                   on_skip: SkipCallback | None, chunk_bytes: int) -> ShardStream: ...
+    async def open(self, store: ObjectStore, shard: ObjectInfo, *, problems: Problems,
+                   chunk_bytes: int) -> ShardStream: ...
 
-    async def document_lengths(self, store: ObjectStore, shard: ObjectInfo, *, source: str,
-                               shard_name: str, on_skip: SkipCallback | None,
-                               tokenizer: TextTokenizer | None = None, limit: int | None = None,
+    async def document_lengths(self, store: ObjectStore, shard: ObjectInfo, *,
+                               problems: Problems, tokenizer: TextTokenizer | None = None,
+                               limit: int | None = None,
                                chunk_bytes: int = LENGTHS_CHUNK_BYTES) -> DocumentLengths:
         """The length in tokens of each of the shard's documents (int64, in record order), and
         whether an index gave them or a scan of the records (`DocumentLengths`); as the loader
         would measure it (empty documents included, as 0; records that are skipped left out).
         `tokenizer` measures texts (None: UTF-8 bytes, the loader's default); `limit` stops
-        after that many documents (at most `limit` come back). Problems are reported as in
-        `open` (`Problems`: a DataError naming `source`, `shard_name` and the record where there
-        is one, or with `on_skip` given, on_error="skip", a call to it)."""
+        after that many documents (at most `limit` come back). Problems are reported to
+        `problems` as in `open` (a DataError, or with on_error="skip" kept in
+        `problems.skipped` for the caller to count)."""

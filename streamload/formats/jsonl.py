@@ -17,7 +17,7 @@ import zstandard
 from ..errors import ConfigError
 from ..storage.base import ObjectInfo, ObjectStore
 from ..tokenizer import TextTokenizer
-from .base import (LENGTHS_CHUNK_BYTES, DocumentLengths, PlannedStream, RawRecord, SkipCallback,
+from .base import (LENGTHS_CHUNK_BYTES, DocumentLengths, PlannedStream, Problems, RawRecord,
                    field_hint)
 from .lengths import stream_lengths
 
@@ -120,10 +120,9 @@ class JsonlStream(PlannedStream):
     """State for reading one JSONL shard: the decompressor, the partial line, the line number.
     Its ranges are fixed-size slices of the file (`ranges`)."""
 
-    def __init__(self, shard: ObjectInfo, *, source: str, shard_name: str,
-                 on_skip: SkipCallback | None, chunk_bytes: int, compression: str | None,
-                 text_field: str):
-        super().__init__(source=source, shard_name=shard_name, on_skip=on_skip)
+    def __init__(self, shard: ObjectInfo, *, problems: Problems, chunk_bytes: int,
+                 compression: str | None, text_field: str):
+        super().__init__(problems)
         self._size = shard.size
         self._chunk_bytes = chunk_bytes
         self._compression = compression
@@ -216,22 +215,20 @@ class JsonlFormat:
     def matches(self, uri: str) -> bool:
         return compression_of(uri, self._stems) is not False
 
-    async def open(self, store: ObjectStore, shard: ObjectInfo, *, source: str, shard_name: str,
-                   on_skip: SkipCallback | None, chunk_bytes: int) -> JsonlStream:
+    async def open(self, store: ObjectStore, shard: ObjectInfo, *, problems: Problems,
+                   chunk_bytes: int) -> JsonlStream:
         if chunk_bytes <= 0:
             raise ConfigError.at("chunk_bytes", f"must be positive, got {chunk_bytes}")
         compression = compression_of(shard.uri, _NAMED_STEMS)
-        return JsonlStream(shard, source=source, shard_name=shard_name, on_skip=on_skip,
-                           chunk_bytes=chunk_bytes,
+        return JsonlStream(shard, problems=problems, chunk_bytes=chunk_bytes,
                            compression=compression if compression is not False else None,
                            text_field=self.text_field)
 
-    async def document_lengths(self, store: ObjectStore, shard: ObjectInfo, *, source: str,
-                               shard_name: str, on_skip: SkipCallback | None,
-                               tokenizer: TextTokenizer | None = None, limit: int | None = None,
+    async def document_lengths(self, store: ObjectStore, shard: ObjectInfo, *,
+                               problems: Problems, tokenizer: TextTokenizer | None = None,
+                               limit: int | None = None,
                                chunk_bytes: int = LENGTHS_CHUNK_BYTES) -> DocumentLengths:
         """Each document's length in tokens (`ShardFormat.document_lengths`): the records
         decoded and each text measured with `tokenizer`, UTF-8 bytes without one."""
-        return await stream_lengths(self, store, shard, source=source, shard_name=shard_name,
-                                    on_skip=on_skip, tokenizer=tokenizer, limit=limit,
-                                    chunk_bytes=chunk_bytes)
+        return await stream_lengths(self, store, shard, problems=problems, tokenizer=tokenizer,
+                                    limit=limit, chunk_bytes=chunk_bytes)

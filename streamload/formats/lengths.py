@@ -16,7 +16,7 @@ import numpy as np
 from ..errors import ConfigError, DataError
 from ..storage.base import ObjectInfo, ObjectStore
 from ..tokenizer import TextTokenizer, TokenizerError
-from .base import DocumentLengths, Problems, RawRecord, SkipCallback
+from .base import DocumentLengths, Problems, RawRecord
 
 
 async def encode_records(records: list[RawRecord],
@@ -59,8 +59,7 @@ async def encode_records(records: list[RawRecord],
 
 
 async def measure_records(records: list[RawRecord], tokenizer: Optional[TextTokenizer], *,
-                          source: str, shard_name: str,
-                          on_skip: Optional[SkipCallback]) -> list[int]:
+                          problems: Problems) -> list[int]:
     """The token count of each record, in order (`encode_records`'s failures left out): a
     text's UTF-8 bytes without a tokenizer."""
     if tokenizer is None:
@@ -70,12 +69,11 @@ async def measure_records(records: list[RawRecord], tokenizer: Optional[TextToke
     async def encode(texts: list[str]) -> list:
         return tokenizer.encode_texts(texts)
 
-    pairs = await encode_records(records, encode, Problems(source, shard_name, on_skip))
+    pairs = await encode_records(records, encode, problems)
     return [int(np.size(ids)) for _, ids in pairs]
 
 
-async def stream_lengths(fmt, store: ObjectStore, shard: ObjectInfo, *, source: str,
-                         shard_name: str, on_skip: Optional[SkipCallback],
+async def stream_lengths(fmt, store: ObjectStore, shard: ObjectInfo, *, problems: Problems,
                          tokenizer: Optional[TextTokenizer], limit: Optional[int],
                          chunk_bytes: int, **open_options) -> DocumentLengths:
     """`fmt.document_lengths` by reading the shard's records: decode, measure (see the module
@@ -86,8 +84,8 @@ async def stream_lengths(fmt, store: ObjectStore, shard: ObjectInfo, *, source: 
     out: list[int] = []
     if limit == 0:
         return DocumentLengths(np.zeros(0, np.int64), "scan")
-    stream = await fmt.open(store, shard, source=source, shard_name=shard_name,
-                            on_skip=on_skip, chunk_bytes=chunk_bytes, **open_options)
+    stream = await fmt.open(store, shard, problems=problems, chunk_bytes=chunk_bytes,
+                            **open_options)
 
     async def add(records: list[RawRecord]) -> bool:
         """Measure `records` (no more than the limit needs); True once the limit is reached."""
@@ -95,8 +93,7 @@ async def stream_lengths(fmt, store: ObjectStore, shard: ObjectInfo, *, source: 
         while at < len(records) and (limit is None or len(out) < limit):
             # The records the limit still needs (a bad one, left out, calls for one more).
             end = len(records) if limit is None else at + limit - len(out)
-            out.extend(await measure_records(records[at:end], tokenizer, source=source,
-                                             shard_name=shard_name, on_skip=on_skip))
+            out.extend(await measure_records(records[at:end], tokenizer, problems=problems))
             at = end
         return limit is not None and len(out) >= limit
 

@@ -36,7 +36,7 @@ from ..errors import ConfigError, DataError
 from ..storage.base import ObjectInfo, ObjectStore
 from ..tokenizer import TextTokenizer
 from .base import (LENGTHS_CHUNK_BYTES, BadShard, DocumentLengths, EmptyStream, PlannedStream,
-                   Problems, RawRecord, SkipCallback, read_exact)
+                   Problems, RawRecord, read_exact)
 from .litdata import CHUNK_NAME as LITDATA_CHUNK
 from .tokens import plan_groups
 
@@ -194,9 +194,9 @@ def plan_ranges(index: MegatronIndex, keep: np.ndarray,
 
 
 class MegatronStream(PlannedStream):
-    def __init__(self, *, source: str, shard_name: str, on_skip: SkipCallback | None,
-                 index: MegatronIndex, keep: np.ndarray, chunk_bytes: int):
-        super().__init__(source=source, shard_name=shard_name, on_skip=on_skip)
+    def __init__(self, *, problems: Problems, index: MegatronIndex, keep: np.ndarray,
+                 chunk_bytes: int):
+        super().__init__(problems)
         self._dtype = index.dtype
         self._out_dtype = _OUT_DTYPES[index.dtype]
         self._signed = index.dtype.kind == "i" and self._out_dtype == np.int32
@@ -273,22 +273,19 @@ class MegatronFormat:
             problems.bad_shard(exc)
             return None
 
-    async def open(self, store: ObjectStore, shard: ObjectInfo, *, source: str, shard_name: str,
-                   on_skip: SkipCallback | None,
+    async def open(self, store: ObjectStore, shard: ObjectInfo, *, problems: Problems,
                    chunk_bytes: int) -> MegatronStream | EmptyStream:
         if chunk_bytes <= 0:
             raise ConfigError.at("chunk_bytes", f"must be positive, got {chunk_bytes}")
-        problems = Problems(source, shard_name, on_skip)
         index = await self._index(store, shard, problems)
         if index is None:
             return EmptyStream()
         keep = _fitting(index, shard.size, problems)
-        return MegatronStream(source=source, shard_name=shard_name, on_skip=on_skip, index=index,
-                              keep=keep, chunk_bytes=chunk_bytes)
+        return MegatronStream(problems=problems, index=index, keep=keep, chunk_bytes=chunk_bytes)
 
-    async def document_lengths(self, store: ObjectStore, shard: ObjectInfo, *, source: str,
-                               shard_name: str, on_skip: SkipCallback | None,
-                               tokenizer: TextTokenizer | None = None, limit: int | None = None,
+    async def document_lengths(self, store: ObjectStore, shard: ObjectInfo, *,
+                               problems: Problems, tokenizer: TextTokenizer | None = None,
+                               limit: int | None = None,
                                chunk_bytes: int = LENGTHS_CHUNK_BYTES) -> DocumentLengths:
         """Each sequence's length in tokens (`ShardFormat.document_lengths`), from the .idx
         alone; the .bin is not read, only its size (from the listing) is compared with the
@@ -298,7 +295,6 @@ class MegatronFormat:
         used: the documents are token ids already."""
         if limit is not None and limit < 0:
             raise ConfigError.at("limit", f"must be >= 0, got {limit}")
-        problems = Problems(source, shard_name, on_skip)
         index = await self._index(store, shard, problems, max_sequences=limit)
         if index is None:
             return DocumentLengths(np.zeros(0, np.int64), "index")

@@ -47,7 +47,7 @@ from ..errors import ConfigError
 from ..storage.base import ObjectInfo, ObjectStore
 from ..tokenizer import TextTokenizer
 from .base import (LENGTHS_CHUNK_BYTES, BadShard, DocumentLengths, EmptyStream, MissingField,
-                   PlannedStream, Problems, RawRecord, SkipCallback, field_hint, read_exact)
+                   PlannedStream, Problems, RawRecord, field_hint, read_exact)
 from .lengths import stream_lengths
 
 _SUFFIX = ".parquet"
@@ -187,10 +187,9 @@ def _plan(metadata, field: str, footer_start: int, size: int
 class ParquetStream(PlannedStream):
     """State for reading one Parquet shard: the metadata, the planned row groups, the next one."""
 
-    def __init__(self, shard: ObjectInfo, *, source: str, shard_name: str,
-                 on_skip: SkipCallback | None, metadata, footer_start: int, field: str,
-                 tokens: bool):
-        super().__init__(source=source, shard_name=shard_name, on_skip=on_skip)
+    def __init__(self, shard: ObjectInfo, *, problems: Problems, metadata, footer_start: int,
+                 field: str, tokens: bool):
+        super().__init__(problems)
         self._pa = _pyarrow()
         self._size = shard.size
         self._metadata = metadata
@@ -301,8 +300,8 @@ class ParquetFormat:
         return (name.lower().endswith(_SUFFIX) and len(name) > len(_SUFFIX)
                 and not name.startswith((".", "_")))
 
-    async def open(self, store: ObjectStore, shard: ObjectInfo, *, source: str, shard_name: str,
-                   on_skip: SkipCallback | None, chunk_bytes: int) -> ParquetStream | EmptyStream:
+    async def open(self, store: ObjectStore, shard: ObjectInfo, *, problems: Problems,
+                   chunk_bytes: int) -> ParquetStream | EmptyStream:
         """Reads the footer; `chunk_bytes` is not used (a range is a row group's column chunk)."""
         if chunk_bytes <= 0:
             raise ConfigError.at("chunk_bytes", f"must be positive, got {chunk_bytes}")
@@ -310,11 +309,10 @@ class ParquetFormat:
         try:
             metadata, footer_start = await _read_footer(store, shard)
             self._check_column(pa, metadata)
-            return ParquetStream(shard, source=source, shard_name=shard_name, on_skip=on_skip,
-                                 metadata=metadata, footer_start=footer_start, field=self.field,
-                                 tokens=self.tokens)
+            return ParquetStream(shard, problems=problems, metadata=metadata,
+                                 footer_start=footer_start, field=self.field, tokens=self.tokens)
         except BadShard as exc:
-            Problems(source, shard_name, on_skip).bad_shard(exc)
+            problems.bad_shard(exc)
             return EmptyStream()
 
     def _check_column(self, pa, metadata) -> None:
@@ -339,14 +337,13 @@ class ParquetFormat:
             raise BadShard(f"column {self.field!r} ({what}) must hold strings, "
                             f"found {type_}{hint}")
 
-    async def document_lengths(self, store: ObjectStore, shard: ObjectInfo, *, source: str,
-                               shard_name: str, on_skip: SkipCallback | None,
-                               tokenizer: TextTokenizer | None = None, limit: int | None = None,
+    async def document_lengths(self, store: ObjectStore, shard: ObjectInfo, *,
+                               problems: Problems, tokenizer: TextTokenizer | None = None,
+                               limit: int | None = None,
                                chunk_bytes: int = LENGTHS_CHUNK_BYTES) -> DocumentLengths:
         """Each document's length in tokens (`ShardFormat.document_lengths`): the row groups'
         column read as the fetcher reads it (only as many row groups as `limit` needs) and each
         document measured: a token list's length, a text with `tokenizer` (UTF-8 bytes
         without one)."""
-        return await stream_lengths(self, store, shard, source=source, shard_name=shard_name,
-                                    on_skip=on_skip, tokenizer=tokenizer, limit=limit,
-                                    chunk_bytes=chunk_bytes)
+        return await stream_lengths(self, store, shard, problems=problems, tokenizer=tokenizer,
+                                    limit=limit, chunk_bytes=chunk_bytes)

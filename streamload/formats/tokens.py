@@ -22,7 +22,7 @@ from ..errors import ConfigError
 from ..storage.base import ObjectInfo, ObjectStore
 from ..tokenizer import TextTokenizer
 from .base import (LENGTHS_CHUNK_BYTES, BadShard, DocumentLengths, EmptyStream, PlannedStream,
-                   Problems, RawRecord, SkipCallback, read_exact)
+                   Problems, RawRecord, read_exact)
 
 TOKENS_SUFFIX = ".tokens.npy"
 OFFSETS_SUFFIX = ".offsets.npy"
@@ -164,9 +164,9 @@ def plan_groups(offsets: np.ndarray, capacity_tokens: int) -> list[tuple[int, in
 
 
 class TokensStream(PlannedStream):
-    def __init__(self, *, source: str, shard_name: str, on_skip: SkipCallback | None,
-                 dtype: np.dtype, data_start: int, offsets: np.ndarray, chunk_bytes: int):
-        super().__init__(source=source, shard_name=shard_name, on_skip=on_skip)
+    def __init__(self, problems: Problems, *, dtype: np.dtype, data_start: int,
+                 offsets: np.ndarray, chunk_bytes: int):
+        super().__init__(problems)
         self._dtype = dtype
         self._out_dtype = _TOKEN_DTYPES[dtype]
         self._signed = dtype.kind == "i"
@@ -219,21 +219,21 @@ class TokensFormat:
     def matches(self, uri: str) -> bool:
         return uri.endswith(TOKENS_SUFFIX) and len(uri.rsplit("/", 1)[-1]) > len(TOKENS_SUFFIX)
 
-    async def open(self, store: ObjectStore, shard: ObjectInfo, *, source: str, shard_name: str,
-                   on_skip: SkipCallback | None, chunk_bytes: int) -> TokensStream | EmptyStream:
+    async def open(self, store: ObjectStore, shard: ObjectInfo, *, problems: Problems,
+                   chunk_bytes: int) -> TokensStream | EmptyStream:
         if chunk_bytes <= 0:
             raise ConfigError.at("chunk_bytes", f"must be positive, got {chunk_bytes}")
         try:
             dtype, data_start, offsets = await _read_index(store, shard)
         except BadShard as exc:
-            Problems(source, shard_name, on_skip).bad_shard(exc)
+            problems.bad_shard(exc)
             return EmptyStream()
-        return TokensStream(source=source, shard_name=shard_name, on_skip=on_skip, dtype=dtype,
-                            data_start=data_start, offsets=offsets, chunk_bytes=chunk_bytes)
+        return TokensStream(problems, dtype=dtype, data_start=data_start, offsets=offsets,
+                            chunk_bytes=chunk_bytes)
 
-    async def document_lengths(self, store: ObjectStore, shard: ObjectInfo, *, source: str,
-                               shard_name: str, on_skip: SkipCallback | None,
-                               tokenizer: TextTokenizer | None = None, limit: int | None = None,
+    async def document_lengths(self, store: ObjectStore, shard: ObjectInfo, *,
+                               problems: Problems, tokenizer: TextTokenizer | None = None,
+                               limit: int | None = None,
                                chunk_bytes: int = LENGTHS_CHUNK_BYTES) -> DocumentLengths:
         """Each document's length in tokens (`ShardFormat.document_lengths`), from the shard's
         offsets index alone: np.diff(offsets). The token file is not read, so what only it can
@@ -248,6 +248,6 @@ class TokensFormat:
             offsets = await _read_offsets(store, companion, limit)
             _check_offsets(offsets, None, what)   # the token count is in the unread token file
         except BadShard as exc:
-            Problems(source, shard_name, on_skip).bad_shard(exc)
+            problems.bad_shard(exc)
             return DocumentLengths(np.zeros(0, np.int64), "index")
         return DocumentLengths(np.diff(offsets).astype(np.int64, copy=False), "index")

@@ -45,8 +45,7 @@ import numpy as np
 from ..errors import ConfigError
 from ..storage.base import ObjectInfo, ObjectStore
 from ..tokenizer import TextTokenizer
-from .base import (LENGTHS_CHUNK_BYTES, BadShard, DocumentLengths, Problems, RawRecord,
-                   SkipCallback, field_hint)
+from .base import LENGTHS_CHUNK_BYTES, BadShard, DocumentLengths, Problems, RawRecord, field_hint
 from .lengths import stream_lengths
 from .tar import (BLOCK, REGULAR, SUPPORTED, ZERO_BLOCK, checksum_ok, member_name, pax_fields,
                   tar_number)
@@ -127,10 +126,10 @@ class WebdatasetStream:
     """Parses one tar shard incrementally: the partial header, the member being read (kept when
     it is the text member, else skipped), the sample being gathered."""
 
-    def __init__(self, shard: ObjectInfo, *, source: str, shard_name: str,
-                 on_skip: SkipCallback | None, chunk_bytes: int, compression: Optional[str],
-                 member: str, field: Optional[str], tokens: bool = False):
-        self.problems = Problems(source, shard_name, on_skip)
+    def __init__(self, shard: ObjectInfo, *, problems: Problems, chunk_bytes: int,
+                 compression: Optional[str], member: str, field: Optional[str],
+                 tokens: bool = False):
+        self.problems = problems
         step, size = chunk_bytes, shard.size
         self._ranges = [(start, min(start + step, size)) for start in range(0, size, step)]
         self._next_range = 0
@@ -403,22 +402,20 @@ class WebdatasetFormat:
     def matches(self, uri: str) -> bool:
         return compression_of(uri) is not False
 
-    async def open(self, store: ObjectStore, shard: ObjectInfo, *, source: str, shard_name: str,
-                   on_skip: SkipCallback | None, chunk_bytes: int) -> WebdatasetStream:
+    async def open(self, store: ObjectStore, shard: ObjectInfo, *, problems: Problems,
+                   chunk_bytes: int) -> WebdatasetStream:
         if chunk_bytes <= 0:
             raise ConfigError.at("chunk_bytes", f"must be positive, got {chunk_bytes}")
         compression = compression_of(shard.uri)
-        return WebdatasetStream(shard, source=source, shard_name=shard_name, on_skip=on_skip,
-                                chunk_bytes=chunk_bytes,
+        return WebdatasetStream(shard, problems=problems, chunk_bytes=chunk_bytes,
                                 compression=compression if compression is not False else None,
                                 member=self.member, field=self.field, tokens=self.tokens)
 
-    async def document_lengths(self, store: ObjectStore, shard: ObjectInfo, *, source: str,
-                               shard_name: str, on_skip: SkipCallback | None,
-                               tokenizer: TextTokenizer | None = None, limit: int | None = None,
+    async def document_lengths(self, store: ObjectStore, shard: ObjectInfo, *,
+                               problems: Problems, tokenizer: TextTokenizer | None = None,
+                               limit: int | None = None,
                                chunk_bytes: int = LENGTHS_CHUNK_BYTES) -> DocumentLengths:
         """Each sample's length in tokens (`ShardFormat.document_lengths`): the shard is read
         and each text measured with `tokenizer` (UTF-8 bytes without one), token ids counted."""
-        return await stream_lengths(self, store, shard, source=source, shard_name=shard_name,
-                                    on_skip=on_skip, tokenizer=tokenizer, limit=limit,
-                                    chunk_bytes=chunk_bytes)
+        return await stream_lengths(self, store, shard, problems=problems, tokenizer=tokenizer,
+                                    limit=limit, chunk_bytes=chunk_bytes)

@@ -95,14 +95,11 @@ class SourceFetcher:
     async def _read_shard(self, shard: Shard, virtual: int, keep, queue: asyncio.Queue) -> None:
         loop = asyncio.get_running_loop()
         self.metrics.shards_started += 1
-        skips: list[tuple[Optional[int], str]] = []
-        on_skip = (lambda record, reason: skips.append((record, reason))) \
-            if self.config.on_error == "skip" else None
-        # on_error applied here, for every problem of the shard: a DataError naming it, or a
-        # skip counted by the ledger (`SkipLedger`) after each range.
-        problems = Problems(self.source.name, shard.name, on_skip)
-        stream = await shard.format.open(self.store, shard.info, source=self.source.name,
-                                         shard_name=shard.name, on_skip=on_skip,
+        # The shard's context and the policy, for every problem of the shard (the format's,
+        # the tokenizer's, the transform's): a DataError naming it, or with on_error="skip" a
+        # skip kept as data and handed to the ledger (`SkipLedger`, the limit) after each range.
+        problems = Problems(self.source.name, shard.name, self.config.on_error)
+        stream = await shard.format.open(self.store, shard.info, problems=problems,
                                          chunk_bytes=self.config.chunk_bytes)
         if keep is not None and isinstance(stream, PlannedStream):
             stream.keep_only(keep.wants_any)   # a resumed shard: what it delivered is not read
@@ -138,8 +135,7 @@ class SourceFetcher:
                 items, counts = await loop.run_in_executor(self.executor, to_items, records)
             counts.add_to(self.metrics)
             self.metrics.transform_s += time.perf_counter() - started
-            taken, skips[:] = list(skips), []
-            self.skips.add(shard.name, taken, counts.records)   # raises past the skip limit
+            self.skips.add(shard.name, problems.take(), counts.records)   # raises past the limit
             held = sum(item.tokens.nbytes for item in items) + ITEM_OVERHEAD_BYTES * len(items)
             held = held if items else 0
             self.gate.settle(reserved, raw_bytes, held, virtual)

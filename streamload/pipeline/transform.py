@@ -99,7 +99,7 @@ def records_to_items(records: list[RawRecord], shard: int, capacity: int, long_d
     restores deferral ages.
     A record whose token ids batches cannot carry is reported to `problems` and left out
     (None: a DataError naming the record)."""
-    problems = problems or Problems(None, None, None)
+    problems = problems or Problems(None, None)
     counts = TransformCounts(records=len(records))
     indexes: list[int] = []
     arrays: list[np.ndarray] = []

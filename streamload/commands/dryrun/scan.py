@@ -13,7 +13,7 @@ import numpy as np
 from ...configfile import LoaderSpec
 from ...errors import ConfigError, StorageError
 from ...pieces import cut_documents
-from ...formats.base import DocumentLengths
+from ...formats.base import DocumentLengths, Problems
 from ...formats.catalog import Shard, list_shards
 from ...storage import open_store, source_store_options
 
@@ -53,20 +53,12 @@ class SourceScan:
                 "sampled": not self.complete}
 
 
-class _Skips:
-    def __init__(self):
-        self.count = 0
-
-    def __call__(self, record, reason) -> None:
-        self.count += 1
-
-
 async def _scan_source(spec: LoaderSpec, index: int, tokenizer, max_docs: Optional[int],
                        capacity: int, long_documents: str, on_error: str, retry) -> SourceScan:
     source = spec.sources[index]
     options = source_store_options(source.uri, spec.storage_options, source.storage_options)
     store = open_store(source.uri, options or None, retry=retry)
-    skips = _Skips() if on_error == "skip" else None
+    skipped = 0   # records and shards skipped (on_error="skip")
     try:
         try:
             shards = await list_shards(source, store)
@@ -80,12 +72,15 @@ async def _scan_source(spec: LoaderSpec, index: int, tokenizer, max_docs: Option
         slots = asyncio.Semaphore(SCAN_CONCURRENCY)
 
         async def read(shard: Shard, limit: Optional[int]) -> DocumentLengths:
+            nonlocal skipped
             async with slots:
                 # One document more than needed tells whether the cap cut the shard short.
-                return await shard.format.document_lengths(
-                    store, shard.info, source=source.name, shard_name=shard.name,
-                    on_skip=skips, tokenizer=tokenizer,
+                problems = Problems(source.name, shard.name, on_error)
+                lengths = await shard.format.document_lengths(
+                    store, shard.info, problems=problems, tokenizer=tokenizer,
                     limit=None if limit is None else limit + 1)
+                skipped += len(problems.take())
+                return lengths
 
         # Shards in listing order, a wave at a time, until max_docs documents are read.
         at, cut = 0, False
@@ -124,7 +119,7 @@ async def _scan_source(spec: LoaderSpec, index: int, tokenizer, max_docs: Option
         lengths=np.concatenate(items) if items else np.zeros(0, np.int64),
         shard_items=np.array(shard_items, dtype=np.int64), shards=len(shards),
         shards_read=len(per_shard), documents=int(sum(d.size for d in per_shard)),
-        skipped=skips.count if skips else 0, complete=complete,
+        skipped=skipped, complete=complete,
         divisible=np.concatenate(divisible) if divisible else np.zeros(0, bool), **counts)
 
 

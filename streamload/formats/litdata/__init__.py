@@ -45,15 +45,13 @@ and bytes; this module is the format (detection, the index cache, open, lengths)
 from __future__ import annotations
 
 import re
-from typing import Optional
 
 import numpy as np
 
 from ...errors import ConfigError
 from ...storage.base import ObjectInfo, ObjectStore
 from ...tokenizer import TextTokenizer
-from ..base import (LENGTHS_CHUNK_BYTES, BadShard, DocumentLengths, EmptyStream, Problems,
-                    SkipCallback)
+from ..base import LENGTHS_CHUNK_BYTES, BadShard, DocumentLengths, EmptyStream, Problems
 from ..lengths import stream_lengths
 from .index import Chunk, Dataset, index_json_name, load_dataset
 from .stream import LitdataStream, index_lengths, plan_chunk
@@ -94,10 +92,11 @@ class LitdataFormat:
                                   tokens_field=self.tokens_field, block_size=self.block_size)
 
     async def _open_chunk(self, store: ObjectStore, shard: ObjectInfo, problems: Problems,
-                          index: object) -> tuple[Dataset, Chunk, Optional[str]]:
-        """The dataset, the shard's index entry and, in skip mode, a missing chunk to report
-        (once per pass: by the first chunk of the index that exists); BadShard for what makes
-        the shard unreadable (in raise mode, any chunk the index names but that is missing).
+                          index: object) -> tuple[Dataset, Chunk]:
+        """The dataset and the shard's index entry; BadShard for what makes the shard
+        unreadable. A chunk the index names but that is missing is a problem of the directory
+        (`Problems.directory`): every chunk raises it, the first of the index that exists counts
+        it when it is skipped (once per pass).
         `index`: the directory's (`load_index`); None, or one that does not list the chunk as
         the catalog did (the dataset was rewritten): read here."""
         directory, name = shard.uri.rsplit("/", 1)
@@ -118,35 +117,28 @@ class LitdataFormat:
                       f"its 'chunks'), which does not exist"
                       + (f", nor {len(dataset.missing) - 1} more" if len(dataset.missing) > 1
                          else ""))
-            if not problems.skipping:
-                raise BadShard(reason)
-            if name == dataset.first_present:
-                return dataset, chunk, reason
-        return dataset, chunk, None
+            problems.directory(reason, counted_here=name == dataset.first_present)
+        return dataset, chunk
 
     # -- the protocol
 
-    async def open(self, store: ObjectStore, shard: ObjectInfo, *, source: str, shard_name: str,
-                   on_skip: SkipCallback | None, chunk_bytes: int, index: object = None):
+    async def open(self, store: ObjectStore, shard: ObjectInfo, *, problems: Problems,
+                   chunk_bytes: int, index: object = None):
         """`index`: the chunk's directory's (`load_index`; see `_open_chunk`)."""
         if chunk_bytes <= 0:
             raise ConfigError.at("chunk_bytes", f"must be positive, got {chunk_bytes}")
-        problems = Problems(source, shard_name, on_skip)
         try:
-            dataset, chunk, missing = await self._open_chunk(store, shard, problems, index)
-            if missing is not None:
-                problems.shard(missing)
+            dataset, chunk = await self._open_chunk(store, shard, problems, index)
             plan = await plan_chunk(store, shard, dataset.layout, chunk, chunk_bytes)
         except BadShard as exc:
             problems.bad_shard(exc)
             return EmptyStream()
-        return LitdataStream(plan, dataset.layout, source=source, shard_name=shard_name,
-                             on_skip=on_skip, expected_items=chunk.items, dim=chunk.dim)
+        return LitdataStream(plan, dataset.layout, problems=problems, expected_items=chunk.items,
+                             dim=chunk.dim)
 
-    async def document_lengths(self, store: ObjectStore, shard: ObjectInfo, *, source: str,
-                               shard_name: str, on_skip: SkipCallback | None,
-                               tokenizer: TextTokenizer | None = None, limit: int | None = None,
-                               chunk_bytes: int = LENGTHS_CHUNK_BYTES,
+    async def document_lengths(self, store: ObjectStore, shard: ObjectInfo, *,
+                               problems: Problems, tokenizer: TextTokenizer | None = None,
+                               limit: int | None = None, chunk_bytes: int = LENGTHS_CHUNK_BYTES,
                                index: object = None) -> DocumentLengths:
         """Each record's length in tokens (`ShardFormat.document_lengths`): from index.json
         alone for TokensLoader blocks; from the chunk's offsets for TokensLoader items, token
@@ -154,17 +146,14 @@ class LitdataFormat:
         records are not decoded, so a bad one is not noticed here); else by a scan."""
         if limit is not None and limit < 0:
             raise ConfigError.at("limit", f"must be >= 0, got {limit}")
-        problems = Problems(source, shard_name, on_skip)
         try:
-            dataset, chunk, missing = await self._open_chunk(store, shard, problems, index)
+            dataset, chunk = await self._open_chunk(store, shard, problems, index)
             lengths = await index_lengths(store, shard, dataset.layout, chunk, tokenizer)
         except BadShard as exc:
             problems.bad_shard(exc)
             return DocumentLengths(np.zeros(0, np.int64), "index")
-        if lengths is not None and missing is not None:
-            problems.shard(missing)
-        if lengths is None:   # `open` reports the missing chunk, if any
-            return await stream_lengths(self, store, shard, source=source, shard_name=shard_name,
-                                        on_skip=on_skip, tokenizer=tokenizer, limit=limit,
+        if lengths is None:   # a scan (its `open` sees a missing chunk again: counted once)
+            return await stream_lengths(self, store, shard, problems=problems,
+                                        tokenizer=tokenizer, limit=limit,
                                         chunk_bytes=chunk_bytes, index=index)
         return DocumentLengths(lengths if limit is None else lengths[:limit], "index")

@@ -13,7 +13,7 @@ import zstandard
 
 from ...storage.base import ObjectInfo, ObjectStore
 from ...tokenizer import TextTokenizer
-from ..base import (BadShard, MissingField, PlannedStream, RawRecord, SkipCallback, field_hint,
+from ..base import (BadShard, MissingField, PlannedStream, Problems, RawRecord, field_hint,
                     read_exact)
 from ..tokens import plan_groups
 from .index import Chunk
@@ -47,9 +47,9 @@ class _Plan:
 class LitdataStream(PlannedStream):
     """Decodes one chunk's planned ranges, in order."""
 
-    def __init__(self, plan: _Plan, layout: Layout, *, source: str, shard_name: str,
-                 on_skip: SkipCallback | None, expected_items: int, dim: Optional[int]):
-        super().__init__(source=source, shard_name=shard_name, on_skip=on_skip)
+    def __init__(self, plan: _Plan, layout: Layout, *, problems: Problems, expected_items: int,
+                 dim: Optional[int]):
+        super().__init__(problems)
         self._plan, self._layout = plan, layout
         self._ranges = plan.ranges
         self._decoder = Decoder(layout)

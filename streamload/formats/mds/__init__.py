@@ -43,8 +43,7 @@ import numpy as np
 from ...errors import ConfigError, DataError
 from ...storage.base import ObjectInfo, ObjectStore
 from ...tokenizer import TextTokenizer
-from ..base import (LENGTHS_CHUNK_BYTES, BadShard, DocumentLengths, EmptyStream, Problems,
-                    SkipCallback)
+from ..base import LENGTHS_CHUNK_BYTES, BadShard, DocumentLengths, EmptyStream, Problems
 from ..lengths import stream_lengths
 from .index import Directory, Entry, load_directory
 from .layouts import Decoder, Layout, check_header, layout_of
@@ -83,8 +82,7 @@ class MdsFormat:
         return await load_directory(store, directory_uri)
 
     async def _resolve(self, store: ObjectStore, shard: ObjectInfo, problems: Problems, *,
-                       report_missing: bool = True, index: object = None
-                       ) -> tuple[Entry, str, Layout] | None:
+                       index: object = None) -> tuple[Entry, str, Layout] | None:
         """(entry, kind, layout) for a shard: kind "raw", "zip" or "copy" (a compressed copy
         whose raw file is read instead). `index`: the directory's (`load_index`), or the
         BadShard loading it raised; None, or one that does not list the shard as the catalog
@@ -101,8 +99,7 @@ class MdsFormat:
             if directory is None or not directory.fits(name, shard.size) \
                     or name not in directory.entries:
                 directory = await self.load_index(store, directory_uri)
-            if report_missing:
-                self._report_missing(directory, name, problems)
+            self._report_missing(directory, name, problems)
             entry = directory.entries.get(name)
             if entry is None:
                 listed = [e.raw for e in directory.order]
@@ -129,43 +126,31 @@ class MdsFormat:
 
     @staticmethod
     def _report_missing(directory: Directory, name: str, problems: Problems) -> None:
-        """Shards the index names that do not exist, each reported as that shard's problem:
-        by every shard of the directory when they raise, by one when they are skipped (each is
-        then counted once)."""
-        if not directory.missing or (problems.skipping and name != directory.reporter):
-            return
+        """Shards the index names that do not exist, each reported as that shard's problem, a
+        problem of the directory (`Problems.directory`): every shard of it raises it, the
+        directory's `reporter` counts it when it is skipped."""
         name_of = problems.shard_name
         folder = name_of.rsplit("/", 1)[0] + "/" if "/" in name_of else ""
         for missing, samples in directory.missing:
-            problems.shard(f"{directory.index_uri} names shard {missing!r} ({samples} samples), "
-                           f"which does not exist", shard=folder + missing)
+            problems.directory(f"{directory.index_uri} names shard {missing!r} ({samples} "
+                               f"samples), which does not exist", shard=folder + missing,
+                               counted_here=name == directory.reporter)
 
     # -- reading
 
-    async def open(self, store: ObjectStore, shard: ObjectInfo, *, source: str, shard_name: str,
-                   on_skip: SkipCallback | None, chunk_bytes: int, index: object = None
+    async def open(self, store: ObjectStore, shard: ObjectInfo, *, problems: Problems,
+                   chunk_bytes: int, index: object = None
                    ) -> MdsRawStream | MdsCompressedStream | EmptyStream:
         """`index`: the shard's directory's (`load_index`; see `_resolve`)."""
-        return await self._open(store, shard, source=source, shard_name=shard_name,
-                                on_skip=on_skip, chunk_bytes=chunk_bytes, report_missing=True,
-                                index=index)
-
-    async def _open(self, store: ObjectStore, shard: ObjectInfo, *, source: str,
-                    shard_name: str, on_skip: SkipCallback | None, chunk_bytes: int,
-                    report_missing: bool, index: object = None
-                    ) -> MdsRawStream | MdsCompressedStream | EmptyStream:
         if chunk_bytes <= 0:
             raise ConfigError.at("chunk_bytes", f"must be positive, got {chunk_bytes}")
-        problems = Problems(source, shard_name, on_skip)
-        resolved = await self._resolve(store, shard, problems, report_missing=report_missing,
-                                       index=index)
+        resolved = await self._resolve(store, shard, problems, index=index)
         if resolved is None or resolved[1] == "copy":
             return EmptyStream()
         entry, kind, layout = resolved
         decoder = Decoder(layout, problems)
         if kind == "zip":
-            return MdsCompressedStream(decoder, entry, shard.size, source=source,
-                                       shard_name=shard_name, on_skip=on_skip)
+            return MdsCompressedStream(decoder, entry, shard.size, problems=problems)
         try:
             want = 4 * (entry.samples + 2)
             head = await store.read_range(shard.uri, 0, min(want, shard.size))
@@ -173,12 +158,11 @@ class MdsFormat:
         except BadShard as exc:
             problems.bad_shard(exc)
             return EmptyStream()
-        return MdsRawStream(decoder, offsets, chunk_bytes, source=source, shard_name=shard_name)
+        return MdsRawStream(decoder, offsets, chunk_bytes, problems=problems)
 
-    async def document_lengths(self, store: ObjectStore, shard: ObjectInfo, *, source: str,
-                               shard_name: str, on_skip: SkipCallback | None,
-                               tokenizer: TextTokenizer | None = None, limit: int | None = None,
-                               chunk_bytes: int = LENGTHS_CHUNK_BYTES,
+    async def document_lengths(self, store: ObjectStore, shard: ObjectInfo, *,
+                               problems: Problems, tokenizer: TextTokenizer | None = None,
+                               limit: int | None = None, chunk_bytes: int = LENGTHS_CHUNK_BYTES,
                                index: object = None) -> DocumentLengths:
         """Each document's length in tokens (`ShardFormat.document_lengths`). A token column
         of fixed shape: from the index alone (its sample count; the shard is not read).
@@ -187,27 +171,14 @@ class MdsFormat:
         if limit is not None and limit < 0:
             raise ConfigError.at("limit", f"must be >= 0, got {limit}")
         if self.tokens:
-            resolved = await self._resolve(store, shard, Problems(source, shard_name, on_skip),
-                                           index=index)
+            resolved = await self._resolve(store, shard, problems, index=index)
             if resolved is None or resolved[1] == "copy":
                 return DocumentLengths(np.zeros(0, np.int64), "index")
             entry, _, layout = resolved
             if layout.static_count is not None:
                 n = entry.samples if limit is None else min(limit, entry.samples)
                 return DocumentLengths(np.full(n, layout.static_count, np.int64), "index")
-        # Token columns were resolved above, missing shards reported: not a second time.
-        reader = _Reader(self, report_missing=not self.tokens, index=index)
-        return await stream_lengths(reader, store, shard, source=source, shard_name=shard_name,
-                                    on_skip=on_skip, tokenizer=tokenizer, limit=limit,
-                                    chunk_bytes=chunk_bytes)
-
-
-class _Reader:
-    """`MdsFormat.open` for `lengths.stream_lengths`, with or without the missing-shard report."""
-
-    def __init__(self, fmt: MdsFormat, report_missing: bool, index: object):
-        self._fmt, self._report_missing, self._index = fmt, report_missing, index
-
-    async def open(self, store: ObjectStore, shard: ObjectInfo, **options):
-        return await self._fmt._open(store, shard, report_missing=self._report_missing,
-                                     index=self._index, **options)
+        # A token column resolved above reported the missing shards; `problems` counts them
+        # once however often they are reported (`Problems.directory`).
+        return await stream_lengths(self, store, shard, problems=problems, tokenizer=tokenizer,
+                                    limit=limit, chunk_bytes=chunk_bytes, index=index)

@@ -10,7 +10,7 @@ import zlib
 import numpy as np
 import zstandard
 
-from ..base import BadShard, PlannedStream, RawRecord, SkipCallback
+from ..base import BadShard, PlannedStream, Problems, RawRecord
 from .index import Entry
 from .layouts import Decoder, check_header
 
@@ -25,8 +25,8 @@ class MdsRawStream(PlannedStream):
     """An uncompressed shard: samples read by range, consecutive ones coalesced."""
 
     def __init__(self, decoder: Decoder, offsets: np.ndarray, chunk_bytes: int, *,
-                 source: str, shard_name: str):
-        super().__init__(source=source, shard_name=shard_name, on_skip=None)
+                 problems: Problems):
+        super().__init__(problems)
         self._decoder = decoder
         self._offsets = offsets
         self._runs = []
@@ -50,9 +50,8 @@ class MdsRawStream(PlannedStream):
 class MdsCompressedStream(PlannedStream):
     """A compressed shard: read whole (one range), decompressed, then decoded."""
 
-    def __init__(self, decoder: Decoder, entry: Entry, size: int, *, source: str,
-                 shard_name: str, on_skip: SkipCallback | None):
-        super().__init__(source=source, shard_name=shard_name, on_skip=on_skip)
+    def __init__(self, decoder: Decoder, entry: Entry, size: int, *, problems: Problems):
+        super().__init__(problems)
         self._decoder, self._entry, self._size = decoder, entry, size
         self._ranges = [(0, size)]
 
