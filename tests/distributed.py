@@ -137,3 +137,57 @@ def torchrun(script, *args, nproc: int = 2, timeout: float = 180.0, env: dict | 
                str(script), *[str(a) for a in args]]
     environ = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}
     return subprocess.run(command, capture_output=True, text=True, timeout=timeout, env=environ)
+
+
+def torchrun_nodes(script, *args, nodes: int = 2, nproc: int = 2, timeout: float = 180.0,
+                   env: dict | None = None) -> list:
+    """`nodes` torchrun processes on this machine, as on `nodes` hosts: each
+    `torchrun --nnodes nodes --nproc-per-node nproc --node-rank i --rdzv-backend c10d
+    --rdzv-endpoint 127.0.0.1:PORT script *args`, started together; returns their
+    CompletedProcess-like results (returncode, stdout, stderr; text), by node rank.
+
+    The first process hosts the rendezvous store (`--rdzv-conf is_host=1`, as the node whose
+    hostname is the endpoint's would), the others connect to it (`is_host=0`): on one machine
+    every process's address matches the endpoint, and the one that hosts must be a fixed one.
+    c10d assigns group ranks in the order the agents join, not by --node-rank. A process still
+    running at `timeout` is killed with its workers, and its result says so (returncode -9)."""
+    import subprocess
+    import sys
+    from types import SimpleNamespace
+    port = free_port()
+    environ = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}
+    procs = []
+    for node in range(nodes):
+        command = [sys.executable, "-m", "torch.distributed.run", "--nnodes", str(nodes),
+                   "--nproc-per-node", str(nproc), "--node-rank", str(node),
+                   "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}",
+                   "--rdzv-conf", f"is_host={int(node == 0)}", "--local-addr", "127.0.0.1",
+                   str(script), *[str(a) for a in args]]
+        procs.append(subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                      text=True, env=environ, start_new_session=True))
+    deadline = time.monotonic() + timeout
+    results = []
+    try:
+        for p in procs:
+            try:
+                out, err = p.communicate(timeout=max(1.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                _kill_session(p)
+                out, err = p.communicate()
+                err += f"\n[killed: still running after {timeout:.0f} s]"
+            results.append(SimpleNamespace(returncode=p.returncode, stdout=out, stderr=err))
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                _kill_session(p)
+                p.wait()
+    return results
+
+
+def _kill_session(process) -> None:
+    """SIGKILL a torchrun started with start_new_session=True, and its workers with it."""
+    import signal
+    try:
+        os.killpg(process.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
