@@ -260,13 +260,16 @@ async def test_compressed_shards_are_read_whole(tmp_path):
 
 
 async def test_the_index_is_read_once_per_directory_by_the_catalog(tmp_path):
-    """The source's catalog keeps each directory's index: its shards read it once, together.
-    The format, shared by every Loader, keeps nothing: another catalog reads it again."""
+    """The source's catalog reads each directory's index when it lists the source, and keeps
+    it for the directory's shards. The format, shared by every Loader, keeps nothing: another
+    catalog reads it again."""
     root = write(tmp_path / "ds", TEXT_COLUMNS, text_samples(60, 5))
     for _ in range(2):
         store = FileStore()
         found = await catalog(sl.Source(str(root)), store)
         assert len(found.shards) == len(shards_of(root)) > 1
+        assert len(store.lists) == 2   # at listing: the source, then the index's directory
+        assert len(store.reads_of(root / "index.json")) == 1
         await asyncio.gather(*(read_shard(s.format, Path(s.info.uri), store=store)
                                for s in found.shards))
         assert len(store.lists) == 2   # the source, then the index's directory

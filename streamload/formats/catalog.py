@@ -12,9 +12,9 @@ Companion files (an index beside its shards: `index.json`, Megatron's `.idx`, a 
 
 Formats whose shards share a directory's index (MDS, LitData: a `load_index` method) get their
 indexes from the catalog: each shard's `format` is an `Indexed`, the shared format with this
-catalog's indexes, read at most once per directory (when its first shard is opened) and passed
-to the format's `open` and `document_lengths`. The format objects, shared by every Loader of
-the process, keep no state.
+catalog's indexes, read once per directory at listing time (every directory concurrently) and
+passed to the format's `open` and `document_lengths`. The format objects, shared by every
+Loader of the process, keep no state.
 
 A `.json` name (optionally `.gz` / `.zst`) is ambiguous: Hugging Face dumps write JSON Lines
 under it, but a directory may also hold a single JSON document (a dataset card, a config).
@@ -60,10 +60,11 @@ class Shard:
 
 class Indexed:
     """A format whose shards share their directory's index (`fmt.load_index(store,
-    directory)`), with the indexes of one catalog: each read once, by the first shard of its
-    directory to open, and shared by the others (a load that failed with a StorageError is tried
-    again; a BadShard is kept, and every shard of the directory reports it). One per format and
-    catalog, used on one event loop."""
+    directory)`), with the indexes of one catalog: each read once, when the catalog lists the
+    source (`load`), and shared by the directory's shards. A load that failed (a StorageError)
+    is tried again by the next shard of the directory to open, which reports the error as it
+    would one reading its own bytes; a BadShard is kept, and every shard of the directory
+    reports it. One per format and catalog, used on one event loop."""
 
     def __init__(self, fmt: ShardFormat):
         self.format, self.name = fmt, fmt.name
@@ -84,6 +85,15 @@ class Indexed:
             if self._loads.get(directory) is task:
                 del self._loads[directory]
             raise
+
+    async def load(self, store: ObjectStore, uri: str) -> None:
+        """Read the index of the directory holding `uri` now (the catalog, at listing time).
+        A failure other than a BadShard is not kept: the directory's first shard to open meets
+        it again and reports it (listing fails only for what listing itself finds)."""
+        try:
+            await self.index(store, uri)
+        except Exception:
+            pass
 
     async def _load(self, store: ObjectStore, directory: str) -> object:
         try:
@@ -212,6 +222,9 @@ async def catalog(source: Source, store: ObjectStore) -> Catalog:
         elif not (_COMPANIONS.search(name) or name.rsplit("/", 1)[-1].startswith((".", "_"))):
             left_out.append(LeftOut(name, _hint(name, source)))
     _check_encodings(source, shards)
+    directories = {(id(s.format), s.info.uri.rsplit("/", 1)[0]): s for s in shards
+                   if isinstance(s.format, Indexed)}   # a shard per indexed directory
+    await asyncio.gather(*(s.format.load(store, s.info.uri) for s in directories.values()))
     if not shards:
         seen = ", ".join(o.uri.rsplit("/", 1)[-1] for o in objects[:5])
         raise StorageError(
