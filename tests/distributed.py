@@ -149,7 +149,7 @@ def torchrun_nodes(script, *args, nodes: int = 2, nproc: int = 2, timeout: float
     The first process hosts the rendezvous store (`--rdzv-conf is_host=1`, as the node whose
     hostname is the endpoint's would), the others connect to it (`is_host=0`): on one machine
     every process's address matches the endpoint, and the one that hosts must be a fixed one.
-    c10d assigns group ranks in the order the agents join, not by --node-rank. A process still
+    c10d numbers the nodes itself (sorted node descriptors), not by --node-rank. A process still
     running at `timeout` is killed with its workers, and its result says so (returncode -9)."""
     import subprocess
     import sys
