@@ -1,23 +1,24 @@
 """Lookahead selection: choose this step's samples from a window of W upcoming steps.
 
-When one document costs more than a rank's fair share, no single-step plan helps: whichever
-rank gets it is the straggler. What does help is the *number* of such heavy documents in a
-step. With R ranks, a step that holds k*R heavy documents gives every rank k of them, and the
-light documents even out the rest. A step with k*R + 1 has one rank carrying an extra one.
+When one document costs more than a slot's fair share (a slot: a rank, or a row under 1F1B,
+`balance_slots`), no single-step plan helps: whichever slot gets it is the straggler. What
+does help is *which step* takes it: a step whose every slot carries a document like it is
+even again. So the planner looks at W steps' worth of candidates (the coordinator keeps the
+windows that deep) and plans the step as the first of W:
 
-So the planner looks at W steps' worth of candidates (the coordinator keeps the windows that
-deep) and plans the step as the first of W:
-
-- **Rate.** The window holds H heavy documents for W steps, about H/W per step. Step 0 takes a
-  whole number of *layers* of R heavy documents, the number of layers nearest to that rate
-  (more when forced ones need it). Heavy documents left out are deferred; as they accumulate,
-  the rate rises and a later step takes another layer, so nothing starves.
+- **Layers.** A heavy document's *excess* is what it costs above the light documents' rate per
+  token. The step takes heavy documents only at one *level* of excess for all its slots
+  (`heavy_layer`): the largest level that the window's alike documents can give every slot
+  (for documents alike, one per slot), and none when the window cannot. Heavier documents
+  wait for a step of their own level, so none is the lone straggler of a step.
 - **Bounded deferral.** Every item that has waited `force_age` steps or more (2W by default:
-  `planner.DEFERRAL_WINDOWS`) is taken now, whatever it costs. Layers are completed around the forced heavy documents.
-- **Exact quotas.** Step 0 takes each source's quota in tokens, like single-step selection: the
-  forced and heavy documents count against it, and light documents in arrival order fill the
-  rest, so every step's selection is within one item of each source's quota, and so is every
-  window's. (Only forced documents may go past a quota: the deferral bound comes first.)
+  `planner.DEFERRAL_WINDOWS`) is taken now, whatever it costs; the heaviest forced one sets the
+  level, and any heavy document no heavier joins it for free.
+- **The mix over the window.** A source owed tokens this step may give its heavy documents
+  past its step quota: the mixer's carried deficit takes the overshoot back over the next
+  steps, so the mix is exact over windows of steps (not step by step). Light documents then
+  fill the quotas in arrival order, in the room the heavy ones left (a source short of light
+  ones hands its part to the others, as `step_quotas` does).
 
 The step's items then go to `assign_balanced` with the forced ones marked. Only step 0 is ever
 committed: the next step plans again over its own window (a rolling horizon), so the later
@@ -165,8 +166,8 @@ def heavy_layer(excess: np.ndarray, must: np.ndarray, free: np.ndarray, age: np.
     The step's level e is the largest excess a slot will carry: the heaviest forced item's,
     or else the largest e that the free items fit for it can give every slot. An item fits a
     level when it is no heavier than e and dense enough to reach e within a slot's tokens
-    (excess per token >= ALIKE · e / slot_tokens: attention grows with L², so half-length documents
-    cannot stand in for a full one); for items alike, that is one per slot: a layer. Items
+    (excess per token >= ALIKE · e / slot_tokens: attention grows with L², so half-length
+    documents cannot stand in for a full one); for items alike, that is one per slot. Items
     heavier than e wait for a step of their own level (or until they are forced), so none of
     them is the lone straggler of a step. The fit items then join, oldest first (then
     heaviest), while their excess stays within slots·e and their tokens within `room` (with a
