@@ -43,24 +43,6 @@ ALIKE = 0.75         # an item fits a level when a slot of it reaches this share
 step_quotas = water_fill
 
 
-def _take_quota(items: np.ndarray, lengths: np.ndarray, sources: np.ndarray, used: np.ndarray,
-                quota: np.ndarray) -> np.ndarray:
-    """Take `items` (in the given order, per source) while the source's tokens are below quota.
-
-    Updates `used` in place. Overshoots a source's quota by at most one item, like `select`.
-    """
-    if items.size == 0:
-        return items
-    order = np.argsort(sources, kind="stable")
-    items, lengths, sources = items[order], lengths[order], sources[order]
-    starts = np.searchsorted(sources, sources, side="left")
-    csum = np.cumsum(lengths)
-    before = csum - lengths - (csum[starts] - lengths[starts])     # earlier tokens, same source
-    keep = used[sources] + before < quota[sources]
-    np.add.at(used, sources[keep], lengths[keep])
-    return items[keep]
-
-
 def _take_arrival(c: Candidates, mask: np.ndarray, used: np.ndarray,
                   quota: np.ndarray) -> np.ndarray:
     """Among candidates in `mask`, per source in arrival order (position, then rank), those
