@@ -52,12 +52,27 @@ Per planner it reports
     imbalance_measured   mean over steps of max / mean of the ranks' compute (wall; _cpu: CPU)
     imbalance_predicted  the same from the cost model's rank costs
     plan_ms_median, exchanged_fraction, deferral_max
+    predicted_compute_speedup_vs_naive   the cost model's figure for cpu_speedup_vs_naive (the
+                         slowest rank's predicted compute summed over the steps, no overhead)
 Every rank checks that it ran exactly the planned tokens, and every planner must deliver the
 same total.
 
+Prediction. Per step and rank, the cost model's compute for the rank's rows (the sum over its
+documents of a*L^2 + b*L, plus the calibration's per-row constant c per non-empty row; in
+seconds with `--cost calibrate`) is printed and recorded beside the measured compute (CPU time
+on the CPU, wall time on CUDA; the median over the passes), with err = predicted / measured - 1.
+`prediction_error` summarizes |err| over every (step, rank) of every planner (median, p90, max,
+share within 10%): "raw" in seconds, "scaled" after one global factor (the median of measured /
+predicted; it takes out the FLOP model's units and a uniform drift of the machine between the
+calibration and the run, and leaves the relative costs, all that the planner uses).
+`within_10pct`: the p90 of the scaled error is at most 10% (`within_10pct_seconds`: of the
+seconds error). The calibration is its own measurement, before the run, on its own rows;
+nothing of the measured steps goes into the prediction.
+
 The cost model that the planner uses is, by default (`--cost calibrate`), fitted before the run
 on this same model, on this device and with the ranks' thread count, by `streamload.commands.calibrate`
-(rows of C, C/2 and C/4 tokens with different document mixes; CPU time on the CPU).
+(rows of C, C/2 and C/4 tokens with different document mixes, of distinct lengths as real rows
+have; CPU time on the CPU).
 `--cost transformer` uses `CostModel.transformer()` of the model's dimensions (FLOPs) instead,
 and `--cost FILE` loads a `streamload calibrate --output FILE` result.
 
@@ -84,8 +99,17 @@ The human table goes to stderr; the last line of stdout is one JSON object:
                          "imbalance_measured_cpu", "imbalance_predicted", "tokens_per_step":
                          {"p1", "p50", "p99"}, "plan_ms_median", "exchanged_fraction",
                          "deferral_mean", "deferral_max",
+                         "predicted_compute", "measured_compute": [step][rank],
+                         "predicted_compute_total", "predicted_compute_speedup_vs_naive",
+                         "prediction_error": {"raw", "scaled"},
                          "per_step": [{"tokens", "step_s", "compute_s": [per rank],
-                                       "cpu_s": [per rank], "imbalance_predicted"}, ...]}},
+                                       "cpu_s": [per rank], "imbalance_predicted",
+                                       "predicted" (model units), "measured" (s),
+                                       "error" (seconds, or scaled): [per rank]}, ...]}},
+   "predicted_compute_speedup_vs_naive": {planner: x},
+   "prediction_error": {"raw": {"median", "p90", "max", "share_within_10pct"} (null unless
+                        seconds), "bias", "scale", "scaled": {...}, "within_10pct",
+                        "within_10pct_seconds"},
    "wall_s", "loadavg_1m": [before, after], "cpu_count"}
 (per_step values are from the first pass.)
 """
@@ -346,11 +370,11 @@ def get_cost_model(args) -> tuple[CostModel, dict]:
     model = TinyTransformer(**model_config(args))
     flops = model.cost_model()
     if args.cost == "transformer":
-        return flops, {"source": "transformer", "a": flops.a, "b": flops.b,
+        return flops, {"source": "transformer", "units": "FLOPs", "a": flops.a, "b": flops.b,
                        "crossover_length": flops.crossover_length}
     if args.cost != "calibrate":
         cost = CostModel.load(args.cost)
-        return cost, {"source": args.cost, "a": cost.a, "b": cost.b,
+        return cost, {"source": args.cost, "units": "file", "a": cost.a, "b": cost.b,
                       "crossover_length": cost.crossover_length}
     # Calibrate this very model, on rank 0's device, with the ranks' thread count.
     threads = torch.get_num_threads()
@@ -360,7 +384,7 @@ def get_cost_model(args) -> tuple[CostModel, dict]:
         dtype = torch.bfloat16 if device.startswith("cuda") else torch.float32
         model = model.to(device=device, dtype=dtype)
         C = args.capacity
-        rows = calibration_rows([C, C // 2, C // 4], min_doc=64)
+        rows = calibration_rows([C, C // 2, C // 4], min_doc=64, distinct=True)
         t0 = time.perf_counter()
         times = time_rows(model, rows, warmup=1, repeats=args.calib_repeats, seed=args.seed,
                           stat="min", clock="cpu" if device == "cpu" and args.threads == 1 else "wall")
@@ -368,14 +392,70 @@ def get_cost_model(args) -> tuple[CostModel, dict]:
     finally:
         torch.set_num_threads(threads)
     cost = fit.cost_model()
-    return cost, {"source": "calibrate", "a": fit.a, "b": fit.b, "c": fit.c, "r2": fit.r2,
+    return cost, {"source": "calibrate", "units": "s", "distinct_lengths": True,
+                  "a": fit.a, "b": fit.b, "c": fit.c, "r2": fit.r2,
                   "max_rel_residual": fit.max_rel_residual,
                   "crossover_length": cost.crossover_length,
                   "flops_crossover_length": flops.crossover_length,
                   "calibrate_s": time.perf_counter() - t0}
 
 
-def summarize(name, gathered, plan, geometry: Geometry, repeats: int) -> dict:
+def predict_compute(plan, geometry: Geometry, cost: CostModel, row_constant: float) -> np.ndarray:
+    """[step, rank]: the cost model's compute for each rank's rows, the sum over its non-empty
+    rows of the row cost (document masking: the sum over the row's documents) plus the
+    calibration's per-row constant. In seconds when the model was calibrated here."""
+    M = geometry.micro_batches
+    out = np.zeros((len(plan["rows"]), geometry.ranks))
+    for i, step in enumerate(plan["rows"]):
+        for r, rows in enumerate(step):
+            lengths = [L for row in rows for L in row]
+            where = [m for m, row in enumerate(rows) for _ in row]
+            out[i, r] = float(cost.row_costs(lengths, where, M).sum()) \
+                + row_constant * sum(1 for row in rows if row)
+    return out
+
+
+def error_summary(rel: np.ndarray) -> dict:
+    """{median, p90, max} of |rel| and the share within 10%."""
+    e = np.abs(np.asarray(rel, dtype=np.float64)).reshape(-1)
+    if e.size == 0:
+        return {"median": None, "p90": None, "max": None, "share_within_10pct": None}
+    return {"median": float(np.median(e)), "p90": float(np.percentile(e, 90)),
+            "max": float(e.max()), "share_within_10pct": float(np.mean(e <= 0.10))}
+
+
+def prediction_errors(results: dict, seconds: bool) -> dict:
+    """The prediction against the measured per-(step, rank) compute, over every planner.
+
+    raw: predicted / measured - 1, when the prediction is in seconds (a calibration here);
+    scaled: the same after one global factor (the median of measured / predicted over all
+    (step, rank)), which removes the units (FLOPs) and a uniform drift of the machine's speed
+    between the calibration and the run, and leaves what the planner can get wrong: how the
+    cost spreads over ranks and steps, all the planner uses (it compares costs, never seconds).
+    within_10pct: the p90 of scaled is at most 10%; within_10pct_seconds: the same of raw."""
+    pred = np.concatenate([np.ravel(r["predicted_compute"]) for r in results.values()])
+    meas = np.concatenate([np.ravel(r["measured_compute"]) for r in results.values()])
+    ok = (pred > 0) & (meas > 0)
+    pred, meas = pred[ok], meas[ok]
+    scale = float(np.median(meas / pred)) if pred.size else 1.0
+    out = {"raw": error_summary(pred / meas - 1) if seconds else None,
+           "bias": float(np.median(pred / meas - 1)) if seconds and pred.size else None,
+           "scale": scale, "scaled": error_summary(pred * scale / meas - 1)}
+    out["within_10pct"] = out["scaled"]["p90"] is not None and out["scaled"]["p90"] <= 0.10
+    out["within_10pct_seconds"] = out["raw"]["p90"] <= 0.10 if seconds else None
+    f = 1.0 if seconds else scale
+    for name, r in results.items():
+        for st in r["per_step"]:     # err in seconds (after the scale when not in seconds)
+            st["error"] = [float(p * f / m - 1) if m > 0 else None
+                           for p, m in zip(st["predicted"], st["measured"])]
+        p_, m_ = np.asarray(r["predicted_compute"]), np.asarray(r["measured_compute"])
+        r["prediction_error"] = {"raw": error_summary(p_ / m_ - 1) if seconds else None,
+                                 "scaled": error_summary(p_ * scale / m_ - 1)}
+    return out
+
+
+def summarize(name, gathered, plan, geometry: Geometry, repeats: int,
+              predicted: np.ndarray, gpu: bool) -> dict:
     R = geometry.ranks
     steps = len(plan["rows"])
     # [pass, step, rank] arrays
@@ -395,6 +475,10 @@ def summarize(name, gathered, plan, geometry: Geometry, repeats: int) -> dict:
     pred_imb = pred.max(axis=1) / np.maximum(pred.mean(axis=1), 1e-300)
     step_tokens = planned.sum(axis=1)
     ages = [a for step in plan["age"] for a in step]
+    # The measured per-(step, rank) compute the prediction is judged against: CPU time on the
+    # CPU (what the work cost, without time lost to other load), wall time on CUDA; the median
+    # over the passes.
+    measured = np.median(compute if gpu else cpu, axis=0)
     return {
         "steps": steps,
         "ideal_steps": math.ceil(n_tokens / geometry.step_tokens),
@@ -418,11 +502,56 @@ def summarize(name, gathered, plan, geometry: Geometry, repeats: int) -> dict:
         "exchanged_fraction": float(np.mean(plan["exchanged"])),
         "deferral_mean": float(np.mean(ages)) if ages else 0.0,
         "deferral_max": int(max(ages)) if ages else 0,
+        "predicted_compute": predicted.tolist(),
+        "measured_compute": measured.tolist(),
+        "predicted_compute_total": float(predicted.max(axis=1).sum()),
         "per_step": [{"tokens": int(t), "step_s": float(s), "compute_s": [float(x) for x in cs],
-                      "cpu_s": [float(x) for x in us], "imbalance_predicted": float(p)}
-                     for t, s, cs, us, p in zip(step_tokens, step_s[0], compute[0], cpu[0],
-                                                pred_imb)],
+                      "cpu_s": [float(x) for x in us], "imbalance_predicted": float(p),
+                      "predicted": [float(x) for x in pr], "measured": [float(x) for x in me]}
+                     for t, s, cs, us, p, pr, me in zip(step_tokens, step_s[0], compute[0], cpu[0],
+                                                        pred_imb, predicted, measured)],
     }
+
+
+def print_prediction(results: dict, prediction: dict, cost_info: dict, gpu: bool, err) -> None:
+    """The cost model's prediction against the measured compute, per planner, step and rank."""
+    seconds = prediction["raw"] is not None
+    clock = "wall time" if gpu else "CPU time"
+    f = 1.0 if seconds else prediction["scale"]      # model units -> seconds
+    print(f"prediction per step and rank: the cost model's compute ({cost_info['source']}"
+          + (", seconds" if seconds else f", {cost_info.get('units')} x the global scale "
+             f"{prediction['scale']:.3g} s") + f") against the measured compute ({clock}, "
+          f"ms); err = predicted / measured - 1", file=err)
+    R = len(next(iter(results.values()))["measured_compute"][0])
+    head = f"{'planner':<10}{'step':>5}{'tokens':>8}" + "".join(
+        f"{f'r{r} pred':>9}{f'r{r} meas':>9}{f'r{r} err':>8}" for r in range(R))
+    print(head, file=err)
+    for name, r in results.items():
+        for i, st in enumerate(r["per_step"]):
+            cells = "".join(f"{p * f * 1e3:>9.1f}{m * 1e3:>9.1f}{p * f / m - 1:>+8.1%}"
+                            for p, m in zip(st["predicted"], st["measured"]))
+            print(f"{name:<10}{i:>5d}{st['tokens']:>8d}{cells}", file=err)
+    for label, key in (("seconds", "raw"), ("after the global scale", "scaled")):
+        e = prediction[key]
+        if e is None:
+            continue
+        print(f"prediction error ({label}) over every (step, rank): median {e['median']:.1%}, "
+              f"p90 {e['p90']:.1%}, max {e['max']:.1%}, {e['share_within_10pct']:.0%} within 10%"
+              + (f"; bias (median) {prediction['bias']:+.1%}" if key == "raw" else
+                 f"; scale {prediction['scale']:.3g}"), file=err)
+        for name, r in results.items():
+            pe = r["prediction_error"][key]
+            print(f"  {name:<10} median {pe['median']:.1%}  p90 {pe['p90']:.1%}  "
+                  f"max {pe['max']:.1%}", file=err)
+    print(f"prediction within 10% (p90 after the global scale): "
+          f"{'yes' if prediction['within_10pct'] else 'NO'}"
+          + (f"; in seconds: {'yes' if prediction['within_10pct_seconds'] else 'NO'} (a "
+             "uniform bias is the machine's speed drifting between the calibration and the "
+             "run, e.g. other load)" if seconds else ""), file=err)
+    spd = "  ".join(f"{n} {r['predicted_compute_speedup_vs_naive']:.3f}"
+                    + (f" (measured {r['cpu_speedup_vs_naive']:.3f})"
+                       if r.get("cpu_speedup_vs_naive") else "") for n, r in results.items())
+    print(f"compute speedup vs naive, predicted (measured in {clock}): {spd}", file=err)
 
 
 def main(argv=None) -> int:
@@ -519,10 +648,18 @@ def main(argv=None) -> int:
     mp.spawn(worker, args=(args, port, rows, order, queue), nprocs=args.ranks, join=True)
     gathered = queue.get()
 
-    results = {name: summarize(name, gathered, plans[name], geometry, args.repeats)
+    seconds = cost_info.get("units") == "s"
+    row_constant = cost_info.get("c", 0.0) if seconds else 0.0
+    results = {name: summarize(name, gathered, plans[name], geometry, args.repeats,
+                               predict_compute(plans[name], geometry, cost, row_constant), gpu)
                for name in plans}
+    prediction = prediction_errors(results, seconds)
     base = results["naive"]
     for r in results.values():
+        # The model's own figure for what cpu_speedup_vs_naive measures (the slowest rank's
+        # compute summed over the steps; no step overhead).
+        r["predicted_compute_speedup_vs_naive"] = \
+            base["predicted_compute_total"] / r["predicted_compute_total"]
         r["speedup_vs_naive"] = base["total_s"] / r["total_s"]
         r["cpu_speedup_vs_naive"] = base["cpu_total_s"] / r["cpu_total_s"] if not gpu else None
         r["predicted_speedup_vs_naive"] = base["predicted_cost"] / r["predicted_cost"]
@@ -558,6 +695,7 @@ def main(argv=None) -> int:
           "same in CPU time of the slowest rank's compute; pred spd the cost model's (with the "
           "step overhead); step spd = naive median step s / this one (the per-step figure)",
           file=err)
+    print_prediction(results, prediction, cost_info, gpu, err)
     for name, r in results.items():
         # A planner that takes other step counts than naive can win per step and lose on the
         # same tokens (or the reverse); with equal step counts the two differ by noise only.
@@ -588,6 +726,9 @@ def main(argv=None) -> int:
                                        for n, r in results.items()},
         "per_step_speedup_vs_naive": {n: r["per_step_speedup_vs_naive"]
                                       for n, r in results.items()},
+        "predicted_compute_speedup_vs_naive": {n: r["predicted_compute_speedup_vs_naive"]
+                                               for n, r in results.items()},
+        "prediction_error": prediction,
         "results": results, "wall_s": time.perf_counter() - t_start,
         # Other work on the machine slows the ranks unevenly; a 1-minute load average well
         # above the ranks' thread count means the timings are noisy.

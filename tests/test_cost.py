@@ -199,6 +199,42 @@ def test_doc_attention_matches_block_diagonal_mask():
         doc_attention(q, k, v, [1, 2])
 
 
+def test_doc_attention_backward_has_no_per_call_slice():
+    """Issue 20: one slice per call made the backward O(calls x row tokens) (each slice's
+    gradient is a zeroed tensor of the whole row), so rows of many documents cost far more than
+    the cost model said. The row is cut with one split or one gather instead."""
+    torch = pytest.importorskip("torch")
+    from streamload.commands.calibrate import doc_attention
+    for lengths, max_calls in [([5, 9, 9, 3, 5, 1], 32), ([5, 9, 9, 3, 5, 1], 1)]:
+        T = sum(lengths)
+        q, k, v = (torch.randn(T, 2, 8, requires_grad=True) for _ in range(3))
+        out = doc_attention(q, k, v, lengths, max_calls=max_calls)
+        names, seen, todo = [], set(), [out.grad_fn]
+        while todo:
+            node = todo.pop()
+            if node is None or node in seen:
+                continue
+            seen.add(node)
+            names.append(type(node).__name__)
+            todo.extend(fn for fn, _ in node.next_functions)
+        assert not any(n.startswith("SliceBackward") for n in names), names
+        assert sum(n.startswith("IndexSelectBackward") for n in names) <= 4   # q, k, v, out
+
+
+def test_calibration_rows_distinct_lengths():
+    from streamload.commands.calibrate import calibration_rows, spread
+    equal = calibration_rows([2048, 1024, 512], 64)
+    distinct = calibration_rows([2048, 1024, 512], 64, distinct=True)
+    assert len(distinct) == len(equal)
+    for e, d in zip(equal, distinct):
+        assert sum(d) == sum(e) and len(d) == len(e)
+        assert len(set(d)) == len(d)                   # one attention call per document
+        assert max(abs(x - y) for x, y in zip(sorted(d), sorted(e))) <= len(e) // 2
+    assert spread([7, 7, 7]) == [6, 8, 7]
+    assert spread([1, 1]) == [1, 1]                    # cannot spread below 1 token
+    assert spread([4, 9, 4]) == [3, 9, 5]
+
+
 def test_tiny_transformer_cost_model_and_step():
     torch = pytest.importorskip("torch")
     from streamload.commands.calibrate import TinyTransformer

@@ -2,9 +2,12 @@
 
 It times forward plus backward of a transformer block (real `scaled_dot_product_attention`,
 document masking) over packed rows. Rows of the same total length hold different mixes of
-document lengths (1 document of T tokens, 2 of T/2, ..., T/64 of 64, and one mixed row), so
-they do the same linear work and different attention work; rows of different total lengths
-(T, T/2, T/4) separate the linear part from a per-row constant. Then it fits
+document lengths (1 document of T tokens, 2 of about T/2, ..., T/64 of about 64, and one mixed
+row), so they do the same linear work and different attention work; rows of different total
+lengths (T, T/2, T/4) separate the linear part from a per-row constant. The documents of a row
+have distinct lengths (T/2 - 1 and T/2 + 1, ...; `--equal-lengths` for exact ones), as real
+data has: `doc_attention` batches a run of equal lengths into one call, so equal lengths would
+time a cheaper kernel than real rows get. Then it fits
 
     time(row) = a · Σ L² + b · Σ L + c        (sums over the row's documents)
 
@@ -29,6 +32,15 @@ to do that with SDPA:
   block-diagonal mask (tests check it against `document_mask`). On CUDA, a varlen
   flash-attention kernel would do the same work in one call; SDPA per document keeps one code
   path that runs on the CPU too.
+
+What one a cannot capture. A real kernel's attention cost is not exactly a·L²: PyTorch's CPU
+flash-attention kernel tiles the square in blocks whose size changes with L, so (issue 20,
+`benchmarks/train_step.py`'s 2-layer d_model = 128 model, forward plus backward, one thread) a
+document costs about 12 ns·L² below 256 tokens, 30 ns·L² at 256 to 512, 25 at 768, 19 at 2048
+and 15 at 4096. The fit is a compromise over the lengths of its rows; a rank whose rows are
+all mid-length documents runs up to about 15% above the prediction, one with documents of C
+tokens a few % below (GPU kernels have tiles too). The rows' documents should span the
+lengths of the data.
 
 The a and b measured here are in seconds for `--layers` blocks (default 1). A model of n such
 blocks costs about n times as much for both terms, which leaves the ratio a/b, and so the
@@ -132,9 +144,16 @@ def synchronize(device: str) -> None:
         torch.cuda.synchronize(device)
 
 
-def calibration_rows(totals, min_doc: int) -> list[list[int]]:
+def calibration_rows(totals, min_doc: int, distinct: bool = False) -> list[list[int]]:
     """For each total T: rows of T/L documents of L tokens (L = T, T/2, ..., >= min_doc), plus
-    one mixed row (T/2, T/4, ..., min_doc, min_doc)."""
+    one mixed row (T/2, T/4, ..., min_doc, min_doc).
+
+    `distinct=True` spreads the documents of each length in a row to distinct lengths with the
+    same total (L-1, L+1, L-2, L+2, ..., and L itself when their count is odd), as in real
+    packed rows. `doc_attention` makes one batched SDPA call of a run of equal lengths, so a
+    row of k equal documents costs one call where k real documents cost k: rows of equal
+    lengths measure a cheaper kernel than the data ever gets.
+    """
     rows = []
     for T in totals:
         L = T
@@ -150,7 +169,28 @@ def calibration_rows(totals, min_doc: int) -> list[list[int]]:
             mixed.append(T - sum(mixed))
             if len(set(mixed)) > 1:
                 rows.append(mixed)
-    return rows
+    return [spread(r) for r in rows] if distinct else rows
+
+
+def spread(row: list[int]) -> list[int]:
+    """The row with each group of n equal lengths L made distinct around L with the same sum:
+    L-1, L+1, L-2, L+2, ... (and L when n is odd). Lengths stay >= 1."""
+    out, seen = [], {}
+    for L in row:
+        j = seen.get(L, 0)
+        seen[L] = j + 1
+        out.append((j, L))
+    counts = {L: n for L, n in seen.items()}
+    result = []
+    for j, L in out:
+        n = counts[L]
+        if n == 1 or (n % 2 and j == n - 1):
+            result.append(L)
+        else:
+            result.append(L + (j // 2 + 1) * (1 if j % 2 else -1))
+    if sum(result) != sum(row) or min(result) < 1:
+        return list(row)     # too short to spread (documents of 1 or 2 tokens): keep them
+    return result
 
 
 def time_rows(model, rows, *, warmup: int = 1, repeats: int = 3, seed: int = 0,
@@ -214,7 +254,7 @@ def calibrate(*, device: str = "auto", d_model: int | None = None, heads: int | 
               ffn_mult: int = 4, layers: int = 1, totals=None, min_doc: int | None = None,
               dtype: str | None = None, warmup: int = 1, repeats: int = 3, quick: bool = False,
               threads: int | None = None, seed: int = 0, constant: bool = True,
-              stat: str = "median", clock: str = "wall") -> dict:
+              stat: str = "median", clock: str = "wall", distinct: bool = True) -> dict:
     """Measure and fit; returns the JSON-able record that `calibrate_main` prints last."""
     torch = _torch()
     device = resolve_device(device)
@@ -232,7 +272,7 @@ def calibrate(*, device: str = "auto", d_model: int | None = None, heads: int | 
         used_threads = torch.get_num_threads()
         torch.manual_seed(seed)
         model = Blocks(d_model, heads, ffn_mult, layers, device, getattr(torch, dtype_name))
-        rows = calibration_rows(totals, min_doc)
+        rows = calibration_rows(totals, min_doc, distinct=distinct)
         t0 = time.perf_counter()
         times = time_rows(model, rows, warmup=warmup, repeats=repeats, seed=seed, stat=stat,
                           clock=clock)
@@ -246,7 +286,7 @@ def calibrate(*, device: str = "auto", d_model: int | None = None, heads: int | 
     return {
         "device": device, "device_name": dev_name, "dtype": dtype_name,
         "threads": used_threads, "stat": stat, "clock": clock,
-        "repeats": repeats,
+        "repeats": repeats, "distinct_lengths": distinct,
         "d_model": d_model, "heads": heads, "ffn_mult": ffn_mult, "layers": layers,
         "a": fit.a, "b": fit.b, "c": fit.c, "r2": fit.r2,
         "max_rel_residual": fit.max_rel_residual,
@@ -312,6 +352,10 @@ def calibrate_main(argv: list[str] | None = None) -> int:
                    help="wall time (default), or this thread's CPU time (CPU device with --threads 1; "
                         "ignores time lost to other load)")
     p.add_argument("--no-constant", action="store_true", help="fit without the per-row constant c")
+    p.add_argument("--equal-lengths", action="store_true",
+                   help="rows of equal document lengths (one batched attention call per row) "
+                        "instead of distinct lengths around them (one call per document, as "
+                        "in real data; the default)")
     p.add_argument("--quick", action="store_true", help="smaller rows and fewer repeats (~10 s on 2 CPU cores)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--output", "-o", default=None,
@@ -323,7 +367,7 @@ def calibrate_main(argv: list[str] | None = None) -> int:
                            min_doc=args.min_doc, dtype=args.dtype, warmup=args.warmup,
                            repeats=args.repeats or (3 if args.quick else 5), quick=args.quick,
                            threads=args.threads, seed=args.seed, constant=not args.no_constant,
-                           stat=args.stat, clock=args.clock)
+                           stat=args.stat, clock=args.clock, distinct=not args.equal_lengths)
     except ValueError as e:
         print(f"calibrate: {e}", file=sys.stderr)
         return 2
