@@ -133,3 +133,31 @@ def test_a_rank_closing_early_is_an_error_for_the_others(tmp_path):
     results = run_ranks(close_job, 2, str(tmp_path / "a"), [3, 10_000], timeout=60)
     assert results[0].startswith("closed in"), results
     assert results[1].startswith("DistributedError") and "rank 0 closed its loader" in results[1], results
+
+
+def endless_epochs_job(rank, world, root, steps):
+    import streamload as sl
+    # `rare` has one shard: one rank is dealt none of it, epoch after epoch (epochs=None).
+    sources = [sl.Source(os.path.join(root, "web"), weight=0.8),
+               sl.Source(os.path.join(root, "rare"), weight=0.2)]
+    seen = []
+    with sl.Loader(sources, micro_batch_tokens=256, micro_batches=1, epochs=None,
+                   collective_timeout_s=60) as loader:
+        for batch in loader:
+            seen.append((batch.epoch, len(batch.micro_batches)))
+            if len(seen) == steps:
+                break
+    return seen
+
+
+def test_a_rank_with_no_shard_of_a_source_does_not_hang_endless_epochs(tmp_path):
+    """Fewer shards than ranks with epochs=None: the rank dealt no shard of `rare` finished
+    each of its epochs of it at once and went on to the next without ever yielding to the
+    event loop (end-of-epoch markers without end): the job hung. The fetcher now waits while
+    two epoch ends are still unconsumed."""
+    write_jsonl_source(tmp_path, "web", shards=2, per_shard=20, seed=11)
+    write_jsonl_source(tmp_path, "rare", shards=1, per_shard=10, seed=12)
+    results = run_ranks(endless_epochs_job, 2, str(tmp_path), 120, timeout=60)
+    assert [len(r) for r in results] == [120, 120]
+    assert results[0] == results[1]                    # the same epochs and rows on both ranks
+    assert max(e for e, _ in results[0]) >= 2, results[0][-1]   # through several epoch ends

@@ -170,7 +170,7 @@ def test_window_matches_source_buffer():
     async def run():
         buffer = SourceBuffer(10 ** 9, W)
         await buffer.put(Item(0, i, -1, np.zeros(n, np.int32)) for i, n in enumerate(lengths))
-        buffer.end_epoch(0)
+        await buffer.end_epoch(0)
         window = _Window(lengths)
         for _ in range(200):
             items, done = buffer.window()

@@ -29,6 +29,9 @@ class Item:
         return self.tokens.shape[0]
 
 
+MAX_PENDING_EPOCHS = 2   # end-of-epoch markers a producer may put ahead of the steps
+
+
 class EndOfEpoch:
     __slots__ = ("epoch",)
 
@@ -73,7 +76,14 @@ class SourceBuffer:
                 self._head_tokens += len(item)
         self._changes.notify()
 
-    def end_epoch(self, epoch: int) -> None:
+    async def end_epoch(self, epoch: int) -> None:
+        """Mark the end of `epoch`; waits while MAX_PENDING_EPOCHS ends are still unconsumed.
+        A rank dealt no shard of a source ends its epochs of it without reading anything: with
+        epochs=None it would append markers for ever without yielding to the loop (the job
+        hung), so the producer stays at most that many epochs ahead of the steps."""
+        while self._markers >= MAX_PENDING_EPOCHS and self._error is None:
+            await self._changes.wait()
+        self._raise_if_failed()
         self._entries.append(EndOfEpoch(epoch))
         self._markers += 1
         self._changes.notify()

@@ -56,7 +56,7 @@ class SourceFetcher:
             # An endless layout (on_exhausted="restart") streams pass after pass: never returns.
             await self._read_units(layout.stream(self.rank), endless=layout.endless)
             self.skips.check(final=True)
-            self.buffer.end_epoch(epoch)
+            await self.buffer.end_epoch(epoch)
             self.ages = None   # restored ages apply to the resumed epoch only
             epoch += 1
 
