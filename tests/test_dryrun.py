@@ -268,3 +268,26 @@ def test_plan_planner_flag_overrides_the_file_and_the_tail_is_reported_apart(cor
     assert rc == 0 and estimate["steps_per_epoch"]["exact"] is False
     exact = summaries["balanced"]["steps"]
     assert abs(estimate["steps_per_epoch"]["steps"] - exact) <= max(2, 0.1 * exact)
+
+
+def test_plan_reports_micro_batch_costs_and_the_1f1b_step_time(corpus, capsys):
+    """Issue 20: per (rank, micro-batch) costs and the step's time under the pipeline model in
+    `plan --json`, and the summary's balance efficiency (the work spread evenly over every row,
+    over the 1F1B time)."""
+    from streamload.plan.cost import pipeline_time
+    path = write(corpus, "pipelined.toml",
+                 LOADER.replace("seed = 3", "seed = 3\npipeline_stages = 2") + SOURCES)
+    result = plan_json(capsys, path)
+    summary, steps = result["summary"], result["steps"]
+    assert summary["pipeline_stages"] == 2
+    bound = total = 0.0
+    for step in steps:
+        rows = np.array(step["row_cost"])
+        assert rows.shape == (4, 2)
+        np.testing.assert_allclose(rows.sum(axis=1), step["rank_cost"], rtol=1e-9)
+        assert step["step_time"] == pytest.approx(pipeline_time(rows, 2).max())
+        bound += rows.sum() / 4 * (2 + 2 - 1) / (2 * 2)
+        total += step["step_time"]
+    assert summary["step_time_total"] == pytest.approx(total)
+    assert summary["balance_efficiency"] == pytest.approx(bound / total)
+    assert 0.5 < summary["balance_efficiency"] <= 1.0 + 1e-9

@@ -31,6 +31,8 @@ def summarize(spec: LoaderSpec, reports: Sequence[StepReport]) -> dict:
     out: dict = {"steps": len(reports), "by": spec.mixture.by}
     if not reports:
         return {**out, "imbalance_mean": None, "imbalance_max": None, "mix_max_abs_dev": None,
+                "pipeline_stages": None, "step_time_total": None, "balance_efficiency": None,
+                "row_cost_max": None,
                 "mix_step_max_abs_dev": None, "mix_tail_max_abs_dev": None, "mix": None, "max_deferral": None, "fill_mean": None,
                 "sources": {n: {} for n in names}}
     share = np.array([r.share for r in reports]).reshape(-1, S)
@@ -47,6 +49,8 @@ def summarize(spec: LoaderSpec, reports: Sequence[StepReport]) -> dict:
                       ).reshape(-1, S)
     step_dev = np.abs(share - target)[all_active]
     imbalance = np.array([r.imbalance for r in reports])
+    stages = spec.config().pipeline_stages or 1
+    out.update(step_time_summary(reports, stages))
     out.update({
         "imbalance_mean": float(imbalance.mean()), "imbalance_max": float(imbalance.max()),
         "max_rank_cost": float(max(r.rank_cost.max() for r in reports)),
@@ -74,6 +78,23 @@ def summarize(spec: LoaderSpec, reports: Sequence[StepReport]) -> dict:
              "min_step_share": float(lq[:, i].min())}
             for i, q in enumerate(spec.mixture.quotas)]
     return out
+
+
+def step_time_summary(reports: Sequence[StepReport], stages: int) -> dict:
+    """The steps' predicted time under the pipeline model (`cost.pipeline_time`: each rank's
+    1F1B time over its micro-batches, the slowest rank's per step) and the balance efficiency:
+    the same work spread evenly over every (rank, micro-batch), over that time (1.0: no rank
+    and no micro-batch waits)."""
+    rows = [r.row_cost for r in reports if r.row_cost is not None and r.row_cost.size]
+    if not rows:
+        return {"pipeline_stages": stages, "step_time_total": None, "balance_efficiency": None,
+                "row_cost_max": None}
+    R, M = rows[0].shape
+    bound = sum(float(x.sum()) for x in rows) / R * (M + stages - 1) / (M * stages)
+    total = float(sum(r.step_time for r in reports))
+    return {"pipeline_stages": stages, "step_time_total": total,
+            "balance_efficiency": bound / total if total > 0 else None,
+            "row_cost_max": float(max(float(x.max()) for x in rows))}
 
 
 def steps_per_epoch(spec: LoaderSpec, scans: Sequence, reports: Sequence[StepReport],
@@ -134,6 +155,10 @@ def format_summary(summary: dict) -> list[str]:
              f"{summary['epochs']} epoch(s)",
              f"imbalance: mean {summary['imbalance_mean']:.4f}, max "
              f"{summary['imbalance_max']:.4f} (max rank cost {summary['max_rank_cost']:.4g})",
+             f"step time (1F1B over {summary['pipeline_stages']} stage(s)): "
+             f"{summary['step_time_total']:.4g} in all; balance efficiency "
+             f"{summary['balance_efficiency']:.4f} (the same work spread evenly over every "
+             f"rank and micro-batch, over that)",
              "taken: " + ", ".join(f"{name} {s['tokens']:,} tokens, {s['samples']:,} items"
                                    for name, s in summary["sources"].items())]
     lines += format_mix(summary["mix"], summary.get("by", "tokens"))
