@@ -25,7 +25,6 @@ from __future__ import annotations
 import datetime
 import hashlib
 import json
-import queue as queue_module
 import shutil
 import sys
 import time
@@ -38,7 +37,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import _long_tail  # noqa: E402
-from epoch import free_port  # noqa: E402   (sets OMP_NUM_THREADS & co. to 1 if unset)
+from epoch import spawn_ranks  # noqa: E402   (sets OMP_NUM_THREADS & co. to 1 if unset)
 
 VERSION = 1
 WORKDIR = "/tmp/streamload-long-context"
@@ -143,39 +142,7 @@ def run_rank(rank: int, world: int, port: int, root: str, options: dict, queue) 
 
 def run_ranks(world: int, root, options: dict, timeout: float = TIMEOUT_S) -> list[dict]:
     """Spawn `world` ranks of one epoch; their records, by rank. Raises if a rank fails."""
-    import multiprocessing as mp
-    ctx = mp.get_context("spawn")
-    queue = ctx.Queue()
-    port = free_port()
-    procs = [ctx.Process(target=run_rank, args=(r, world, port, str(root), options, queue))
-             for r in range(world)]
-    for p in procs:
-        p.start()
-    results: dict[int, dict] = {}
-    deadline = time.monotonic() + timeout
-    try:
-        while len(results) < world:
-            try:
-                item = queue.get(timeout=1.0)
-            except queue_module.Empty:
-                dead = [r for r, p in enumerate(procs)
-                        if p.exitcode not in (None, 0) and r not in results]
-                if dead:
-                    raise RuntimeError(f"rank(s) {dead} exited with "
-                                       f"{[procs[r].exitcode for r in dead]} and no result")
-                if time.monotonic() > deadline:
-                    raise RuntimeError(f"R={world}: no result after {timeout:.0f}s")
-                continue
-            if "error" in item:
-                raise RuntimeError(f"rank {item['rank']} of {world} failed:\n{item['error']}")
-            results[item["rank"]] = item
-    finally:
-        for p in procs:
-            p.join(timeout=30)
-            if p.is_alive():
-                p.kill()
-                p.join()
-    return [results[r] for r in range(world)]
+    return spawn_ranks(run_rank, world, timeout, str(root), options)
 
 
 # -- scoring --------------------------------------------------------------------------------

@@ -195,13 +195,15 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def run_loader(world: int, corpus, options: dict, timeout: float) -> list[dict]:
-    """Spawn `world` ranks; return their records, by rank. Raises if a rank fails."""
+def spawn_ranks(target, world: int, timeout: float, *args) -> list[dict]:
+    """Spawn `world` processes of `target(rank, world, port, *args, queue)` (gloo on a free
+    loopback port); each puts one dict on the queue ({"rank", ...}, or {"rank", "error"}).
+    Returns them by rank. Raises if a rank fails, exits without a result or times out."""
     import multiprocessing as mp
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
     port = free_port()
-    procs = [ctx.Process(target=run_rank, args=(r, world, port, corpus, options, queue))
+    procs = [ctx.Process(target=target, args=(r, world, port, *args, queue))
              for r in range(world)]
     for p in procs:
         p.start()
@@ -230,6 +232,11 @@ def run_loader(world: int, corpus, options: dict, timeout: float) -> list[dict]:
                 p.kill()
                 p.join()
     return [results[r] for r in range(world)]
+
+
+def run_loader(world: int, corpus, options: dict, timeout: float) -> list[dict]:
+    """Spawn `world` ranks; return their records, by rank. Raises if a rank fails."""
+    return spawn_ranks(run_rank, world, timeout, corpus, options)
 
 
 def loader_config(world: int, planner: str, corpus, args, expected_ids: dict) -> dict:

@@ -9,6 +9,8 @@ from streamload.plan.cost import CostModel
 from streamload.plan.planner import Planner
 from streamload.plan.types import Candidates, Geometry
 
+from planloop import offer_steps
+
 
 @pytest.mark.parametrize("method", ["naive", "balanced", "lookahead"])
 def test_overdue_items_are_taken_first_at_one_rank(method):
@@ -51,24 +53,6 @@ def test_pipeline_aware_balancing_lowers_the_1f1b_time():
     assert times[P] < 0.95 * times[1], times
 
 
-def _offer(corpus, ages, planner, targets, steps):
-    """Coordinator loop over fixed windows (all offered every step); returns (c, plan) per step."""
-    plans = []
-    for step in range(steps):
-        c = Candidates.from_windows([[np.array(x, np.int64) for x in rank] for rank in corpus],
-                                    [[np.array(x, np.int64) for x in rank] for rank in ages])
-        a = planner.assign(c, targets, step)
-        plans.append((c, a))
-        gone, i = set(a.take.tolist()), 0
-        for s in range(c.num_sources):
-            for r in range(c.num_ranks):
-                keep = [k for k in range(len(corpus[r][s])) if i + k not in gone]
-                i += len(corpus[r][s])
-                corpus[r][s] = [corpus[r][s][k] for k in keep]
-                ages[r][s] = [ages[r][s][k] + 1 for k in keep]
-    return plans
-
-
 def test_outliers_wait_for_a_step_that_gives_every_slot_one():
     """Two ranks of two rows under two pipeline stages: four slots. Full-row documents arrive
     scattered through the stream, one or two at a time. The lookahead keeps them until it can
@@ -85,7 +69,7 @@ def test_outliers_wait_for_a_step_that_gives_every_slot_one():
     ages = [[[0] * len(x) for x in rank] for rank in corpus]
     planner = Planner(Geometry(R, M, C, P), cost, method="lookahead", lookahead=W)
     targets = np.array([float(R * M * C)])
-    plans = _offer(corpus, ages, planner, targets, steps=8)
+    plans = offer_steps(corpus, ages, planner, targets, steps=8)
     heavy_steps = [(step, a) for step, (c, a) in enumerate(plans) if (a.length == C).any()]
     assert heavy_steps, "the full-row documents were never taken"
     for step, a in heavy_steps:

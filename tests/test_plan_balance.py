@@ -13,6 +13,8 @@ from streamload.plan.naive import finish
 from streamload.plan.planner import Planner
 from streamload.plan.types import Assignment, Candidates, Geometry
 
+from planloop import offer_steps
+
 pytestmark = pytest.mark.core
 
 
@@ -106,21 +108,7 @@ def _run(method: str, windows_per_step, geometry, cost, targets, steps, window=4
     corpus = [[list(x) for x in rank] for rank in windows_per_step]
     ages = [[[0] * len(x) for x in rank] for rank in corpus]
     planner = Planner(geometry, cost, method=method, lookahead=window, max_age=None)
-    plans = []
-    for step in range(steps):
-        c = Candidates.from_windows([[np.array(x, np.int64) for x in rank] for rank in corpus],
-                                    [[np.array(x) for x in rank] for rank in ages])
-        a = planner.assign(c, targets, step)
-        plans.append((c, a))
-        gone = set(a.take.tolist())
-        i = 0
-        for s in range(c.num_sources):
-            for r in range(c.num_ranks):
-                keep = [k for k in range(len(corpus[r][s])) if i + k not in gone]
-                i += len(corpus[r][s])
-                corpus[r][s] = [corpus[r][s][k] for k in keep]
-                ages[r][s] = [ages[r][s][k] + 1 for k in keep]
-    return plans
+    return offer_steps(corpus, ages, planner, targets, steps)
 
 
 def test_lookahead_puts_expensive_documents_in_the_same_step():
