@@ -23,12 +23,11 @@ sys.exit(status or (3 if heavy else 0))
 """
 
 
+# The demo too: tests/test_cli.py runs each of its demos through CHECK (one demo run less).
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("command", [
-    ["--version"], ["inspect", "{tmp}/web"], ["inspect", "--help"],
-    # The demo's ranks import torch; its own process (moto, the dry run, the summary) need not.
-    ["demo", "--small", "--plot", "", "--workdir", "{tmp}/demo"]],
-    ids=["version", "inspect", "inspect-help", "demo-small"])
+    ["--version"], ["inspect", "{tmp}/web"], ["inspect", "--help"]],
+    ids=["version", "inspect", "inspect-help"])
 def test_command_does_not_import_torch(tmp_path, command):
     write_jsonl_source(tmp_path, "web", shards=2, per_shard=20, seed=1)
     argv = [part.format(tmp=tmp_path) for part in command]
