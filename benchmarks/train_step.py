@@ -70,9 +70,11 @@ seconds error). The calibration is its own measurement, before the run, on its o
 nothing of the measured steps goes into the prediction.
 
 The cost model that the planner uses is, by default (`--cost calibrate`), fitted before the run
-on this same model, on this device and with the ranks' thread count, by `streamload.commands.calibrate`
-(rows of C, C/2 and C/4 tokens with different document mixes, of distinct lengths as real rows
-have; CPU time on the CPU).
+on this same model by `streamload.commands.calibrate`'s rows and fit (rows of C, C/2 and C/4
+tokens with different document mixes, of distinct lengths as real rows have), timed in the
+ranks themselves, all at once, on their devices and with their thread count, as they then run
+the steps (CPU time on the CPU; a row's time is the median of --calib-repeats passes, the mean
+over the ranks).
 `--cost transformer` uses `CostModel.transformer()` of the model's dimensions (FLOPs) instead,
 and `--cost FILE` loads a `streamload calibrate --output FILE` result.
 
@@ -363,9 +365,45 @@ def free_port() -> int:
 
 
 # ------------------------------------------------------------------------------------ main
+def mp_context():
+    import torch.multiprocessing as mp
+    return mp.get_context("spawn")
+
+
+def calibrate_worker(rank: int, args, port: int, rows, result_queue) -> None:
+    """Time the calibration rows on this rank (all ranks at once); rank 0 gets every rank's
+    times, [rank][row]: the minimum over --calib-repeats passes, CPU time on the CPU with one
+    thread, else wall time."""
+    import torch
+    import torch.distributed as dist
+    from streamload.commands.calibrate import TinyTransformer, time_rows
+
+    torch.set_num_threads(args.threads)
+    torch.set_num_interop_threads(1)
+    device = rank_device(args, rank)
+    if device.startswith("cuda"):
+        torch.cuda.set_device(device)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                            world_size=args.ranks, timeout=timedelta(seconds=300))
+    try:
+        torch.manual_seed(args.seed)
+        dtype = torch.bfloat16 if device.startswith("cuda") else torch.float32
+        model = TinyTransformer(**model_config(args)).to(device=device, dtype=dtype)
+        dist.barrier()
+        times = time_rows(model, rows, warmup=1, repeats=args.calib_repeats,
+                          seed=args.seed + rank, stat=args.calib_stat,
+                          clock="cpu" if device == "cpu" and args.threads == 1 else "wall")
+        gathered = [None] * args.ranks
+        dist.all_gather_object(gathered, times)
+        if rank == 0:
+            result_queue.put(gathered)
+    finally:
+        dist.destroy_process_group()
+
+
 def get_cost_model(args) -> tuple[CostModel, dict]:
     import torch
-    from streamload.commands.calibrate import TinyTransformer, calibration_rows, fit_rows, time_rows
+    from streamload.commands.calibrate import TinyTransformer, calibration_rows, fit_rows
     torch.manual_seed(args.seed)
     model = TinyTransformer(**model_config(args))
     flops = model.cost_model()
@@ -376,23 +414,22 @@ def get_cost_model(args) -> tuple[CostModel, dict]:
         cost = CostModel.load(args.cost)
         return cost, {"source": args.cost, "units": "file", "a": cost.a, "b": cost.b,
                       "crossover_length": cost.crossover_length}
-    # Calibrate this very model, on rank 0's device, with the ranks' thread count.
-    threads = torch.get_num_threads()
-    torch.set_num_threads(args.threads)
-    try:
-        device = rank_device(args, 0)
-        dtype = torch.bfloat16 if device.startswith("cuda") else torch.float32
-        model = model.to(device=device, dtype=dtype)
-        C = args.capacity
-        rows = calibration_rows([C, C // 2, C // 4], min_doc=64, distinct=True)
-        t0 = time.perf_counter()
-        times = time_rows(model, rows, warmup=1, repeats=args.calib_repeats, seed=args.seed,
-                          stat="min", clock="cpu" if device == "cpu" and args.threads == 1 else "wall")
-        fit = fit_rows(rows, times)
-    finally:
-        torch.set_num_threads(threads)
+    # Calibrate this very model, in the ranks themselves: every rank times the calibration
+    # rows at the same time, on its device and with its thread count, as it will run the
+    # steps, so the calibration shares the machine as the run does (one process calibrating
+    # alone, then two ranks running, is another load). A row's time is the mean over the ranks.
+    C = args.capacity
+    rows = calibration_rows([C, C // 2, C // 4], min_doc=64, distinct=True)
+    t0 = time.perf_counter()
+    queue = mp_context().SimpleQueue()
+    import torch.multiprocessing as mp
+    mp.spawn(calibrate_worker, args=(args, free_port(), rows, queue), nprocs=args.ranks, join=True)
+    per_rank = np.array(queue.get(), dtype=np.float64)        # [rank, row]
+    times = per_rank.mean(axis=0)
+    fit = fit_rows(rows, times)
     cost = fit.cost_model()
     return cost, {"source": "calibrate", "units": "s", "distinct_lengths": True,
+                  "in_ranks": args.ranks,
                   "a": fit.a, "b": fit.b, "c": fit.c, "r2": fit.r2,
                   "max_rel_residual": fit.max_rel_residual,
                   "crossover_length": cost.crossover_length,
@@ -588,8 +625,11 @@ def main(argv=None) -> int:
     p.add_argument("--threads", type=int, default=1, help="torch threads per rank (default 1)")
     p.add_argument("--cost", default=None,
                    help="calibrate (default), transformer (quick default), or a calibrate --output JSON file")
-    p.add_argument("--calib-repeats", type=int, default=2,
-                   help="timed passes per calibration row; the minimum is kept (default 2)")
+    p.add_argument("--calib-repeats", type=int, default=3,
+                   help="timed passes per calibration row (default 3)")
+    p.add_argument("--calib-stat", choices=["median", "min"], default="median",
+                   help="a calibration row's time over its passes (default median: like one "
+                        "measured step; the minimum of a few passes sits below a typical one)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--quick", action="store_true", help="smaller rows and stream (~20 s on 2 CPU cores)")
     args = p.parse_args(argv)
