@@ -47,7 +47,8 @@ async def test_memory_gate_admits(case):
     gate.observed = observed
     gate.set_head(head)
     assert await admitted(gate, n, owner) is expected
-    assert gate.used == sum(held.values()) + (n if expected else 0)   # a cancelled wait took nothing
+    # A cancelled wait took nothing.
+    assert gate.used == sum(held.values()) + (n if expected else 0)
 
 
 async def test_memory_gate_wakes_waiters_on_release_and_on_a_new_limit():

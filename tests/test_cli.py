@@ -131,7 +131,8 @@ def test_help_and_no_command(capsys):
     assert "--planner" in capsys.readouterr().out
 
 
-def _run_demo(cwd: Path, *args: str, timeout: float = 300) -> tuple[subprocess.CompletedProcess, dict]:
+def _run_demo(cwd: Path, *args: str,
+              timeout: float = 300) -> tuple[subprocess.CompletedProcess, dict]:
     """`streamload demo ARGS` in a fresh interpreter, which also reports whether the demo's own
     process imported torch (test_cli_imports.CHECK: exit code 3 if it did)."""
     from test_cli_imports import CHECK
