@@ -15,9 +15,11 @@ pytestmark = pytest.mark.timeout(180)
 
 
 def make_corpus(root):
-    # "small" has the larger weight but runs out well before "big": the epoch has a tail.
-    write_jsonl_source(root, "small", shards=2, per_shard=40, median=150, seed=1)
-    write_jsonl_source(root, "big", shards=3, per_shard=120, median=150, seed=2)
+    # "small" has the larger weight but runs out well before "big": the epoch has a tail. It
+    # holds several times the default lookahead's windows (8 steps of its share), else its
+    # windows hold all it has from the first step and no step has every source active.
+    write_jsonl_source(root, "small", shards=2, per_shard=160, median=150, seed=1)
+    write_jsonl_source(root, "big", shards=3, per_shard=480, median=150, seed=2)
 
 
 def mix_job(rank, world, root):
