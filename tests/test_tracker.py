@@ -101,10 +101,10 @@ def test_tracker_progress_holds_exactly_what_is_left(case, world):
             assert rest == [i for i in streams[q] if i not in taken]
 
 
-@pytest.mark.xfail(strict=True, reason="state.py: a window that shrinks (a schedule lowers a "
-                   "source's share) leaves offered, untaken items before the frontier out of "
-                   "the saved progress: they count as delivered and a resume loses them")
 def test_a_shrinking_window_keeps_the_items_it_no_longer_offers():
+    """A window that shrinks (a schedule lowers a source's share) left offered, untaken items
+    before the frontier out of the saved progress: they counted as delivered and a resume lost
+    them (a strict xfail until state.py kept them)."""
     layout = fresh_layout(SHARDS, seed=SEED, epoch=0, source_index=0, world=1)
     tracker = SourceTracker(layout)
     shard = layout.rank_units(0)[0].shard
