@@ -258,3 +258,19 @@ def test_lookahead_holds_the_mix_like_balanced_with_a_one_shard_source(R):
         if planner == "lookahead":
             assert max(r.max_age for r in reports) <= 2 * W
     assert devs["lookahead"] <= max(0.01, 2 * devs["balanced"]), devs
+
+
+@pytest.mark.core
+def test_a_bins_own_items_never_spill_into_the_next_bins_gaps():
+    """`_keep_home` lays every bin's own items along one axis, bin after bin. Bin 0's own items
+    past its span (more than it can hold) landed in bin 1's gaps, on top of bin 1's own items
+    there: a row went 9k tokens over C (128k rows, windows 8 steps deep, 4 ranks)."""
+    from streamload.plan.balance import _Bins, _keep_home
+    C = 10
+    length = np.array([5, 6, 5, 5])
+    home = np.array([0, 0, 0, 1])                    # bin 0 holds 16 tokens of its own
+    bins = _Bins(2, 1, C, length.astype(float), length, home)
+    bins.fill[1, 0] = 3                              # bin 1: 7 tokens of room
+    _keep_home(bins, np.arange(4), np.array([10.0, 7.0]))
+    assert bins.fill.max() <= C, bins.fill
+    assert (bins.bin[bins.bin >= 0] == home[bins.bin >= 0]).all()   # each at home, or left

@@ -321,6 +321,9 @@ def _keep_home(bins: _Bins, items: np.ndarray, gaps: np.ndarray) -> np.ndarray:
     cell_end = (np.cumsum(gaps.reshape(B, M), axis=1) + (np.arange(B) * span)[:, None]).ravel()
     slot = np.minimum(np.searchsorted(cell_end, end - 0.5, side="left"), B * M - 1)
     ok = (end - lengths >= cell_end[slot] - gaps[slot] - 0.5) & (end <= cell_end[slot] + 0.5)
+    # A bin's own items past its span would land in the next bin's gaps, on top of that bin's
+    # own items there (a row went 9k tokens over C at 128k once windows were 8 steps deep).
+    ok &= slot // M == own_home
     _put_many(bins, own_items[ok], slot[ok], gaps)
     rest = np.ones(items.size, dtype=bool)
     rest[own[ok]] = False
