@@ -318,6 +318,11 @@ def simulate(spec: LoaderSpec, lengths: Sequence[Union[SourceScan, np.ndarray]],
 def _report(step, epoch, c: Candidates, quota, assignment, take, units, geometry: Geometry,
             S: int, cost: CostModel, mix: Optional[StepMix] = None) -> StepReport:
     lengths = assignment.length
+    rows = np.bincount(np.asarray(assignment.rank, np.int64) * geometry.micro_batches +
+                       assignment.row, weights=lengths, minlength=geometry.rows)
+    if rows.size and rows.max() > geometry.capacity:   # as the loader's packing refuses it
+        raise AssertionError(f"step {step}: row {int(np.argmax(rows))} holds {int(rows.max())} "
+                             f"tokens > capacity {geometry.capacity}")
     cut = lengths < c.length[take]
     source = c.source[take]
     tokens = np.bincount(source, weights=lengths, minlength=S).astype(np.int64)
