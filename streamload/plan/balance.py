@@ -610,18 +610,15 @@ def _oldest_that_fit(c: Candidates, selected: np.ndarray, forced: np.ndarray,
     selection overshoots step after step (a W-deep lookahead window of pieces near C at small
     R); placing them longest first then served the same long pieces every time, and a source
     of short documents waited 30 steps and got a fifth of its share. Oldest first, every item
-    gets its turn. As many items as the step has rows always fit too (one per row, each at most
-    C): a whole layer of forced long documents is kept, not cut to half a step (an item of it
-    then waited a step past the bound)."""
+    gets its turn."""
     limit = geometry.step_tokens // 2
     lengths = c.length[selected]
-    if int(lengths[forced].sum()) <= limit or int(forced.sum()) <= geometry.rows:
+    if int(lengths[forced].sum()) <= limit:
         return forced
     idx = np.flatnonzero(forced)
     idx = idx[np.lexsort((idx, -c.age[selected[idx]]))]   # oldest first, then candidate order
     keep = np.zeros_like(forced)
-    by_tokens = int((np.cumsum(lengths[idx]) <= limit).sum())
-    keep[idx[:max(by_tokens, geometry.rows)]] = True
+    keep[idx[np.cumsum(lengths[idx]) <= limit]] = True
     return keep
 
 
