@@ -47,18 +47,31 @@ def test_torchrun_without_init_process_group_fails_on_every_rank(tmp_path):
     UsageError (exit status not 0), and no rank reads anything."""
     write_jsonl_source(tmp_path, "web", shards=2, per_shard=10, seed=1)
     script = tmp_path / "no_init.py"
+    # Each rank records its refusal in a file and waits for the other's before it exits: when
+    # one worker exits non-zero, torchrun tears the others down, and on a loaded machine the
+    # slower rank was killed before it got as far as printing.
     script.write_text(textwrap.dedent("""
-        import sys
+        import os, sys, time
         import streamload as sl
+        out = sys.argv[2]
         try:
             sl.Loader([sl.Source(sys.argv[1])], micro_batch_tokens=1024)
         except sl.UsageError as exc:
-            print(f"refused: {exc}", flush=True)
+            with open(os.path.join(out, f"refused-{os.environ['RANK']}"), "w") as f:
+                f.write(str(exc))
+            deadline = time.monotonic() + 120
+            while len([n for n in os.listdir(out) if n.startswith("refused-")]) < 2 \\
+                    and time.monotonic() < deadline:
+                time.sleep(0.05)
             sys.exit(3)
         print("built a loader", flush=True)
     """))
-    proc = torchrun(script, tmp_path / "web", timeout=200)
+    out = tmp_path / "out"
+    out.mkdir()
+    proc = torchrun(script, tmp_path / "web", out, timeout=200)
     assert proc.returncode != 0, proc.stdout + proc.stderr[-3000:]
     assert "built a loader" not in proc.stdout
-    assert proc.stdout.count("refused: ") == 2, proc.stdout + proc.stderr[-3000:]
-    assert "RANK=1" in proc.stdout and "RANK=0" in proc.stdout
+    refusals = {p.name: p.read_text() for p in out.iterdir()}
+    assert sorted(refusals) == ["refused-0", "refused-1"], proc.stdout + proc.stderr[-3000:]
+    assert "RANK=0" in refusals["refused-0"] and "RANK=1" in refusals["refused-1"]
+    assert all("init_process_group" in text for text in refusals.values())
