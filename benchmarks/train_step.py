@@ -291,10 +291,12 @@ def rank_device(args, rank: int) -> str:
     return f"cuda:{rank}" if torch.cuda.device_count() >= args.ranks else "cuda:0"
 
 
-def worker(rank: int, args, port: int, plans, order, result_queue) -> None:
+def start_rank(rank: int, args, port: int):
+    """A rank's torch threads, device and gloo group, and the model with the same initial
+    weights on every rank (the seed). Returns (device, model)."""
     import torch
     import torch.distributed as dist
-    from streamload.commands.calibrate import TinyTransformer, synchronize
+    from streamload.commands.calibrate import TinyTransformer
 
     torch.set_num_threads(args.threads)
     torch.set_num_interop_threads(1)
@@ -303,10 +305,18 @@ def worker(rank: int, args, port: int, plans, order, result_queue) -> None:
         torch.cuda.set_device(device)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
                             world_size=args.ranks, timeout=timedelta(seconds=300))
+    torch.manual_seed(args.seed)
+    dtype = torch.bfloat16 if device.startswith("cuda") else torch.float32
+    return device, TinyTransformer(**model_config(args)).to(device=device, dtype=dtype)
+
+
+def worker(rank: int, args, port: int, plans, order, result_queue) -> None:
+    import torch
+    import torch.distributed as dist
+    from streamload.commands.calibrate import synchronize
+
+    device, model = start_rank(rank, args, port)
     try:
-        torch.manual_seed(args.seed)             # same initial weights on every rank
-        dtype = torch.bfloat16 if device.startswith("cuda") else torch.float32
-        model = TinyTransformer(**model_config(args)).to(device=device, dtype=dtype)
         params = [p for p in model.parameters()]
         gen = torch.Generator().manual_seed(1000 + rank)
 
@@ -376,19 +386,10 @@ def calibrate_worker(rank: int, args, port: int, rows, result_queue) -> None:
     thread, else wall time."""
     import torch
     import torch.distributed as dist
-    from streamload.commands.calibrate import TinyTransformer, time_rows
+    from streamload.commands.calibrate import time_rows
 
-    torch.set_num_threads(args.threads)
-    torch.set_num_interop_threads(1)
-    device = rank_device(args, rank)
-    if device.startswith("cuda"):
-        torch.cuda.set_device(device)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                            world_size=args.ranks, timeout=timedelta(seconds=300))
+    device, model = start_rank(rank, args, port)
     try:
-        torch.manual_seed(args.seed)
-        dtype = torch.bfloat16 if device.startswith("cuda") else torch.float32
-        model = TinyTransformer(**model_config(args)).to(device=device, dtype=dtype)
         dist.barrier()
         times = time_rows(model, rows, warmup=1, repeats=args.calib_repeats,
                           seed=args.seed + rank, stat=args.calib_stat,
