@@ -310,6 +310,15 @@ def start_rank(rank: int, args, port: int):
     return device, TinyTransformer(**model_config(args)).to(device=device, dtype=dtype)
 
 
+def to_parent(value, rank: int, args, result_queue) -> None:
+    """Every rank's `value`, gathered, to the parent process (through rank 0)."""
+    import torch.distributed as dist
+    gathered = [None] * args.ranks
+    dist.all_gather_object(gathered, value)
+    if rank == 0:
+        result_queue.put(gathered)
+
+
 def worker(rank: int, args, port: int, plans, order, result_queue) -> None:
     import torch
     import torch.distributed as dist
@@ -360,10 +369,7 @@ def worker(rank: int, args, port: int, plans, order, result_queue) -> None:
         for rep in range(args.repeats):
             for name, step in (order if rep % 2 == 0 else order[::-1]):
                 records[name][rep][step] = run_step(plans[name][step][rank])
-        gathered = [None] * args.ranks
-        dist.all_gather_object(gathered, records)
-        if rank == 0:
-            result_queue.put(gathered)
+        to_parent(records, rank, args, result_queue)
     finally:
         dist.destroy_process_group()
 
@@ -394,10 +400,7 @@ def calibrate_worker(rank: int, args, port: int, rows, result_queue) -> None:
         times = time_rows(model, rows, warmup=1, repeats=args.calib_repeats,
                           seed=args.seed + rank, stat=args.calib_stat,
                           clock="cpu" if device == "cpu" and args.threads == 1 else "wall")
-        gathered = [None] * args.ranks
-        dist.all_gather_object(gathered, times)
-        if rank == 0:
-            result_queue.put(gathered)
+        to_parent(times, rank, args, result_queue)
     finally:
         dist.destroy_process_group()
 

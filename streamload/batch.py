@@ -16,7 +16,7 @@ import numpy as np
 import torch
 
 from .mixreport import StepMix
-from .plan.cost import pipeline_time
+from .plan.cost import balanced_time, pipeline_time
 from .plan.packing import IGNORE_INDEX   # labels with no target: segment ends, padding
 
 __all__ = ["Batch", "MicroBatch", "IGNORE_INDEX"]
@@ -114,11 +114,8 @@ class Batch:
         predicted time (1.0: no rank and no micro-batch waits on another)."""
         if self.row_cost is None or self.row_cost.size == 0:
             return 1.0
-        R, M = self.row_cost.shape
-        P = self.pipeline_stages
-        bound = float(self.row_cost.sum()) / R * (M + P - 1) / (M * P)
         time = self.step_time
-        return bound / time if time > 0 else 1.0
+        return balanced_time(self.row_cost, self.pipeline_stages) / time if time > 0 else 1.0
 
     def to_megatron(self) -> list[dict]:
         """One dict per micro-batch, in order (`MicroBatch.to_megatron`). Megatron's external

@@ -107,7 +107,7 @@ class Delivery:
         row_cost = self.cost.row_costs(lengths, plan.rank * M + plan.row, R * M,
                                        extra_cost=c.extra_cost[plan.take]).reshape(R, M)
         metrics = self.step_metrics
-        metrics.record(rank_tokens, row_cost.sum(axis=1), row_cost, self.geometry.pipeline_stages)
+        metrics.record(rank_tokens, row_cost, self.geometry.pipeline_stages)
         whole = c.length[plan.take]
         cut = lengths < whole
         if cut.any():

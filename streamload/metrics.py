@@ -92,12 +92,13 @@ class StepMetrics:
         self.source_tokens += tokens
         self.mix.add(epoch, step, units, mix)
 
-    def record(self, rank_tokens: np.ndarray, rank_cost: np.ndarray,
-               row_cost: np.ndarray | None = None, pipeline_stages: int = 1) -> None:
+    def record(self, rank_tokens: np.ndarray, row_cost: np.ndarray, pipeline_stages: int = 1
+               ) -> None:
+        """One step: the job's tokens per rank [R] and predicted cost per (rank, row) [R, M]."""
         self.steps += 1
-        if row_cost is not None:
-            self.last_row_cost = row_cost.tolist()
-            self.last_step_time = float(pipeline_time(row_cost, pipeline_stages).max(initial=0.0))
+        rank_cost = row_cost.sum(axis=1)
+        self.last_row_cost = row_cost.tolist()
+        self.last_step_time = float(pipeline_time(row_cost, pipeline_stages).max(initial=0.0))
         tokens = int(rank_tokens.sum())
         if self.step_tokens:
             self.fill_bins[min(int(round(tokens / self.step_tokens * FILL_BINS)), FILL_BINS)] += 1

@@ -371,14 +371,16 @@ class SourceTracker:
         frontier = max((unit, (record, chunk)), (previous.frontier_unit, previous.frontier))
         left = ~taken
         pending = np.concatenate([ids[left], (ages[left] + 1)[:, None]], axis=1).astype(np.int64)
-        if previous.pending.shape[0]:
+        end = (unit, (record, chunk))
+        if previous.pending.shape[0] and (previous.frontier_unit, previous.frontier) > end:
             # Windows are prefixes of the buffer. An item an earlier, deeper window offered
             # and the plans left, that this window (shrunk: a schedule lowered the share) no
             # longer reaches, lies after this window's last item and is still pending, its age
             # unchanged; else it would count as delivered (it lies before the frontier) and a
             # resume would lose it. (Rows before that end are this window's business: taken,
-            # or offered again, or the rest of a cut item under its new offset.)
-            end = (unit, (record, chunk))
+            # or offered again, or the rest of a cut item under its new offset.) Pending items
+            # lie before the last frontier, so only a window ending before it (the shrunk one)
+            # can have any beyond it: on other steps this costs one comparison.
             beyond = [row for row in previous.pending.tolist()
                       if (self._locate(rank, row[0])[1], (row[1], row[2])) > end]
             if beyond:

@@ -43,7 +43,7 @@ from __future__ import annotations
 import numpy as np
 
 from .cost import CostModel
-from .fill import deferral_gain
+from .fill import deferral_gain, largest_that_fits
 from .types import Assignment, Candidates, Geometry
 
 _EPS = 1e-9
@@ -334,8 +334,7 @@ def _waves(bins: _Bins, items: np.ndarray, gaps: np.ndarray, max_waves: int = 64
     """Items (largest first) into rows, at most one per row per wave, never past a row's gap.
 
     In a wave, rows with room go largest gap first, and each takes the largest remaining item
-    that fits in it. Gaps and items both descend, so the matching is monotone: the item index
-    for the j-th gap is j + running max of (first fitting index - j). Returns what is left.
+    that fits in it (`fill.largest_that_fits`). Returns what is left.
     """
     length = bins.length
     for _ in range(max_waves):
@@ -345,11 +344,7 @@ def _waves(bins: _Bins, items: np.ndarray, gaps: np.ndarray, max_waves: int = 64
         if cells.size == 0:
             break
         cells = cells[np.lexsort((cells, -gaps[cells]))]
-        ascending = length[items[::-1]]
-        first_fit = items.size - np.searchsorted(ascending, gaps[cells] + 0.5, side="right")
-        j = np.arange(cells.size)
-        pick = j + np.maximum.accumulate(first_fit - j)
-        ok = pick < items.size
+        pick, ok = largest_that_fits(gaps[cells], length[items])
         if not ok.any():
             break
         _put_many(bins, items[pick[ok]], cells[ok], gaps)

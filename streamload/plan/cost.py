@@ -60,6 +60,15 @@ def pipeline_time(row_costs, stages: int) -> np.ndarray:
     return (total + (stages - 1) * row_costs.max(axis=-1)) / stages
 
 
+def balanced_time(row_costs, stages: int) -> float:
+    """The step's time had its work been spread evenly over all R·M rows (`row_costs` [R, M]):
+    every rank's 1F1B time is then work/R · (M + P − 1)/(M·P). What `pipeline_time`'s slowest
+    rank is measured against (1.0: no rank and no micro-batch waits on another)."""
+    row_costs = np.asarray(row_costs, dtype=np.float64)
+    R, M = row_costs.shape
+    return float(row_costs.sum()) / R * (M + stages - 1) / (M * stages)
+
+
 def _config_error(message: str):
     from ..errors import ConfigError
     return ConfigError(message)
@@ -128,7 +137,6 @@ class CostModel:
 
     def describe(self) -> str:
         """One line for the start-up log: the coefficients, what they mean, how to set them."""
-        width = self.crossover_length
         width = self.crossover_length
         return (f"cost model a*L^2 + b*L per document, a={self.a:.4g}, b={self.b:.4g}: attention "
                 f"costs as much as the rest at L={width:,.0f} tokens, as in a decoder of d_model "

@@ -43,6 +43,19 @@ WAVES = 256
 OFFER_PER_ROW = 4     # items a wave offers per open row
 
 
+def largest_that_fits(room: np.ndarray, lengths: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """One wave of a monotone matching: `room` descending (one per row), `lengths` descending
+    (one per item); the j-th row takes the longest item left that fits in it, each item at most
+    once. Rooms and lengths both descend, so the item for row j is j + the running max of
+    (first fitting index - j). Returns (pick, ok): row j takes item pick[j] where ok[j].
+    (`balance._waves` and `_Rows.wave_fill` run waves of it.)"""
+    ascending = lengths[::-1]
+    first_fit = lengths.size - np.searchsorted(ascending, room + 0.5, side="right")
+    j = np.arange(room.size)
+    pick = j + np.maximum.accumulate(first_fit - j) if room.size else j
+    return pick, pick < lengths.size
+
+
 def deferral_gain(lowered_max, work, tokens, geometry: Geometry, overhead: float):
     """What leaving `work` (cost units) of `tokens` tokens out of this step gains the epoch,
     when it lowers the step's slowest rank by `lowered_max` (module docstring). Positive: leave
@@ -122,8 +135,7 @@ class _Rows:
     def wave_fill(self, pool: np.ndarray, stop_at: float) -> np.ndarray:
         """Light items of `pool` (in priority order) into rows with room, in vectorized waves:
         a wave offers the next items in order (a few per open row), and rows, roomiest first,
-        each take the longest offered item that fits (a monotone matching, as in
-        `balance._waves`). For items this light the row they land in barely moves the step's
+        each take the longest offered item that fits (`largest_that_fits`). For items this light the row they land in barely moves the step's
         cost, and a per-item choice over thousands of rows cost seconds per step at
         R·M = 2048. Returns the items not placed, in order."""
         lengths, cost = self.c.length, self.cost
@@ -145,11 +157,7 @@ class _Rows:
             # running position that fits it.
             offered = offered[np.argsort(-lengths[left[offered]], kind="stable")]
             rows = open_rows[np.argsort(-self.room[open_rows], kind="stable")]
-            ascending = lengths[left[offered]][::-1]
-            first_fit = offered.size - np.searchsorted(ascending, self.room[rows], side="right")
-            j = np.arange(rows.size)
-            pick = j + np.maximum.accumulate(first_fit - j)
-            ok = pick < offered.size
+            pick, ok = largest_that_fits(self.room[rows], lengths[left[offered]])
             if not ok.any():
                 break
             chosen, cells = offered[pick[ok]], rows[ok]

@@ -13,6 +13,7 @@ from ...configfile import LoaderSpec, load_config
 from ...errors import ConfigError, StreamloadError
 
 from ...mixreport import MixTally, format_mix
+from ...plan.cost import balanced_time
 from .scan import scan
 from ...plan.stepper import Stepper
 from .simulate import StepReport, simulate
@@ -89,8 +90,7 @@ def step_time_summary(reports: Sequence[StepReport], stages: int) -> dict:
     if not rows:
         return {"pipeline_stages": stages, "step_time_total": None, "balance_efficiency": None,
                 "row_cost_max": None}
-    R, M = rows[0].shape
-    bound = sum(float(x.sum()) for x in rows) / R * (M + stages - 1) / (M * stages)
+    bound = sum(balanced_time(x, stages) for x in rows)
     total = float(sum(r.step_time for r in reports))
     return {"pipeline_stages": stages, "step_time_total": total,
             "balance_efficiency": bound / total if total > 0 else None,
