@@ -27,9 +27,9 @@ divided by the steps the loader *planned* in between, since it plans ahead of th
                              asyncio thread ("loop"), its collectives thread ("collectives": the
                              gloo calls), its transform threads; "process" is the whole rank,
                              the trainer's loop (which does nothing) included.
-    loop split               plan: Stepper.assign (rank 0 only: the balancer), bookkeeping:
-                             Stepper.begin + commit and JobProgress.observe (every rank tracks
-                             every rank's ids), encode/decode: building and encoding this rank's
+    loop split               plan: JobModel.assign (rank 0 only: the balancer), bookkeeping:
+                             JobModel.begin + commit (the stepper's and the progress's: every
+                             rank tracks every rank's ids), encode/decode: building and encoding this rank's
                              summary, decoding every rank's, encoding and decoding the plan;
                              rest: the loop's other work (fetch callbacks, buffers, exchange,
                              packing). Each timed with time.thread_time on the loop thread.
@@ -166,11 +166,10 @@ def instrument_loop(timer: LoopTimer, runtime) -> None:
     for name in ("decode_summaries", "encode_plan", "decode_plan"):
         setattr(rt, name, timer.wrap("encode_decode", getattr(rt, name)))
     runtime._summary = timer.wrap("encode_decode", runtime._summary)
-    stepper = runtime.stepper
-    stepper.assign = timer.wrap("plan", stepper.assign)
-    stepper.begin = timer.wrap("bookkeeping", stepper.begin)
-    stepper.commit = timer.wrap("bookkeeping", stepper.commit)
-    runtime.progress.observe = timer.wrap("bookkeeping", runtime.progress.observe)
+    job = runtime.job
+    job.assign = timer.wrap("plan", job.assign)
+    job.begin = timer.wrap("bookkeeping", job.begin)
+    job.commit = timer.wrap("bookkeeping", job.commit)   # the stepper's and the progress's
 
 
 def thread_cpu_ms() -> dict:

@@ -5,9 +5,8 @@ fetcher per source under one supervisor, and runs the step loop until the data e
 is closed, or something fails; then it releases everything in order.
 
 Each step, on every rank: wait until every source's head window is complete, all-gather the
-windows (`Agreement.agree`), begin the step (`Stepper.begin`: outcome and quota), let rank 0
-assign it and broadcast the assignment, commit it (`Stepper.commit`, `JobProgress.observe`),
-resize the buffers the new windows need, and deliver (`Delivery`) a Batch to the bridge with
+windows (`Agreement.agree`), begin the step (`JobModel.begin`: outcome and quota), let rank 0
+assign it and broadcast the assignment, commit it (`JobModel.commit`), resize the buffers the new windows need, and deliver (`Delivery`) a Batch to the bridge with
 the step's `StepSnapshot`.
 
 Everything here is owned by the loop's thread. The Loader reaches it only through
@@ -43,9 +42,8 @@ from .pipeline.transform import tokenizer_pool
 from .pipeline.workers import DaemonExecutor, run_detached
 from .plan.cost import CostModel
 from .plan.mix_spec import Mixture
-from .plan.stepper import Stepper
 from .peers import encode_end, encode_step
-from .progress import JobProgress, StepSnapshot, data_options, listing_crc
+from .job import JobModel, StepSnapshot, data_options, listing_crc
 from .watch import RunWatch
 from .stage_view import needs_view, stage_view
 from .state import LoaderState, encode_state
@@ -80,10 +78,10 @@ class Runtime:
             raise ConfigError(f"sample_costs: no source named {unknown}; sources are "
                               f"{[s.name for s in sources]}", key="sample_costs")
         self.storage_options = storage_options or {}
-        self.stepper = Stepper.build(config, sources, mixture, comm.world)
         batches_held = config.prefetch_steps + 2   # queued, held by the trainer, being packed
-        self.progress = JobProgress(sources, config.seed, comm.world, batches_held,
-                                    functools.partial(data_options, config, sources, tokenizer))
+        self.job = JobModel.build(config, sources, mixture, comm.world, batches_held,
+                                  functools.partial(data_options, config, sources, tokenizer))
+        self.stepper = self.job.stepper   # the job's step machine (geometry, cost, mixer)
         self.agreement = Agreement(comm, config.collective_timeout_s)
         self.source_metrics = [SourceMetrics() for _ in sources]
         self.step_metrics = StepMetrics(step_tokens=self.stepper.geometry.step_tokens,
@@ -112,11 +110,11 @@ class Runtime:
         self._scale_mark: Optional[tuple] = None      # (time, buffers' blocked_s) at last step
         self._slot_held = False                       # room reserved for this step's batch
         self._handoff: Optional[Handoff] = None
-        self.watch = RunWatch(sources, self.stepper, self.progress, comm)   # the logger
+        self.watch = RunWatch(sources, self.job, comm)   # the logger
 
     # -- called from the Loader before the loop starts, or on the loop ----------------------------
     def load_state(self, state: LoaderState) -> None:
-        self.progress.load(state)
+        self.job.load(state)
 
     def request_close(self) -> None:
         """Called on the loop. The step loop stops at its next all-gather, telling the other
@@ -124,7 +122,7 @@ class Runtime:
         self.agreement.request_close()
 
     def state(self, snapshot: Optional[StepSnapshot]) -> LoaderState:
-        return self.progress.state(snapshot)
+        return self.job.state(snapshot)
 
     def stats(self) -> dict:
         return rank_stats(self)
@@ -140,14 +138,9 @@ class Runtime:
         failure: Optional[BaseException] = None
         try:
             await self._list_shards()
-            if self.progress.resume is not None:
-                self.progress.apply_resume(self.stepper)
-            holding = self.progress.start_epoch(self.stepper.epoch)
-            if not self.progress.resumed() or self.progress.resume.holding is None \
-                    or self.progress.resume.world_size != self.comm.world:
-                self.stepper.start_epoch(holding)   # else: the windows the saved run had
+            self.job.start()
             self.watch.started(self.shards)
-            self.budgets = self.stepper.budgets(self.comm.rank)
+            self.budgets = self.job.budgets(self.comm.rank)
             self.buffers = [SourceBuffer(b.capacity_tokens, b.window_tokens) for b in self.budgets]
             self.gates = [MemoryGate(b.inflight_bytes) for b in self.budgets]
             for s, source in enumerate(self.sources):
@@ -156,11 +149,11 @@ class Runtime:
                     buffer=self.buffers[s], metrics=self.source_metrics[s], config=self.config,
                     rank=self.comm.rank, world=self.comm.world, tokenizer=self.tokenizer,
                     executor=executor, supervisor=supervisor, tokenizer_processes=processes,
-                    layout_for=functools.partial(self.progress.layout_for, s),
+                    layout_for=functools.partial(self.job.layout_for, s),
                     knobs=self.knobs[s], gate=self.gates[s],
-                    resume_ages=self.progress.resume_ages[s] if self.progress.resumed() else None)
+                    resume_ages=self.job.resume_ages[s] if self.job.resumed() else None)
                 self.fetchers.append(fetcher)
-                supervisor.spawn(fetcher.run(self.stepper.epoch), name=f"fetch {source.name}")
+                supervisor.spawn(fetcher.run(self.job.epoch), name=f"fetch {source.name}")
             await self._step_loop()
         except StopStepping:
             pass
@@ -215,7 +208,7 @@ class Runtime:
                 raise DistributedError(f"source {source.name!r}: ranks listed different shards "
                                        f"for {source.uri}; is the bucket changing under the job?")
         names = [[sh.name for sh in shards] for shards in self.shards]
-        self.progress.listed(names)
+        self.job.listed(names)
         self.delivery.listed(names)
         for metrics, shards in zip(self.source_metrics, self.shards):
             metrics.shards_listed = len(shards)
@@ -245,18 +238,18 @@ class Runtime:
         self.source_waits[s] = time.perf_counter() - started
 
     async def _step_loop(self) -> None:
-        stepper, agreement = self.stepper, self.agreement
+        job, agreement = self.job, self.agreement
         S = len(self.sources)
         while True:
             summaries = decode_summaries(await agreement.agree(self._summary), S)
             c = summaries.candidates
-            step = stepper.begin(c, summaries.exhausted)
+            step = job.begin(c, summaries.exhausted)
             message = None
             if self.comm.rank == 0:
                 assignment = None
                 if step.outcome == "continue":
                     started = time.perf_counter()
-                    assignment = stepper.assign(step)
+                    assignment = job.assign(step)
                     self.step_metrics.plan_ms.append((time.perf_counter() - started) * 1e3)
                 message = encode_plan(assignment, OUTCOMES.index(step.outcome))
             size = plan_size(len(c))
@@ -267,34 +260,32 @@ class Runtime:
                 return
             if outcome == "end_epoch":
                 for s, buffer in enumerate(self.buffers):
-                    if not self.progress.endless(s):   # an endless stream has no end marker
+                    if not job.endless(s):   # an endless stream has no end marker
                         buffer.next_epoch()
-                stepper.end_epoch()
-                self.step_metrics.epoch = stepper.epoch
-                if stepper.finished:
+                finished = job.end_epoch()
+                self.step_metrics.epoch = job.epoch
+                if finished:
                     return
-                stepper.start_epoch(self.progress.start_epoch(stepper.epoch))
                 self.watch.new_epoch()
                 self._resize()
                 continue
             window_sizes = [int(n) for n in np.bincount(
                 c.source[c.rank == self.comm.rank], minlength=S)]
-            self.mix_tracker.begin(stepper, step)
-            units = stepper.commit(step, plan.take, plan.length)
-            mix = self.mix_tracker.commit(stepper)
-            self.progress.observe(c, summaries.ids, plan.take, plan.length)
+            self.mix_tracker.begin(job.stepper, step)
+            units = job.commit(step, plan.take, plan.length, summaries.ids)
+            mix = self.mix_tracker.commit(job.stepper)
             self.watch.step(step.index, float(plan.length.sum()))
             self._resize()
             self._autoscale(step.index)
-            batch = await self.delivery.deliver(step.index, stepper.epoch, summaries, plan,
+            batch = await self.delivery.deliver(step.index, job.epoch, summaries, plan,
                                                 self.buffers, window_sizes, agreement.run, mix)
-            self.step_metrics.record_mix(stepper.epoch, step.index, batch.source_tokens, units,
+            self.step_metrics.record_mix(job.epoch, step.index, batch.source_tokens, units,
                                          mix)
             batch.skipped = np.array([[m.skipped_records, m.skipped_shards]
                                       for m in self.source_metrics], dtype=np.int64)
-            snapshot = self.progress.snapshot(stepper)
+            snapshot = job.snapshot()
             if self.peers is not None:   # broadcast delivery: the whole step to this DP rank's ranks
-                message = encode_step(batch, encode_state(self.progress.state(snapshot)))
+                message = encode_step(batch, encode_state(job.state(snapshot)))
                 await agreement.run_threaded(functools.partial(self.peers.broadcast_bytes,
                                                                message, self.peers.leader))
             if needs_view(self.topology):   # this rank's CP part, its pipeline stage's fields
@@ -304,7 +295,7 @@ class Runtime:
 
     def _resize(self) -> None:
         """The buffers and gates the next step's windows need (when they changed)."""
-        budgets = self.stepper.budgets(self.comm.rank)
+        budgets = self.job.budgets(self.comm.rank)
         if budgets is self.budgets:
             return
         self.budgets = budgets

@@ -23,6 +23,7 @@ finite sources end the epoch, the endless ones go on where they are.
 """
 from __future__ import annotations
 
+import functools
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Iterator, Optional
@@ -161,8 +162,13 @@ def decode_state(data) -> LoaderState:
     return state
 
 
+@functools.lru_cache(maxsize=1024)
 def shard_permutation(num_shards: int, seed: int, epoch: int, source_index: int) -> np.ndarray:
-    return np.random.default_rng([seed, epoch, source_index]).permutation(num_shards)
+    """The epoch's (an endless source's pass's) shard order. Kept (read-only): every rank's
+    layout, tracker and elastic resume asks for the same passes again."""
+    order = np.random.default_rng([seed, epoch, source_index]).permutation(num_shards)
+    order.setflags(write=False)
+    return order
 
 
 def deal(order: np.ndarray, world: int, rank: int, offset: int = 0) -> np.ndarray:
@@ -196,9 +202,9 @@ class EpochLayout:
 
     def pass_shards(self, rank: int, pass_index: int) -> np.ndarray:
         """An endless source's pass `pass_index` for one rank, as pass-wide shard ids."""
-        return deal_epoch(self.num_shards, seed=self.seed, epoch=pass_index,
-                          source_index=self.source_index, world=self.base_world,
-                          endless=True, rotation=self.rotation)[rank]
+        order = shard_permutation(self.num_shards, self.seed, pass_index, self.source_index)
+        return deal(order, self.base_world, rank, pass_index - self.rotation) \
+            + pass_index * self.num_shards   # `deal_epoch`'s, for one rank
 
     def later_passes(self, rank: int) -> Iterator[tuple[int, list[ReadUnit]]]:
         """(pass, units) for each pass after the base, without end; nothing if finite."""

@@ -230,7 +230,7 @@ def test_state_dict_is_consistent_while_the_loop_runs_ahead(tmp_path):
         full = [flat(b) for b in loader]
     stops, states, threads = (3, 11, 20), {}, set()
     with make() as loader:
-        progress = loader._runtime.progress
+        progress = loader._runtime.job
         real_state = progress.state
 
         def recording_state(snapshot):
