@@ -329,7 +329,7 @@ class JobModel:
             sources.append(progress)
             ages += [(s, *a) for a in pending]
         return LoaderState(STATE_VERSION, self.seed, self.world, snapshot.epoch, snapshot.step,
-                           snapshot.mixture, tuple(sources), tuple(ages),
+                           snapshot.mixture, tuple(sources), tuple(sorted(ages)),
                            np.packbits(snapshot.holding).tobytes(), self.data)
 
 
