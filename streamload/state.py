@@ -223,6 +223,8 @@ def encode_state(state: LoaderState) -> bytes:
     endless = [False] * len(state.sources) if state.data is None else [
         s.on_exhausted == "restart" for s in state.data.sources]
     sources, units, extras, positions = [], [], [], []
+    # A pending item is an extra of its shard's unit too: saved once, in `pending`.
+    pending_ids = {tuple(row[:4]) for row in state.ages}
     for s, p in enumerate(state.sources):
         started = None
         if endless[s]:
@@ -237,7 +239,8 @@ def encode_state(state: LoaderState) -> bytes:
         for q, rank_units in enumerate(p.units):
             for u in rank_units:
                 skip = (-1, 0) if u.skip_through is None else tuple(u.skip_through)
-                extras += [(len(units), *e) for e in u.extras]
+                extras += [(len(units), *e) for e in u.extras
+                           if (s, u.shard, *e) not in pending_ids]   # those: from `pending`
                 units.append((s, q, u.shard, *skip))
         sources.append(SavedSource(p.num_shards, p.listing_crc, p.base_world, p.rotation,
                                    p.first_pass, p.base_shards, started))
@@ -277,17 +280,21 @@ def _from_saved(saved: SavedState) -> LoaderState:
     extras: dict[int, list] = {}
     for unit, record, chunk in _unpack(saved.extras, 3, _EXTRA_DELTA).tolist():
         extras.setdefault(unit, []).append((record, chunk))
+    ages = tuple(tuple(row) for row in _unpack(saved.pending, 5, _PENDING_DELTA).tolist())
+    pending: dict[tuple[int, int], list] = {}   # (source, shard) -> its pending (record, chunk)
+    for s, shard, record, chunk, _ in ages:
+        pending.setdefault((s, shard), []).append((record, chunk))
     units: dict[int, list] = {}
     rows = _unpack(saved.units, 5, _UNIT_DELTA).tolist()
     for i, (s, q, shard, record, chunk) in enumerate(rows):
+        both = extras.get(i, []) + pending.get((s, shard), [])
         units.setdefault(s, []).append(
             (q, ReadUnit(shard, None if record == -1 else (record, chunk),
-                         tuple(extras.get(i, ())))))
+                         tuple(sorted(both)))))
     positions = {(s, q): (pass_index, position) for s, q, pass_index, position
                  in _unpack(saved.positions, 4).tolist()}
     sources = tuple(_progress(saved, s, units.get(s, []), positions)
                     for s in range(len(saved.sources)))
-    ages = tuple(tuple(row) for row in _unpack(saved.pending, 5, _PENDING_DELTA).tolist())
     return LoaderState(saved.version, saved.seed, saved.world_size, saved.epoch, saved.step,
                        saved.mixture, sources, ages, saved.holding, saved.data)
 
@@ -595,7 +602,7 @@ class SourceTracker:
                 extras = pending_by_shard.get(unit.shard, [])
                 if i < p.frontier_unit:
                     if extras:
-                        remaining.append(ReadUnit(unit.shard, _END, tuple(extras)))
+                        remaining.append(ReadUnit(unit.shard, _END, tuple(sorted(extras))))
                     continue
                 skip = p.frontier if unit.skip_through is None else max(tuple(unit.skip_through), p.frontier)
                 later = [tuple(e) for e in unit.extras if tuple(e) > p.frontier]
