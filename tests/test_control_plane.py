@@ -103,3 +103,32 @@ def test_a_failing_rank_stops_every_rank_through_rank_0(tmp_path, world):
     assert results[bad].startswith("DataError") and "record 0" in results[bad], results[bad]
     for rank in range(bad):
         assert f"rank {bad} failed" in results[rank], results[rank]
+
+
+def resume_job(rank, world, root, stop, state):
+    """control_plane="gather": up to `stop` batches (None: the epoch) from `state`; this rank's
+    ids, and rank 0's state at the stop."""
+    import streamload as sl
+    ids = []
+    with sl.Loader([sl.Source(os.path.join(root, "web"), weight=0.6),
+                    sl.Source(os.path.join(root, "code"), weight=0.4)],
+                   micro_batch_tokens=512, micro_batches=2, epochs=1, seed=4,
+                   control_plane="gather") as loader:
+        if state is not None:
+            loader.load_state_dict(state)
+        for k, batch in enumerate(loader):
+            ids += [i for mb in batch.micro_batches for i in mb.sample_ids]
+            if stop is not None and k + 1 >= stop:
+                break
+        saved = loader.state_dict() if rank == 0 else None
+    return ids, saved
+
+
+def test_gather_resumes_at_another_world_size_exactly_once(corpus):
+    root, expected = corpus
+    first = run_ranks(resume_job, 2, str(root), 6, None)
+    state = first[0][1]
+    second = run_ranks(resume_job, 3, str(root), None, state)
+    ids = [i for r in first for i in r[0]] + [i for r in second for i in r[0]]
+    assert len(ids) == len(set(ids)), "delivered twice"
+    assert set(base_ids(ids)) == expected
