@@ -17,7 +17,7 @@ pytestmark = pytest.mark.timeout(240)
 STATE_EVERY = 3
 
 
-def job(rank, world, root, control_plane, state_every):
+def job(rank, world, root, control_plane, state_every, epochs=1):
     """One epoch: per step, a digest of this rank's ids and tokens, and its state_dict() (or
     the error it raised)."""
     import streamload as sl
@@ -25,7 +25,7 @@ def job(rank, world, root, control_plane, state_every):
     with sl.Loader([sl.Source(os.path.join(root, "web"), weight=0.6),
                     sl.Source(os.path.join(root, "code"), weight=0.4),
                     sl.Source(os.path.join(root, "long"), weight=0.2, on_exhausted="restart")],
-                   micro_batch_tokens=512, micro_batches=2, epochs=1, seed=4,
+                   micro_batch_tokens=512, micro_batches=2, epochs=epochs, seed=4,
                    planner="balanced", control_plane=control_plane,
                    state_every=state_every) as loader:
         for batch in loader:
@@ -71,6 +71,20 @@ def test_gather_delivers_the_all_gather_batches_and_states(corpus, world):
     ids = [i for r in gathered for s in r[0] for i in s[2]]
     finite = [i for i in ids if not i.startswith("long/")]
     assert len(finite) == len(set(finite)) and set(base_ids(finite)) == expected
+
+
+@pytest.mark.parametrize("world", [1, 2])
+def test_gather_turns_epochs_as_all_gather_does(corpus, world):
+    """Two epochs (the turn: markers dropped, buffers resized by rank 0's word), and one rank
+    (the gather path without a process group)."""
+    root, _ = corpus
+    reference = run_ranks(job, world, str(root), "all_gather", None, 2) if world > 1 else \
+        [job(0, 1, str(root), "all_gather", None, 2)]
+    gathered = run_ranks(job, world, str(root), "gather", 1, 2) if world > 1 else \
+        [job(0, 1, str(root), "gather", 1, 2)]
+    for ref, got in zip(reference, gathered):
+        assert [s[:2] + s[3:4] for s in got[0]] == [s[:2] + s[3:4] for s in ref[0]]
+        assert {s[0] for s in got[0]} == set(range(len(got[0]))) and got[1] == ref[1]
 
 
 def failing_job(rank, world, root):
