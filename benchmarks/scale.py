@@ -31,8 +31,9 @@ divided by the steps the loader *planned* in between, since it plans ahead of th
                              the trainer's loop (which does nothing) included.
     loop split               plan: JobModel.assign (rank 0 only: the balancer), bookkeeping:
                              JobModel.begin + commit (the stepper's and the progress's: every
-                             rank tracks every rank's ids), encode/decode: building and encoding this rank's
-                             summary, decoding every rank's, encoding and decoding the plan;
+                             rank tracks every rank's ids), encode/decode: building and
+                             encoding this rank's summary, decoding every rank's, encoding and
+                             decoding the plan (or the replies);
                              rest: the loop's other work (fetch callbacks, buffers, exchange,
                              packing). Each timed with time.thread_time on the loop thread.
   plan_ms_median             stats()["plan_ms_median"] (rank 0: wall ms of Stepper.assign)
@@ -347,7 +348,8 @@ def summarize(results: list[dict]) -> dict:
 
 
 def table(results: list[dict]) -> str:
-    head = (f"{'path':>10} {'R':>3} {'rank':>4} {'recv B/step':>12} {'sent B/step':>12} {'loop ms':>8} "
+    head = (f"{'path':>10} {'R':>3} {'rank':>4} {'recv B/step':>12} {'sent B/step':>12} "
+            f"{'loop ms':>8} "
             f"{'plan':>6} {'bookk':>6} {'enc/dec':>7} {'rest':>6} {'coll ms':>7} "
             f"{'state B':>8} {'fetch':>5} {'read':>4} {'buffer B':>9}")
     lines = [head]

@@ -2,7 +2,7 @@
 model alone (`streamload.job.JobModel`, the object every rank of the loader and the dry run
 drive; no processes, no data: lengths only).
 
-    python benchmarks/state_size.py                    # S = 30 at R = 2, 4, 8, 16; S = 300 at R = 2, 16
+    python benchmarks/state_size.py          # S = 30 at R = 2, 4, 8, 16; S = 300 at R = 2, 16
     python benchmarks/state_size.py --steps 10 --ranks 2,16
 
 The corpus is benchmarks/scale.py's as lengths: S token sources, 20k to 400k tokens each

@@ -275,7 +275,7 @@ class JobModel:
         knows better than the deal (the dry run: a sampled source, an empty shard)."""
         self.stepper.start_epoch(holding)
 
-    # -- every step ----------------------------------------------------------------------------------
+    # -- every step --------------------------------------------------------------------------------
     def begin(self, candidates: Candidates, exhausted: np.ndarray) -> Step:
         """Every rank's windows gathered: the outcome and the quota (`Stepper.begin`)."""
         return self.stepper.begin(candidates, exhausted)

@@ -6,8 +6,10 @@ is closed, or something fails; then it releases everything in order.
 
 Each step, on every rank: wait until every source's head window is complete, all-gather the
 windows (`Agreement.agree`), begin the step (`JobModel.begin`: outcome and quota), let rank 0
-assign it and broadcast the assignment, commit it (`JobModel.commit`), resize the buffers the new windows need, and deliver (`Delivery`) a Batch to the bridge with
-the step's `StepSnapshot`.
+assign it and broadcast the assignment, commit it (`JobModel.commit`), resize the buffers the
+new windows need, and deliver (`Delivery`) a Batch to the bridge with the step's
+`StepSnapshot`. With control_plane="gather" (`_gather_loop`) the windows go to rank 0 only,
+which alone steps the job model and sends each rank its own part of the plan.
 
 Everything here is owned by the loop's thread. The Loader reaches it only through
 `Background.call` (a hop to the loop) or after the loop has ended.

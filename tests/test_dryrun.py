@@ -179,8 +179,8 @@ def test_window_matches_source_buffer():
             sim, ages, ids, sim_done = window.window(W)
             np.testing.assert_array_equal(sim, [len(i) for i in items])
             np.testing.assert_array_equal(ages, [i.age for i in items])
-            np.testing.assert_array_equal(ids, np.array([(i.shard, i.record, i.chunk) for i in items],
-                                                        np.int64).reshape(-1, 3))
+            expected = [(i.shard, i.record, i.chunk) for i in items]
+            np.testing.assert_array_equal(ids, np.array(expected, np.int64).reshape(-1, 3))
             assert sim_done == done
             if not items:
                 break

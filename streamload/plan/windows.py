@@ -124,7 +124,8 @@ class ItemQueue:
         n, done = head_window(lengths, tokens, at_marker) or (lengths.shape[0], False)
         self.offered = min(n, self.head.shape[0])
         self.fresh = n - self.offered
-        codes = np.concatenate([self.head[:self.offered], self.codes[self.ptr:self.ptr + self.fresh]])
+        codes = np.concatenate([self.head[:self.offered],
+                                self.codes[self.ptr:self.ptr + self.fresh]])
         self.divisible = (codes & 1).astype(bool)
         ids = np.concatenate([self.head_ids[:self.offered],
                               self.ids[self.ptr:self.ptr + self.fresh]])
