@@ -43,7 +43,7 @@ from __future__ import annotations
 import numpy as np
 
 from .cost import CostModel
-from .fill import deferral_gain, largest_that_fits
+from .fill import fit_limits, monotone_picks, deferral_gain
 from .types import Assignment, Candidates, Geometry
 
 _EPS = 1e-9
@@ -118,6 +118,17 @@ class _Bins:
         if items.size == 0:
             return np.zeros(0, dtype=bool)
         lengths = self.length[items]
+        if self.rows == 1:                                           # rows are the bins
+            ok = self.capacity - self.fill[bins, 0] >= lengths
+            b, it, placed = bins[ok], items[ok], lengths[ok]
+            r = np.zeros(b.size, dtype=np.int64)
+            self.fill[b, 0] += placed
+            self.load[b] += self.weight[it]
+            self.tokens[b] += placed
+            self.maxroom[b] = self.capacity - self.fill[b, 0]
+            self.bin[it] = b
+            self.row[it] = r
+            return ok
         room = self.capacity - self.fill[bins]                       # (k, rows)
         fits = room >= lengths[:, None]
         score = np.where(fits, room, self.capacity + 1)
@@ -195,45 +206,62 @@ def _lpt(bins: _Bins, queue: np.ndarray, *, cap: float | None, home_first: bool 
     one later in the round) falls back to the best bin with room. With `cap`, no item goes where
     it would lift a bin above max(cap, current maximum load): it stays untaken, unless it is
     `forced`.
+
+    The queue is the items put back ahead of the rest (`front`) followed by `queue[at:]`, and
+    the projected loads are kept up to date for the bins a round touches, so a round costs a
+    few passes over the bins, not over the queue.
     """
     w, length = bins.weight, bins.length
     slot_of_bin = np.full(bins.num_bins, -1, dtype=np.int64)
-    while queue.size:
-        head = queue[0]
-        open_bins = np.flatnonzero(bins.maxroom >= length[head])
+    projected = bins.projected()
+    front, at = queue[:0], 0
+    while front.size or at < queue.size:
+        head = int(front[0]) if front.size else int(queue[at])
         limit = None if cap is None else max(cap, float(bins.load.max())) * (1 + 1e-12)
         if forced is not None and forced[head]:
             limit = None                               # a forced item goes in regardless
-        if limit is not None and open_bins.size:
-            open_bins = open_bins[bins.load[open_bins] + w[head] <= limit]
+        usable = bins.maxroom >= length[head]
+        if limit is not None:
+            usable &= bins.load + w[head] <= limit
+        open_bins = np.flatnonzero(usable)
         if open_bins.size == 0:
             # The head fits nowhere: drop every queued item that fits nowhere either.
+            rest = np.concatenate([front, queue[at:]])
             least = float(bins.load.min())
-            fits = length[queue] <= bins.maxroom.max()
+            fits = length[rest] <= bins.maxroom.max()
             if limit is not None:
-                fits &= least + w[queue] <= limit
+                fits &= least + w[rest] <= limit
             fits[0] = False
-            queue = queue[fits]
+            queue, front, at = rest[fits], queue[:0], 0
             continue
-        keys = bins.projected(open_bins)
+        keys = projected[open_bins]
         near = keys < keys.min() + max(w[head], _EPS)
         eligible, keys = open_bins[near], keys[near]
         order = np.argsort(keys, kind="stable")
         eligible, keys = eligible[order], keys[order]
-        chunk, queue = queue[:eligible.size], queue[eligible.size:]
+        if front.size >= eligible.size:
+            chunk, front = front[:eligible.size], front[eligible.size:]
+        else:
+            take = min(eligible.size - front.size, queue.size - at)
+            chunk, front, at = np.concatenate([front, queue[at:at + take]]), front[:0], at + take
         targets = (_pair_home(chunk, eligible, keys, w, bins.home_bin, slot_of_bin, home_slack)
                    if home_first else eligible[:chunk.size])
         if limit is not None:
             allowed = bins.load[targets] + w[chunk] <= limit
             if forced is not None:
                 allowed |= forced[chunk]
-            queue = np.concatenate([chunk[~allowed], queue])     # their turn comes again
-            chunk, targets = chunk[allowed], targets[allowed]
+            if not allowed.all():
+                front = np.concatenate([chunk[~allowed], front])   # their turn comes again
+                chunk, targets = chunk[allowed], targets[allowed]
             if chunk.size == 0:
                 continue
         ok = bins.place(chunk, targets)
+        touched = targets[ok]
+        projected[touched] = bins.projected(touched)
         for item in chunk[~ok].tolist():
-            bins.place_one(item, None if forced is not None and forced[item] else limit)
+            if bins.place_one(item, None if forced is not None and forced[item] else limit):
+                b = bins.bin[item:item + 1]
+                projected[b] = bins.projected(b)
 
 
 def _level(load: np.ndarray, room: np.ndarray, density: float, tokens: float, limit: float | None):
@@ -335,23 +363,46 @@ def _waves(bins: _Bins, items: np.ndarray, gaps: np.ndarray, max_waves: int = 64
 
     In a wave, rows with room go largest gap first, and each takes the largest remaining item
     that fits in it (`fill.largest_that_fits`). Returns what is left.
+
+    A wave costs O(rows · log items), not O(items): the items stay where they are, and the
+    placed ones are kept as a sorted list of positions (`dead`), so the matching's search runs
+    over the original lengths and then counts the placed items away (compacted once a
+    quarter of them are placed).
     """
     length = bins.length
+    lengths = length[items]                          # descending
+    ascending = lengths[::-1].copy()
+    alive = np.ones(items.size, dtype=bool)
+    dead = np.zeros(0, dtype=np.int64)               # placed positions, sorted
+    last = items.size - 1                            # the last position still waiting
     for _ in range(max_waves):
-        if items.size == 0:
+        if dead.size * 4 > items.size:               # compact: the lists stay short
+            items, lengths = items[alive], lengths[alive]
+            ascending = lengths[::-1].copy()
+            alive = np.ones(items.size, dtype=bool)
+            dead, last = dead[:0], items.size - 1
+        if dead.size == items.size:
             break
-        cells = np.flatnonzero(gaps >= length[items[-1]] - 0.5)
+        while not alive[last]:
+            last -= 1
+        cells = np.flatnonzero(gaps >= lengths[last] - 0.5)
         if cells.size == 0:
             break
         cells = cells[np.lexsort((cells, -gaps[cells]))]
-        pick, ok = largest_that_fits(gaps[cells], length[items])
+        # First fit among all positions, then among the waiting ones (less those placed).
+        first = items.size - np.searchsorted(ascending, fit_limits(gaps[cells], lengths),
+                                             side="right")
+        first -= np.searchsorted(dead, first, side="left")
+        pick, ok = monotone_picks(first, items.size - dead.size)
         if not ok.any():
             break
-        _put_many(bins, items[pick[ok]], cells[ok], gaps)
-        keep = np.ones(items.size, dtype=bool)
-        keep[pick[ok]] = False
-        items = items[keep]
-    return items
+        # The k-th waiting item sits at k + #{i: dead[i] - i <= k}.
+        k = pick[ok]
+        position = k + np.searchsorted(dead - np.arange(dead.size), k, side="right")
+        _put_many(bins, items[position], cells[ok], gaps)
+        alive[position] = False
+        dead = np.insert(dead, np.searchsorted(dead, position), position)
+    return items[alive]
 
 
 def _fill_light(bins: _Bins, items: np.ndarray, *, cap: float | None, home_first: bool,

@@ -49,12 +49,12 @@ def largest_that_fits(room: np.ndarray, lengths: np.ndarray) -> tuple[np.ndarray
     once. Rooms and lengths both descend, so the item for row j is j + the running max of
     (first fitting index - j). Returns (pick, ok): row j takes item pick[j] where ok[j].
     (`balance._waves` and `_Rows.wave_fill` run waves of it.)"""
-    first_fit = lengths.size - np.searchsorted(lengths[::-1], _fit_limit(room, lengths),
+    first_fit = lengths.size - np.searchsorted(lengths[::-1], fit_limits(room, lengths),
                                                side="right")
-    return _monotone_picks(first_fit, lengths.size)
+    return monotone_picks(first_fit, lengths.size)
 
 
-def _fit_limit(room: np.ndarray, lengths: np.ndarray) -> np.ndarray:
+def fit_limits(room: np.ndarray, lengths: np.ndarray) -> np.ndarray:
     """The longest whole length that fits each `room` (within half a token: rooms may be
     fractional gaps), in `lengths`' integer dtype, so a search over the lengths compares
     integers (a float key made NumPy convert the whole array on every call)."""
@@ -63,7 +63,7 @@ def _fit_limit(room: np.ndarray, lengths: np.ndarray) -> np.ndarray:
     return np.floor(room + 0.5).astype(lengths.dtype)
 
 
-def _monotone_picks(first_fit: np.ndarray, available: int) -> tuple[np.ndarray, np.ndarray]:
+def monotone_picks(first_fit: np.ndarray, available: int) -> tuple[np.ndarray, np.ndarray]:
     """`largest_that_fits` from each row's first fitting index among `available` items."""
     j = np.arange(first_fit.size)
     pick = j + np.maximum.accumulate(first_fit - j) if first_fit.size else j
