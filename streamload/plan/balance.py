@@ -55,8 +55,11 @@ DROP_SHARE = 0.1         # refinement may leave out items up to this share of th
 LIGHT_SHARE = 1 / 256    # an item is light below this fraction of a bin's fair load
 
 
-def item_costs(c: Candidates, idx: np.ndarray, cost: CostModel) -> np.ndarray:
-    """Cost of each candidate in `idx` on its own (document-masking cost + the source's hook)."""
+def item_costs(c: Candidates, idx: np.ndarray | None, cost: CostModel) -> np.ndarray:
+    """Cost of each candidate in `idx` (None: all) on its own (document-masking cost + the
+    source's hook)."""
+    if idx is None:
+        return cost.doc_cost(c.length) + c.extra_cost
     return cost.doc_cost(c.length[idx]) + c.extra_cost[idx]
 
 
@@ -300,7 +303,8 @@ def _sorted_by(*keys: tuple[np.ndarray, int]) -> np.ndarray:
     ties kept in their current order (stable).
 
     Each key comes with its exclusive upper bound. Keys are packed into one integer; when that
-    fits in 16 bits NumPy's stable sort is a radix sort, which is what makes this cheap.
+    fits in 16 bits NumPy's stable sort is a radix sort, which is what makes this cheap. Up to
+    32 bits, two such sorts (low half, then high half) still beat a comparison sort.
     """
     bound = 1
     packed = np.zeros(keys[0][0].shape[0], dtype=np.int64)
@@ -310,8 +314,21 @@ def _sorted_by(*keys: tuple[np.ndarray, int]) -> np.ndarray:
         packed += key
     if bound > 2 ** 62:
         return np.lexsort(tuple(k for k, _ in reversed(keys)))
-    dtype = np.uint16 if bound <= 2 ** 16 else np.uint32 if bound <= 2 ** 32 else np.int64
-    return np.argsort(packed.astype(dtype, copy=False), kind="stable")
+    if bound <= 2 ** 16:
+        return np.argsort(packed.astype(np.uint16), kind="stable")
+    if bound <= 2 ** 32:
+        order = np.argsort((packed & 0xFFFF).astype(np.uint16), kind="stable")
+        return order[np.argsort((packed[order] >> 16).astype(np.uint16), kind="stable")]
+    return np.argsort(packed, kind="stable")
+
+
+def _longest_first(items: np.ndarray, length: np.ndarray) -> np.ndarray:
+    """`items` by length, longest first, ties in their current order. The key counts down
+    from the longest item present (not from C), so it fits 16 bits, a radix sort, whenever the
+    items are shorter than 65,536 tokens (light items always are at any C in use)."""
+    lengths = length[items]
+    longest = int(lengths.max(initial=0))
+    return items[_sorted_by((longest - lengths, longest + 1))]
 
 
 def _put_many(bins: _Bins, items: np.ndarray, cells: np.ndarray, gaps: np.ndarray) -> None:
@@ -426,7 +443,7 @@ def _fill_light(bins: _Bins, items: np.ndarray, *, cap: float | None, home_first
     limit = None if cap is None else max(cap, float(bins.load.max()))
     allowance = _level(bins.load, room, density, float(length[items].sum()), limit)
     gaps = (free * (allowance / np.maximum(room, 1.0))[:, None]).ravel()
-    items = items[_sorted_by((C - length[items], C + 1))]            # largest first
+    items = _longest_first(items, length)
 
     left = []
     must = forced[items] if forced is not None else np.zeros(items.size, dtype=bool)
@@ -739,7 +756,7 @@ def assign_balanced(c: Candidates, selected: np.ndarray, geometry: Geometry, cos
 
     def largest_first(items):
         if not extra:   # weight and excess both grow with length: sort integers
-            return items[_sorted_by((C - length[items], C + 1))]
+            return _longest_first(items, length)
         return items[np.lexsort((items, -weight[items], -excess[items]))]
 
     def run(forced_first: bool) -> bool:
@@ -759,7 +776,7 @@ def assign_balanced(c: Candidates, selected: np.ndarray, geometry: Geometry, cos
                            forced=forced)
         if not tight and left.size:
             # Room to spare: whatever still fits somewhere goes there.
-            _waves(bins, left[_sorted_by((C - length[left], C + 1))],
+            _waves(bins, _longest_first(left, length),
                    (C - bins.fill).astype(np.float64).ravel())
             bins.maxroom = C - bins.fill.min(axis=1)
         if not _repair(bins, local[forced & usable & (bins.bin < 0)], forced):

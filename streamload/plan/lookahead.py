@@ -74,8 +74,11 @@ def _take_arrival(c: Candidates, mask: np.ndarray, used: np.ndarray,
         csum = np.cumsum(lengths)
         starts = np.searchsorted(es, es, side="left")
         within = csum - lengths - (csum[starts] - lengths[starts])
-        take[edge[before_position + within < remaining[es]]] = True
-    used += np.bincount(c.source[take], weights=c.length[take], minlength=S)
+        taken = before_position + within < remaining[es]
+        take[edge[taken]] = True
+        used += np.bincount(es, weights=np.where(taken, lengths, 0), minlength=S)
+    # Whole positions: their tokens are known already (sums of whole numbers, so exact).
+    used += np.where(cutoff > 0, through[np.arange(S), np.maximum(cutoff - 1, 0)], 0.0)
     return take
 
 
@@ -94,8 +97,9 @@ def select_lookahead(c: Candidates, targets: np.ndarray, geometry: Geometry, cos
     window_quota = step_quotas(targets * window, np.bincount(source, weights=length, minlength=S))
     pool_used = np.bincount(source[forced], weights=length[forced], minlength=S).astype(np.float64)
     pool = forced | _take_arrival(c, ~forced, pool_used, window_quota)
-    weight = item_costs(c, np.arange(len(c)), cost)
-    quota = step_quotas(targets, np.bincount(source[pool], weights=length[pool], minlength=S))
+    weight = item_costs(c, None, cost)
+    quota = step_quotas(targets, np.bincount(source, weights=np.where(pool, length, 0),
+                                             minlength=S))
     step_tokens = float(quota.sum())
     pool_tokens = float(length[pool].sum())
     if pool_tokens <= 0:
@@ -130,7 +134,7 @@ def select_lookahead(c: Candidates, targets: np.ndarray, geometry: Geometry, cos
     # as `step_quotas` does (its heavy ones wait for their layer; the carry keeps the mix).
     remaining = np.maximum(quota - used, 0.0)
     light = pool & ~taken & ~heavy
-    light_available = np.bincount(source[light], weights=length[light], minlength=S)
+    light_available = np.bincount(source, weights=np.where(light, length, 0), minlength=S)
     remaining = step_quotas(remaining * (max(room, 0.0) / max(remaining.sum(), 1e-9)),
                             light_available)
     light_quota = used + remaining

@@ -23,11 +23,33 @@ def _stable_order(keys: np.ndarray, order: np.ndarray | None = None) -> np.ndarr
     return by if order is None else order[by]
 
 
-def arrival_order(c: Candidates) -> np.ndarray:
-    """Indices of all candidates, per source in round-robin arrival order (source-major): by
-    (source, position, rank). Three stable sorts, least significant key first: each a linear
-    radix sort for the small integers these are, where one lexsort costs n log n three times."""
-    return _stable_order(c.source, _stable_order(c.position, _stable_order(c.rank)))
+def arrival_order(c: Candidates, items: np.ndarray | None = None) -> np.ndarray:
+    """Indices of all candidates (or of `items`, increasing candidate indices), per source in
+    round-robin arrival order (source-major): by (source, position, rank).
+
+    Stable sorts, least significant key first, each a linear radix sort for the small integers
+    these are (one lexsort costs n log n three times): (source, position) as one 16-bit key
+    when it fits, and the rank only when the layout does not already put a window's ranks in
+    order (`Candidates` laid out by (source, rank, position), as windows make them)."""
+    order = np.arange(len(c)) if items is None else np.asarray(items, dtype=np.int64)
+    if order.size == 0:
+        return order
+    if not _ranks_in_order(c):
+        order = _stable_order(c.rank, order)
+    span = int(c.position.max()) + 1
+    if c.num_sources * span <= 1 << 16:
+        key = c.source[order].astype(np.int32) * span + c.position[order]
+        return order[np.argsort(key.astype(np.uint16), kind="stable")]
+    return _stable_order(c.source, _stable_order(c.position, order))
+
+
+def _ranks_in_order(c: Candidates) -> bool:
+    """Whether (source, rank) never decreases in candidate order: then items of one (source,
+    position) already come by rank."""
+    if len(c) < 2:
+        return True
+    window = c.source.astype(np.int64) * max(c.num_ranks, int(c.rank.max()) + 1) + c.rank
+    return bool((window[1:] >= window[:-1]).all())
 
 
 def select(c: Candidates, targets: np.ndarray, *, max_age: int | None = None,
@@ -79,14 +101,12 @@ def interleaved(c: Candidates, items: np.ndarray) -> np.ndarray:
     by progress through their tokens among `items`, as `select` interleaves what it picks."""
     member = np.zeros(len(c), dtype=bool)
     member[items] = True
-    order = arrival_order(c)
-    order = order[member[order]]
+    order = arrival_order(c, np.flatnonzero(member))
     if order.size == 0:
         return order.astype(np.int64)
     sources = c.source[order]
     lengths = c.length[order].astype(np.float64)
-    starts = np.searchsorted(sources, sources, side="left")
-    csum = np.cumsum(lengths)
-    before = csum - lengths - (csum[starts] - lengths[starts])
     totals = np.bincount(sources, weights=lengths, minlength=c.num_sources)
-    return order[np.argsort(before / totals[sources], kind="stable")].astype(np.int64)
+    # Tokens ahead of each item in its source (whole numbers: the float sums are exact).
+    ahead = np.cumsum(lengths) - lengths - (np.cumsum(totals) - totals)[sources]
+    return order[np.argsort(ahead / totals[sources], kind="stable")].astype(np.int64)
