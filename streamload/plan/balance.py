@@ -123,7 +123,8 @@ class _Bins:
         lengths = self.length[items]
         if self.rows == 1:                                           # rows are the bins
             ok = self.capacity - self.fill[bins, 0] >= lengths
-            b, it, placed = bins[ok], items[ok], lengths[ok]
+            b, it, placed = (bins, items, lengths) if ok.all() else \
+                (bins[ok], items[ok], lengths[ok])
             r = np.zeros(b.size, dtype=np.int64)
             self.fill[b, 0] += placed
             self.load[b] += self.weight[it]
@@ -184,14 +185,16 @@ def _pair_home(chunk: np.ndarray, eligible: np.ndarray, keys: np.ndarray, weight
     `slack` times the item's weight above the bin LPT would give it. The rest take the
     remaining bins in order, heaviest item to least loaded bin."""
     k = chunk.size
-    home = home_bin[chunk]
-    slot_of_bin[eligible] = np.arange(eligible.size)    # scratch, one entry per bin
-    slot = np.where(home >= 0, slot_of_bin[np.maximum(home, 0)], -1)
+    # Scratch, one entry per bin and a last one for "no home" (-1), always -1.
+    slot_of_bin[eligible] = np.arange(eligible.size)
+    slot = slot_of_bin[home_bin[chunk]]
     slot_of_bin[eligible] = -1
-    near = keys[np.maximum(slot, 0)] <= keys[np.arange(k)] + slack * weight[chunk]
-    wants = np.flatnonzero((slot >= 0) & near)
-    _, first = np.unique(slot[wants], return_index=True)
-    winners = wants[first]                              # the heaviest item per claimed bin
+    wants = np.flatnonzero((slot >= 0) & (keys[slot] <= keys[:k] + slack * weight[chunk]))
+    if wants.size == 0:
+        return eligible[:k]
+    first = np.full(eligible.size, k, dtype=np.int64)
+    np.minimum.at(first, slot[wants], wants)
+    winners = first[first < k]                          # the heaviest item per claimed bin
     targets = np.full(k, -1, dtype=np.int64)
     targets[winners] = eligible[slot[winners]]
     free_slots = np.ones(eligible.size, dtype=bool)
@@ -211,16 +214,17 @@ def _lpt(bins: _Bins, queue: np.ndarray, *, cap: float | None, home_first: bool 
     `forced`.
 
     The queue is the items put back ahead of the rest (`front`) followed by `queue[at:]`, and
-    the projected loads are kept up to date for the bins a round touches, so a round costs a
-    few passes over the bins, not over the queue.
+    the projected loads (and the largest load: loads only grow here) are kept up to date for
+    the bins a round touches, so a round costs a few passes over the bins, not over the queue.
     """
     w, length = bins.weight, bins.length
-    slot_of_bin = np.full(bins.num_bins, -1, dtype=np.int64)
+    slot_of_bin = np.full(bins.num_bins + 1, -1, dtype=np.int64)
     projected = bins.projected()
+    top = float(bins.load.max(initial=0.0))           # loads only grow here
     front, at = queue[:0], 0
     while front.size or at < queue.size:
         head = int(front[0]) if front.size else int(queue[at])
-        limit = None if cap is None else max(cap, float(bins.load.max())) * (1 + 1e-12)
+        limit = None if cap is None else max(cap, top) * (1 + 1e-12)
         if forced is not None and forced[head]:
             limit = None                               # a forced item goes in regardless
         usable = bins.maxroom >= length[head]
@@ -259,12 +263,13 @@ def _lpt(bins: _Bins, queue: np.ndarray, *, cap: float | None, home_first: bool 
             if chunk.size == 0:
                 continue
         ok = bins.place(chunk, targets)
-        touched = targets[ok]
-        projected[touched] = bins.projected(touched)
+        touched = targets if ok.all() else targets[ok]
         for item in chunk[~ok].tolist():
             if bins.place_one(item, None if forced is not None and forced[item] else limit):
-                b = bins.bin[item:item + 1]
-                projected[b] = bins.projected(b)
+                touched = np.append(touched, bins.bin[item])
+        if touched.size:
+            projected[touched] = bins.projected(touched)
+            top = max(top, float(bins.load[touched].max()))
 
 
 def _level(load: np.ndarray, room: np.ndarray, density: float, tokens: float, limit: float | None):
