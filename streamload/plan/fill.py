@@ -30,6 +30,7 @@ import bisect
 import numpy as np
 
 from .cost import CostModel
+from .select import interleaved, interleaved_head
 from .types import Candidates, Geometry
 
 FULL = 0.99                # a step below this share of its tokens takes what fits, whatever
@@ -146,13 +147,13 @@ class _Rows:
             work = float(self.cost.doc_cost(head)) + float(self.c.extra_cost[item])
             self.place(item, cell, work, head)
 
-    def wave_fill(self, pool: np.ndarray, stop_at: float) -> np.ndarray:
+    def wave_fill(self, pool: np.ndarray, stop_at: float) -> tuple[np.ndarray, int]:
         """Light items of `pool` (in priority order) into rows with room, in vectorized waves:
         a wave offers the next items in order (a few per open row), and rows, roomiest first,
         each take the longest offered item that fits (`largest_that_fits`). For items this
         light the row they land in barely moves the step's cost, and a per-item choice over
-        thousands of rows cost seconds per step at R·M = 2048. Returns the items not placed,
-        in order.
+        thousands of rows cost seconds per step at R·M = 2048. Only a prefix of `pool` is
+        offered; returns the items of that prefix not placed, in order, and its length.
 
         A wave touches only the items it offers: placed items are marked, not cut out of the
         pool, and the scan for the next offer starts at the first item still offered (the
@@ -162,7 +163,7 @@ class _Rows:
         # Only a prefix can be needed: a few times the tokens the step is short of.
         short = max(stop_at - float(self.fill.sum()), 0.0)
         prefix = _first_reaching(lengths, pool, OFFER_PER_ROW * short) + 1
-        left, rest = pool[:prefix], pool[prefix:]
+        left = pool[:prefix]
         left_len = lengths[left]
         alive = np.ones(left.size, dtype=bool)
         # How many items still waiting have each length: the shortest one opens the rows.
@@ -201,7 +202,7 @@ class _Rows:
             alive[chosen] = False
             n_alive -= chosen.size
             waiting -= np.bincount(placed_len, minlength=waiting.size)
-        return np.concatenate([left[alive], rest])
+        return left[alive], left.size
 
     def best(self, item: int) -> tuple[int, float, float]:
         """(row, the item's cost there, what the step's slowest rank gains): the row whose
@@ -293,6 +294,64 @@ def _descending(values: np.ndarray) -> np.ndarray:
     return np.argsort(-values, kind="stable")
 
 
+class Leftovers:
+    """What the top-up may add, in priority order: the selected items the method did not
+    place (in the selection's order), then the rest of the windows interleaved across sources
+    as `select` interleaves (`select.interleaved`); only items of `eligible` sources (bool per
+    source; None: all).
+
+    Worked out only as far as the top-up reads it: a step the waves fill needs only the head
+    of its light items (`light_head`), and sorting every candidate of a lookahead window for it
+    cost more than the rest of the top-up."""
+
+    def __init__(self, c: Candidates, selected: np.ndarray, take: np.ndarray,
+                 eligible: np.ndarray | None = None):
+        self.c = c
+        placed = np.zeros(len(c), dtype=bool)
+        placed[take] = True
+        unplaced = np.asarray(selected, dtype=np.int64)
+        unplaced = unplaced[~placed[unplaced]]
+        placed[unplaced] = True
+        self.member = ~placed                    # the rest of the windows
+        if eligible is not None:
+            unplaced = unplaced[eligible[c.source[unplaced]]]
+            self.member &= eligible[c.source]
+        self.unplaced = unplaced
+        self.size = unplaced.size + int(np.count_nonzero(self.member))
+        self._all: np.ndarray | None = None
+
+    @classmethod
+    def of(cls, c: Candidates, pool: np.ndarray) -> "Leftovers":
+        """A pool given in full (in its order)."""
+        self = cls.__new__(cls)
+        self.c, self.unplaced, self.member = c, np.asarray(pool, dtype=np.int64), None
+        self.size, self._all = self.unplaced.size, self.unplaced
+        return self
+
+    def all(self) -> np.ndarray:
+        """The whole pool, in order."""
+        if self._all is None:
+            self._all = np.concatenate([self.unplaced,
+                                        interleaved(self.c, np.flatnonzero(self.member))])
+        return self._all
+
+    def light_head(self, longest: int, tokens: float) -> np.ndarray:
+        """The pool's items of at most `longest` tokens, in order, at least as far as the first
+        one at which their running total reaches `tokens` (all of them if it never does)."""
+        lengths = self.c.length
+        if self._all is None:
+            first = self.unplaced[lengths[self.unplaced] <= longest]
+            have = float(lengths[first].sum())
+            if have >= tokens:
+                return first
+            # One more item's worth: the running total crosses `tokens` inside the head.
+            rest = interleaved_head(self.c, self.member, longest, tokens - have + longest + 1)
+            if rest is not None:
+                return np.concatenate([first, rest])
+        pool = self.all()
+        return pool[lengths[pool] <= longest]
+
+
 def top_up(c: Candidates, take: np.ndarray, rank: np.ndarray, row: np.ndarray,
            pool: np.ndarray, geometry: Geometry, cost: CostModel, *, overhead: float,
            cost_aware: bool) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
@@ -310,34 +369,46 @@ def top_up(c: Candidates, take: np.ndarray, rank: np.ndarray, row: np.ndarray,
     are the loader's guarantee, not a planner's), rows with room left take the head of a
     divisible item (a piece of a long document) cut to fit (`cut_to_fill`)."""
     R, M = geometry.ranks, geometry.micro_batches
-    pool = np.asarray(pool, dtype=np.int64)
+    pool = pool if isinstance(pool, Leftovers) else Leftovers.of(c, pool)
     rows = _Rows(c, take, rank, row, geometry, cost)
     full = FULL * geometry.step_tokens
     if pool.size == 0 or rows.fill.sum() >= full:   # full already: nothing to do (and cheap)
         return take, rank, row, c.length[take]
-    pool_length = c.length[pool]
-    fits = pool_length <= rows.room.max(initial=0)
+    max_room = int(rows.room.max(initial=0))
+    light_limit = min(max_room, geometry.capacity // LIGHT_FRACTION)
     budget = MAX_ATTEMPTS_PER_ROW * R * M + MIN_ATTEMPTS
     if R * M > WAVE_ROWS:
         # Many rows: light items go in vectorized waves first; the per-item pass sees the rest.
-        light = fits & (pool_length <= geometry.capacity // LIGHT_FRACTION)
-        rest = rows.wave_fill(pool[np.flatnonzero(light)], full)
-        passes = rows.fill.sum() < full and rows.room.max() > 0   # else the passes stop at once
-        fits = np.concatenate([pool[np.flatnonzero(fits & ~light)], rest]) if passes else None
+        # The waves offer only a few times the tokens the step is short of.
+        short = max(full - float(rows.fill.sum()), 0.0)
+        waved, offered = rows.wave_fill(pool.light_head(light_limit, OFFER_PER_ROW * short), full)
+        if rows.fill.sum() < full and rows.room.max() > 0:   # else the passes stop at once
+            everything = pool.all()
+            length = c.length[everything]
+            light = length <= light_limit
+            rows_pass(rows, np.concatenate([everything[(length <= max_room) & ~light], waved,
+                                            everything[light][offered:]]),
+                      cost_aware, overhead, full, budget)
     else:
-        passes, fits = True, pool[np.flatnonzero(fits)]
-    if passes:
-        left = rows.fill_pass(fits, cost_aware=cost_aware, overhead=overhead, stop_at=full,
-                              budget=budget)
-        if cost_aware and left.size:
-            rows.fill_pass(left, cost_aware=False, overhead=overhead, stop_at=full,
-                           budget=budget)
+        everything = pool.all()
+        rows_pass(rows, everything[c.length[everything] <= max_room], cost_aware, overhead,
+                  full, budget)
     if rows.fill.sum() < full:
+        everything = pool.all()
         added = np.zeros(len(c), dtype=bool)
         added[rows.added] = True
-        rows.cut_to_fill(pool[c.divisible[pool] & ~added[pool]])
+        rows.cut_to_fill(everything[c.divisible[everything] & ~added[everything]])
     cells = np.asarray(rows.cells, dtype=np.int64)
     return (np.concatenate([take, np.asarray(rows.added, dtype=np.int64)]),
             np.concatenate([rank, (cells // M).astype(rank.dtype)]),
             np.concatenate([row, (cells % M).astype(row.dtype)]),
             np.concatenate([c.length[take], np.asarray(rows.lengths, dtype=np.int64)]))
+
+
+def rows_pass(rows: _Rows, fits: np.ndarray, cost_aware: bool, overhead: float, stop_at: float,
+              budget: int) -> None:
+    """The per-item passes of `top_up`: cost-aware first (when asked), then what still fits."""
+    left = rows.fill_pass(fits, cost_aware=cost_aware, overhead=overhead, stop_at=stop_at,
+                          budget=budget)
+    if cost_aware and left.size:
+        rows.fill_pass(left, cost_aware=False, overhead=overhead, stop_at=stop_at, budget=budget)

@@ -110,3 +110,64 @@ def interleaved(c: Candidates, items: np.ndarray) -> np.ndarray:
     # Tokens ahead of each item in its source (whole numbers: the float sums are exact).
     ahead = np.cumsum(lengths) - lengths - (np.cumsum(totals) - totals)[sources]
     return order[np.argsort(ahead / totals[sources], kind="stable")].astype(np.int64)
+
+
+def interleaved_head(c: Candidates, member: np.ndarray, longest: int,
+                     tokens: float) -> np.ndarray | None:
+    """The start of `interleaved(c, np.flatnonzero(member))`, as far as its items of at most
+    `longest` tokens hold `tokens` tokens (at least): those items, in order. None when that is
+    most of the order (work it out in full then).
+
+    Without sorting every member: a histogram of tokens per (source, position) gives each
+    source's cut, the whole positions that the head can reach; only the members before the cuts
+    are sorted. Of their order, the part no member past a cut can precede is the head (a
+    member past the cut of source s comes after every member that `interleaved` ranks below
+    the first one past it: tokens ahead / the source's tokens, then the source)."""
+    S = c.num_sources
+    span = int(c.position.max()) + 1
+    key = c.source.astype(np.int64) * span + c.position
+    short = member & (c.length <= longest)
+    tok = np.bincount(key, weights=np.where(member, c.length, 0), minlength=S * span)
+    short_tok = np.bincount(key, weights=np.where(short, c.length, 0), minlength=S * span)
+    through = np.cumsum(tok.reshape(S, span), axis=1)
+    totals = through[:, -1]
+    if float(short_tok.sum()) <= tokens:
+        return None
+    # The smallest share of every source's tokens whose whole positions hold `tokens` of short
+    # members (positions in order of the share they complete).
+    share = (through / np.maximum(totals, 1.0)[:, None]).ravel()
+    by_share = np.argsort(share, kind="stable")
+    enough = np.searchsorted(np.cumsum(short_tok[by_share]), tokens, side="left")
+    for _ in range(3):
+        if enough >= by_share.size:
+            return None
+        level = float(share[by_share[enough]])
+        if level >= 0.5:
+            return None
+        start = through - tok.reshape(S, span)               # tokens before each position
+        cut = np.array([np.searchsorted(start[s], level * totals[s], side="right")
+                        for s in range(S)])
+        head = np.flatnonzero(member & (c.position < cut[c.source]))
+        order = arrival_order(c, head)
+        sources = c.source[order]
+        lengths = c.length[order].astype(np.float64)
+        within = np.bincount(sources, weights=lengths, minlength=S)   # whole positions
+        ahead = np.cumsum(lengths) - lengths - (np.cumsum(within) - within)[sources]
+        fraction = ahead / np.maximum(totals, 1.0)[sources]
+        merged = np.argsort(fraction, kind="stable")
+        # The first member past a cut, per source that has one: nothing after it is sure.
+        past = np.flatnonzero(within < totals)
+        trusted = merged.size
+        if past.size:
+            first_past = within[past] / totals[past]
+            bound = int(np.lexsort((past, first_past))[0])
+            bound_fraction, bound_source = first_past[bound], past[bound]
+            f, src = fraction[merged], sources[merged]
+            trusted = int(np.count_nonzero((f < bound_fraction) |
+                                           ((f == bound_fraction) & (src < bound_source))))
+        out = order[merged[:trusted]]
+        out = out[c.length[out] <= longest]
+        if float(c.length[out].sum()) >= tokens:
+            return out.astype(np.int64)
+        enough = min(2 * enough + 1, by_share.size)
+    return None
