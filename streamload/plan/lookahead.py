@@ -95,13 +95,15 @@ def select_lookahead(c: Candidates, targets: np.ndarray, geometry: Geometry, cos
     # order (what `select` does with window * targets). Masks over all candidates from here on.
     forced = age >= force_age
     window_quota = step_quotas(targets * window, np.bincount(source, weights=length, minlength=S))
-    pool_used = np.bincount(source[forced], weights=length[forced], minlength=S).astype(np.float64)
-    pool = forced | _take_arrival(c, ~forced, pool_used, window_quota)
+    overdue = np.flatnonzero(forced)
+    forced_tokens = np.bincount(source[overdue], weights=length[overdue],
+                                minlength=S).astype(np.float64)
+    pool = forced | _take_arrival(c, ~forced, forced_tokens.copy(), window_quota)
     weight = item_costs(c, None, cost)
-    quota = step_quotas(targets, np.bincount(source, weights=np.where(pool, length, 0),
-                                             minlength=S))
+    pool_by_source = np.bincount(source, weights=np.where(pool, length, 0), minlength=S)
+    quota = step_quotas(targets, pool_by_source)
     step_tokens = float(quota.sum())
-    pool_tokens = float(length[pool].sum())
+    pool_tokens = float(pool_by_source.sum())   # whole numbers: the float sum is exact
     if pool_tokens <= 0:
         return np.zeros(0, dtype=np.int64), np.zeros(0, dtype=bool)
     fair = float(weight[pool].sum()) / pool_tokens * step_tokens / slots   # a slot's fair cost
@@ -113,13 +115,13 @@ def select_lookahead(c: Candidates, targets: np.ndarray, geometry: Geometry, cos
         if light_pool.any() else float(cost.b)
     excess = np.maximum(weight - density * length, 0.0)
 
-    used = np.bincount(source[forced], weights=length[forced], minlength=S).astype(np.float64)
+    used = forced_tokens
     taken = forced.copy()
-    room = float(geometry.step_tokens) - float(length[forced].sum())
+    room = float(geometry.step_tokens) - float(forced_tokens.sum())
     # A source owed tokens this step (quota > 0) may give heavy documents past its quota: the
     # mixer's carry takes the overshoot back over the next steps (the mix stays exact over the
     # window). A source with nothing owed waits.
-    free = np.flatnonzero(heavy & ~forced & (quota[source] > used[source]))
+    free = np.flatnonzero(heavy & ~forced & (quota > used)[source])
     slot_tokens = geometry.capacity if slots == geometry.rows else \
         geometry.micro_batches * geometry.capacity
     picked = heavy_layer(excess, np.flatnonzero(forced & heavy), free, age, length, slots,
@@ -138,7 +140,7 @@ def select_lookahead(c: Candidates, targets: np.ndarray, geometry: Geometry, cos
     remaining = step_quotas(remaining * (max(room, 0.0) / max(remaining.sum(), 1e-9)),
                             light_available)
     light_quota = used + remaining
-    taken |= _take_arrival(c, pool & ~taken & ~heavy, used, light_quota)
+    taken |= _take_arrival(c, light, used, light_quota)
     selected = np.flatnonzero(taken)
     return selected, forced[selected]
 
