@@ -364,16 +364,28 @@ def _keep_home(bins: _Bins, items: np.ndarray, gaps: np.ndarray) -> np.ndarray:
     own = own[_sorted_by((home[own], B))]
     own_items, own_home = items[own], home[own]
     lengths = length[own_items]
-    csum = np.cumsum(lengths)
-    starts = _group_starts(own_home)
+    # Tokens before each item in its bin: whole numbers, so the float sums are exact.
+    per_bin = np.bincount(own_home, weights=lengths, minlength=B)
+    within = np.cumsum(lengths) - (np.cumsum(per_bin) - per_bin)[own_home]
     span = float(M * C + 1)
-    end = own_home * span + (csum - (csum[starts] - lengths[starts]))
-    cell_end = (np.cumsum(gaps.reshape(B, M), axis=1) + (np.arange(B) * span)[:, None]).ravel()
-    slot = np.minimum(np.searchsorted(cell_end, end - 0.5, side="left"), B * M - 1)
-    ok = (end - lengths >= cell_end[slot] - gaps[slot] - 0.5) & (end <= cell_end[slot] + 0.5)
-    # A bin's own items past its span would land in the next bin's gaps, on top of that bin's
-    # own items there (a row went 9k tokens over C at 128k once windows were 8 steps deep).
-    ok &= slot // M == own_home
+    end = own_home * span + within
+    if M == 1:
+        # One row per bin: the row is the home's (or none), found without a search. The same
+        # sums as below: the search would land on the home exactly when end - 0.5 <= its end.
+        slot = own_home
+        cell_end = gaps[slot] + own_home * span
+        ok = ((end - 0.5 <= cell_end) | (slot == B - 1)) & \
+            (end - lengths >= cell_end - gaps[slot] - 0.5) & (end <= cell_end + 0.5)
+    else:
+        cell_end = (np.cumsum(gaps.reshape(B, M), axis=1) +
+                    (np.arange(B) * span)[:, None]).ravel()
+        slot = np.minimum(np.searchsorted(cell_end, end - 0.5, side="left"), B * M - 1)
+        ok = (end - lengths >= cell_end[slot] - gaps[slot] - 0.5) & \
+            (end <= cell_end[slot] + 0.5)
+        # A bin's own items past its span would land in the next bin's gaps, on top of that
+        # bin's own items there (a row went 9k tokens over C at 128k once windows were 8 steps
+        # deep).
+        ok &= slot // M == own_home
     _put_many(bins, own_items[ok], slot[ok], gaps)
     rest = np.ones(items.size, dtype=bool)
     rest[own[ok]] = False

@@ -215,7 +215,8 @@ class _Rows:
         else:   # a row's cost is convex in its tokens: what this row would add
             f = self.fill.astype(np.float64)
             marginal = cost.a * ((f + length) ** 2 - f * f) + cost.b * length + extra
-        ends = np.where(fits, self.load[self.row_rank] + marginal, np.inf)
+        row_load = self.load if self.geometry.pipelined else self.load[self.row_rank]
+        ends = np.where(fits, row_load + marginal, np.inf)
         tied = np.flatnonzero(ends == ends.min())
         pick = int(tied[np.argmin(self.room[tied])])
         work = marginal if cost.document_masking else float(marginal[pick])
