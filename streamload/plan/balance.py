@@ -336,11 +336,28 @@ def _longest_first(items: np.ndarray, length: np.ndarray) -> np.ndarray:
     return items[_sorted_by((longest - lengths, longest + 1))]
 
 
-def _put_many(bins: _Bins, items: np.ndarray, cells: np.ndarray, gaps: np.ndarray) -> None:
-    """Place items into flat row indices (several per row allowed); shrink `gaps` to match."""
+def _put_many(bins: _Bins, items: np.ndarray, cells: np.ndarray, gaps: np.ndarray, *,
+              one_per_row: bool = False) -> None:
+    """Place items into flat row indices (several per row allowed); shrink `gaps` to match.
+
+    With `one_per_row` (no row twice, as in a wave) the rows are updated in place, not through
+    counts over every row: the same sums (one item per row, and per bin unless a bin has
+    several rows, where the bins' loads are still summed by `np.bincount`)."""
     M, B = bins.rows, bins.num_bins
     lengths = bins.length[items]
     b, r = cells // M, cells % M
+    if one_per_row:
+        bins.fill[b, r] += lengths
+        gaps[cells] -= lengths
+        if M == 1:
+            bins.load[b] += bins.weight[items]
+            bins.tokens[b] += lengths
+        else:
+            bins.load += np.bincount(b, weights=bins.weight[items], minlength=B)
+            np.add.at(bins.tokens, b, lengths)
+        bins.bin[items] = b
+        bins.row[items] = r
+        return
     per_cell = np.bincount(cells, weights=lengths, minlength=B * M)
     bins.fill += per_cell.astype(np.int64).reshape(B, M)
     bins.load += np.bincount(b, weights=bins.weight[items], minlength=B)
@@ -433,7 +450,7 @@ def _waves(bins: _Bins, items: np.ndarray, gaps: np.ndarray, max_waves: int = 64
         # The k-th waiting item sits at k + #{i: dead[i] - i <= k}.
         k = pick[ok]
         position = k + np.searchsorted(dead - np.arange(dead.size), k, side="right")
-        _put_many(bins, items[position], cells[ok], gaps)
+        _put_many(bins, items[position], cells[ok], gaps, one_per_row=True)
         alive[position] = False
         dead = np.insert(dead, np.searchsorted(dead, position), position)
     return items[alive]
