@@ -106,14 +106,17 @@ def select_lookahead(c: Candidates, targets: np.ndarray, geometry: Geometry, cos
     pool_tokens = float(pool_by_source.sum())   # whole numbers: the float sum is exact
     if pool_tokens <= 0:
         return np.zeros(0, dtype=np.int64), np.zeros(0, dtype=bool)
-    fair = float(weight[pool].sum()) / pool_tokens * step_tokens / slots   # a slot's fair cost
+    pool_weight = weight.sum() if pool.all() else weight[pool].sum()   # the same sum either way
+    fair = float(pool_weight) / pool_tokens * step_tokens / slots   # a slot's fair cost
     heavy = pool & (weight >= HEAVY_SHARE * fair) & (length <= geometry.capacity)
     # What a heavy item costs above the light documents' rate per token: what its slot
     # carries more than a slot of light documents of the same tokens.
     light_pool = pool & ~heavy
     density = float(weight[light_pool].sum()) / float(length[light_pool].sum()) \
         if light_pool.any() else float(cost.b)
-    excess = np.maximum(weight - density * length, 0.0)
+    excess = np.zeros(len(c))                      # read for heavy items only
+    heavy_items = np.flatnonzero(heavy)
+    excess[heavy_items] = np.maximum(weight[heavy_items] - density * length[heavy_items], 0.0)
 
     used = forced_tokens
     taken = forced.copy()
