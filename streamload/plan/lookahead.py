@@ -44,19 +44,21 @@ step_quotas = water_fill
 
 
 def _take_arrival(c: Candidates, mask: np.ndarray, used: np.ndarray,
-                  quota: np.ndarray) -> np.ndarray:
+                  quota: np.ndarray, key: np.ndarray | None = None) -> np.ndarray:
     """Among candidates in `mask`, per source in arrival order (position, then rank), those
     taken while the source's tokens are below its quota (one item of overshoot, like `select`).
 
     Whole positions are taken while a source's quota lasts; only the one position where it runs
     out is sorted by rank, so this is O(n). Updates `used`; returns a mask of what is taken.
+    `key`: each candidate's source · (largest position + 1) + position, when already known.
     """
     S = used.shape[0]
     take = np.zeros(len(c), dtype=bool)
     if not mask.any():
         return take
     P = int(c.position.max()) + 1
-    key = c.source.astype(np.int64) * P + c.position
+    if key is None:
+        key = c.source.astype(np.int64) * P + c.position
     tokens = np.bincount(key, weights=np.where(mask, c.length, 0), minlength=S * P).reshape(S, P)
     through = np.cumsum(tokens, axis=1)                          # tokens up to and including p
     remaining = quota - used
@@ -98,7 +100,8 @@ def select_lookahead(c: Candidates, targets: np.ndarray, geometry: Geometry, cos
     overdue = np.flatnonzero(forced)
     forced_tokens = np.bincount(source[overdue], weights=length[overdue],
                                 minlength=S).astype(np.float64)
-    pool = forced | _take_arrival(c, ~forced, forced_tokens.copy(), window_quota)
+    key = c.source.astype(np.int64) * (int(c.position.max()) + 1) + c.position
+    pool = forced | _take_arrival(c, ~forced, forced_tokens.copy(), window_quota, key)
     weight = item_costs(c, None, cost)
     pool_by_source = np.bincount(source, weights=np.where(pool, length, 0), minlength=S)
     quota = step_quotas(targets, pool_by_source)
@@ -143,7 +146,7 @@ def select_lookahead(c: Candidates, targets: np.ndarray, geometry: Geometry, cos
     remaining = step_quotas(remaining * (max(room, 0.0) / max(remaining.sum(), 1e-9)),
                             light_available)
     light_quota = used + remaining
-    taken |= _take_arrival(c, light, used, light_quota)
+    taken |= _take_arrival(c, light, used, light_quota, key)
     selected = np.flatnonzero(taken)
     return selected, forced[selected]
 
