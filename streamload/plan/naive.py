@@ -51,8 +51,11 @@ def assign_naive(c: Candidates, selected: np.ndarray, geometry: Geometry) -> tup
             m = 0
             while row[m] + length > C:
                 m += 1
-            row[m] += length
-            room[r] = C - min(row)
+            if C - row[m] == room[r]:           # the emptiest row fills: the room may shrink
+                row[m] += length
+                room[r] = C - min(row)
+            else:
+                row[m] += length
         if r != current:
             room_array[r] = room[r]
         add_take(idx)
