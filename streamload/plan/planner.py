@@ -79,7 +79,7 @@ class Planner:
     def _fill(self, c: Candidates, selected, take, rank, row, eligible=None):
         """`top_up` with what the plan left: the step's leftovers, then the windows of the
         `eligible` sources (bool per source; None: all). A step already FULL is left as it is
-        (and the leftovers, a sort of every candidate, are not worked out)."""
+        (and its leftovers are not looked at)."""
         length = c.length[take]
         if length.sum() >= FULL * self.geometry.step_tokens:
             return take, rank, row, length
