@@ -41,6 +41,8 @@ from .types import Candidates, Geometry
 
 LIGHT_TOLERANCE = 0.03   # a light document's attention may pass a light slot's mean by this
                          # share of a slot's linear cost (b·T)
+FORCE_HORIZON = 4        # steps ahead (at most a quarter of the bound) whose overdue items
+                         # `bounded_forced` keeps within half a step
 LIGHT_ROUNDS = 8         # rounds of `straggler_limit`'s fixed point (it converges in 2-4)
 LEVEL_CANDIDATES = 64   # distinct excesses tried as a step's level (spread over the range)
 ALIKE = 0.75         # an item fits a level when a slot of it reaches this share of the level
@@ -150,24 +152,31 @@ def select_lookahead(c: Candidates, targets: np.ndarray, geometry: Geometry, cos
 
 
 def bounded_forced(c: Candidates, force_age: int, limit: int) -> np.ndarray:
-    """The items this step must take: the overdue ones (age >= `force_age`), and, when the
-    items due next step (age `force_age` - 1) hold more than `limit` tokens, the first of them
-    in arrival order, until the rest hold no more than that (and the forced ones together no
-    more than `limit`).
+    """The items this step must take, at most `limit` tokens of them where the bound allows: the
+    overdue ones (age >= `force_age`), and as many of those due in the next steps as those
+    steps could not take at `limit` each (earliest deadline first: the oldest, then in arrival
+    order).
 
     The balancer places any set of forced items of at most half the step (first-fit
     decreasing); of more, `balance._oldest_that_fit` keeps the oldest half and the rest wait
-    one step past the bound (the loader saw ages of 17 against a bound of 16). Taking the
-    excess one step early keeps the next step's overdue items within `limit`."""
+    one step past the bound (the loader saw ages of 17 against a bound of 16, when pieces of a
+    row each came due together). With the tokens due within k + 1 steps D_k (those of age
+    >= `force_age` - k), this step takes max over k of D_k - k·`limit`, so no later step has
+    more than `limit` overdue."""
     age, length = c.age, c.length
     forced = age >= force_age
-    soon = np.flatnonzero(~forced & (age == force_age - 1))
-    over = int(length[soon].sum()) - limit
-    if over > 0:
-        soon = soon[np.lexsort((c.rank[soon], c.position[soon]))]
-        spare = limit - int(length[forced].sum())
-        ahead = np.cumsum(length[soon])
-        forced[soon[(ahead - length[soon] < over) & (ahead <= spare)]] = True
+    horizon = max(min(force_age // 4, FORCE_HORIZON), 1)
+    due_in = np.maximum(force_age - age.astype(np.int64), 0)              # steps left
+    near = due_in <= horizon
+    by_deadline = np.bincount(due_in[near], weights=length[near], minlength=horizon + 1)
+    k = np.arange(horizon + 1)
+    need = float((np.cumsum(by_deadline) - k * limit).max())
+    have = float(length[forced].sum())
+    if need > have:
+        soon = np.flatnonzero(~forced)
+        soon = soon[np.lexsort((c.rank[soon], c.position[soon], -age[soon]))]
+        ahead = have + np.cumsum(length[soon])
+        forced[soon[(ahead - length[soon] < need) & (ahead <= limit)]] = True
     return forced
 
 
