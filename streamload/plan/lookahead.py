@@ -17,9 +17,10 @@ windows that deep) and plans the step as the first of W:
   wait for a step of their own level, so none is the lone straggler of a step.
 - **Bounded deferral.** Every item that has waited `force_age` steps or more (2W by default:
   `planner.DEFERRAL_WINDOWS`) is taken now, whatever it costs; the heaviest forced one sets the
-  level, and any heavy document no heavier joins it for free. The items due next step are
-  taken early where they would hold more than half a step (`bounded_forced`): the balancer
-  can always place that much, so no item waits past the bound.
+  level, and any heavy document no heavier joins it for free. Items due in the next steps are
+  taken early where they would leave a step with more than half a step overdue
+  (`bounded_forced`): the balancer can always place that much, so no item waits past the
+  bound.
 - **The mix over the window.** A source owed tokens this step may give its heavy documents
   past its step quota: the mixer's carried deficit takes the overshoot back over the next
   steps, so the mix is exact over windows of steps (not step by step). Light documents then
