@@ -179,3 +179,15 @@ def test_the_balancer_places_a_light_step_with_a_thousand_documents_a_row():
     take, rank, row = assign_balanced(c, np.arange(len(c)), geometry, cost)
     assert take.size == 2000
     assert np.bincount(rank, minlength=2).tolist() == [1000, 1000]
+
+
+def test_forced_items_past_half_a_step_keep_the_short_ones_that_still_fit():
+    """More overdue items than half a step (the most first-fit-decreasing always places): the
+    oldest go first, then the shortest of the rest while they fit. A prefix of the oldest left
+    out items of a hundred tokens behind one that did not fit (ages of 17 against 16)."""
+    from streamload.plan.balance import _oldest_that_fit
+    geometry = Geometry(2, 1, 1000)                           # half a step: 1000 tokens
+    lengths = np.array([600, 500, 100, 90])
+    c = Candidates.from_windows([[lengths]], [[np.array([17, 16, 16, 16])]])
+    keep = _oldest_that_fit(c, np.arange(4), np.ones(4, dtype=bool), geometry)
+    assert keep.tolist() == [True, False, True, True]         # 600 + 100 + 90 <= 1000
