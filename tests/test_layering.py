@@ -2,7 +2,7 @@
 
 Layers, bottom up; a module imports from its own layer or below, never above:
   0  errors, pieces, plan/ (pure NumPy), storage/
-  1  tokenizer, formats/, config, configfile, state, batch, metrics, mixreport
+  1  tokenizer, formats/, config, configfile, state, batch, metrics, mixreport, vision/
   2  collective/, pipeline/
   3  progress, delivery, stage_view, peers, watch, runtime
   4  loader, observe (metrics records, logs, TensorBoard), the package's __init__
@@ -24,7 +24,7 @@ pytestmark = pytest.mark.core
 PACKAGE = Path(streamload.__file__).parent
 LAYERS = [("errors", "pieces", "plan", "storage"),
           ("tokenizer", "formats", "config", "configfile", "state", "batch", "metrics",
-           "mixreport"),
+           "mixreport", "vision"),
           ("collective", "pipeline"),
           ("progress", "delivery", "stage_view", "peers", "watch", "runtime"),
           ("loader", "observe", "__init__"),
