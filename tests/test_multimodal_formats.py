@@ -161,3 +161,36 @@ def test_decoding_in_worker_processes_gives_the_same_batches(tmp_path):
     for x, y in zip(a, b):
         assert x.pixel_values.equal(y.pixel_values) and x.tokens.equal(y.tokens)
         assert x.image_grid.equal(y.image_grid)
+
+
+@pytest.mark.timeout(120)
+def test_a_text_source_and_an_image_source_in_one_loader(tmp_path):
+    (tmp_path / "pics").mkdir()
+    (tmp_path / "text").mkdir()
+    write_tar(tmp_path / "pics" / "part-0.tar", range(10))
+    from streamload.formats import write_jsonl
+    write_jsonl(tmp_path / "text" / "part-0.jsonl", [f"document {k} " * (k + 1)
+                                                     for k in range(10)])
+    opts = options()
+    with sl.Loader([sl.Source(str(tmp_path / "pics"), images=opts),
+                    sl.Source(str(tmp_path / "text"))], micro_batch_tokens=512,
+                   micro_batches=2, epochs=1, decode_images_in="threads") as loader:
+        rows = [mb for b in loader for mb in b.micro_batches]
+    seen = {"pics": set(), "text": set()}
+    for sample_id, tokens, labels, loss, images in documents(rows):
+        name, _, record = sample_id.split("/")
+        seen[name].add(int(record))
+        if name == "pics":
+            check_sample(int(record), tokens, labels, loss, images, opts)
+        else:
+            assert images == [] and not np.isin(tokens, (IMAGE_ID, BEGIN_ID, END_ID)).any()
+    assert seen == {"pics": set(range(10)), "text": set(range(10))}
+
+
+def test_image_sources_must_share_the_encoder_geometry(tmp_path):
+    write_tar(tmp_path / "part-0.tar", range(2))
+    with pytest.raises(sl.ConfigError, match="differ in images.patch_size"):
+        sl.Loader([sl.Source(str(tmp_path), name="a", images=options()),
+                   sl.Source(str(tmp_path), name="b", images=options(patch_size=16))])
+    with pytest.raises(sl.ConfigError, match="holds no images"):
+        read_all(sl.Source(str(tmp_path), format="jsonl", images=options()))
