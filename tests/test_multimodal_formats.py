@@ -98,7 +98,10 @@ def test_interleaved_json_and_qwen2_vl_frames(tmp_path):
     assert len(docs) == 4
     tokens, images = docs[f"{tmp_path.name}/part-0.tar/1"]
     assert bytes(tokens[:5].astype(np.uint8)) == b"look:"
-    assert len(images) == 2 and images[0][1].shape[1] == 3 * 2 * 14 * 14
+    assert len(images) == 2 and images[0][1].shape[1] == 3 * 14 * 14
+    fed = [mb.to_qwen2_vl() for mb in rows if mb.num_images]
+    assert all(f["pixel_values"].shape[1] == 3 * 2 * 14 * 14 for f in fed)
+    assert sum(f["image_grid_thw"].shape[0] for f in fed) == 4
     for k, (_, _, image) in enumerate(images):
         assert np.abs(image.float().mean((1, 2)).numpy() - color_of(1, k)).max() < 4
     tokens, images = docs[f"{tmp_path.name}/part-0.tar/0"]

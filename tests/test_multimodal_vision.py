@@ -70,14 +70,12 @@ def test_patches_fold_back_into_the_resized_image(merge, frames):
     h, w = 2 * 14 * merge, 3 * 14 * merge
     pixels = rng.integers(0, 256, (h, w, 3), dtype=np.uint8)
     placed = Placement(h, w, (1, h // 14, w // 14), h * w // (14 * 14 * merge * merge))
-    patches = patchify(pixels, placed, 14, merge, frames)
-    assert patches.shape == (h * w // 196, 3 * frames * 196) and patches.dtype == np.uint8
-    # a patch is (channel, frame, row, column): the first one is the top-left 14 x 14 square
-    first = patches[0].reshape(3, frames, 14, 14)
-    assert np.array_equal(first[:, 0], pixels[:14, :14].transpose(2, 0, 1))
-    assert np.array_equal(first[:, -1], first[:, 0])
+    patches = patchify(pixels, placed, 14, merge)
+    assert patches.shape == (h * w // 196, 3 * 196) and patches.dtype == np.uint8
+    # a patch is (channel, row, column): the first one is the top-left 14 x 14 square
+    assert np.array_equal(patches[0].reshape(3, 14, 14), pixels[:14, :14].transpose(2, 0, 1))
     if merge == 2:   # the merge window's second patch is the one to the right
-        assert np.array_equal(patches[1].reshape(3, frames, 14, 14)[:, 0],
+        assert np.array_equal(patches[1].reshape(3, 14, 14),
                               pixels[:14, 14:28].transpose(2, 0, 1))
     mb = VisionMicroBatch(None, None, None, None, None, [], 0,
                           pixel_values=torch.from_numpy(patches),
@@ -85,6 +83,13 @@ def test_patches_fold_back_into_the_resized_image(merge, frames):
                           vision_cu_seqlens=torch.tensor([0, patches.shape[0]]),
                           patch_size=14, merge_size=merge, temporal_patch_size=frames)
     assert np.array_equal(mb.images()[0].numpy(), pixels.transpose(2, 0, 1))
+    # fed to the model: normalized, each patch's frame repeated T times (channel, frame, ...)
+    fed = mb.normalized_pixels(mean=(0, 0, 0), std=(1, 1, 1))
+    assert fed.shape == (patches.shape[0], 3 * frames * 196)
+    framed = fed.view(-1, 3, frames, 196)
+    expected = torch.from_numpy(patches).float().div(255).view(-1, 3, 196)
+    for t in range(frames):
+        assert torch.allclose(framed[:, :, t], expected)
 
 
 def test_decode_resizes_to_the_placement():

@@ -77,8 +77,7 @@ class ImageBatches:
         for r, row in enumerate(rows):
             for k in row.item_indices.tolist():
                 for ref in here.get(int(entries[k]), ()):
-                    jobs.append((ref.data, tuple(ref.placement), o.patch_size, o.merge_size,
-                                 o.temporal_patch_size))
+                    jobs.append((ref.data, tuple(ref.placement), o.patch_size, o.merge_size))
                     owners.append((r, k, ref))
         patches = await self._decode(jobs) if jobs else []
         per_row: list[list] = [[] for _ in rows]

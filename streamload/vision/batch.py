@@ -5,9 +5,10 @@ sample_ids over the fused sequence: text tokens and each image's run of `image_t
 
 * `image_mask`  bool [n]: the positions that hold an image's visual tokens (where the model
   scatters the vision encoder's merged outputs, in order);
-* `pixel_values` uint8 [patches, 3·T·p·p]: every image of the row, in the order their
-  placeholders appear, packed (`vision.decode`: (channel, frame, row, column) per patch, m x m
-  merge blocks contiguous);
+* `pixel_values` uint8 [patches, 3·p·p]: every image of the row, in the order their
+  placeholders appear, packed (`vision.decode`: (channel, row, column) per patch, m x m merge
+  blocks contiguous; one frame: `normalized_pixels` repeats it for a model whose patches span
+  T frames);
 * `image_grid`  int64 [images, 3]: each image's (t, h, w) in patches;
 * `vision_cu_seqlens` int32 [images + 1]: where each image's patches start in `pixel_values`
   (the encoder's varlen attention stays inside an image);
@@ -52,25 +53,27 @@ class VisionMicroBatch(MicroBatch):
         return 0 if self.image_grid is None else int(self.image_grid.shape[0])
 
     def normalized_pixels(self, mean: Sequence[float] = CLIP_MEAN,
-                          std: Sequence[float] = CLIP_STD,
-                          dtype: torch.dtype = torch.float32) -> torch.Tensor:
-        """`pixel_values` as (x / 255 - mean) / std per channel, [patches, 3·T·p·p] (do it on
-        the device: `.cuda()` the uint8 first, a quarter of the bytes)."""
-        x = self.pixel_values.to(dtype).div_(255.0)
-        n = x.shape[0]
+                          std: Sequence[float] = CLIP_STD, dtype: torch.dtype = torch.float32,
+                          pixels: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """`pixel_values` (or `pixels`, e.g. them moved to the device first: uint8 is a quarter
+        of float32's bytes) as (x / 255 - mean) / std per channel, with each patch's frame
+        repeated `temporal_patch_size` times: [patches, 3·T·p·p], (channel, frame, row,
+        column) per patch as Qwen2-VL's patch embedding reads it."""
+        x = (self.pixel_values if pixels is None else pixels).to(dtype).div_(255.0)
+        n, T = x.shape[0], self.temporal_patch_size
         x = x.view(n, 3, -1)
-        x.sub_(torch.tensor(mean, dtype=dtype).view(1, 3, 1))
-        x.div_(torch.tensor(std, dtype=dtype).view(1, 3, 1))
-        return x.view(n, -1)
+        x.sub_(torch.tensor(mean, dtype=dtype, device=x.device).view(1, 3, 1))
+        x.div_(torch.tensor(std, dtype=dtype, device=x.device).view(1, 3, 1))
+        return x.unsqueeze(2).expand(n, 3, T, x.shape[2]).reshape(n, -1)
 
     def images(self) -> list[torch.Tensor]:
-        """Each image as uint8 [3, H, W] (its first frame), the patches folded back."""
-        p, m, T = self.patch_size, self.merge_size, self.temporal_patch_size
+        """Each image as uint8 [3, H, W], the patches folded back."""
+        p, m = self.patch_size, self.merge_size
         out = []
         bounds = self.vision_cu_seqlens.tolist()
         for k, (_, gh, gw) in enumerate(self.image_grid.tolist()):
             x = self.pixel_values[bounds[k]:bounds[k + 1]]
-            x = x.view(gh // m, gw // m, m, m, 3, T, p, p)[:, :, :, :, :, 0]
+            x = x.view(gh // m, gw // m, m, m, 3, p, p)
             x = x.permute(4, 0, 2, 5, 1, 3, 6).reshape(3, gh * p, gw * p)
             out.append(x)
         return out
@@ -78,7 +81,8 @@ class VisionMicroBatch(MicroBatch):
     def to_qwen2_vl(self, mean: Sequence[float] = CLIP_MEAN,
                     std: Sequence[float] = CLIP_STD) -> dict:
         """Qwen2-VL's forward inputs for one packed row: input_ids, labels, position_ids
-        [1, n]; pixel_values float32 [patches, 3·2·14·14] normalized; image_grid_thw
+        [1, n]; pixel_values float32 [patches, 3·2·14·14] normalized, two equal frames per
+        patch (`normalized_pixels`: pass `pixels=` the uint8 on the device); image_grid_thw
         [images, 3]; and the packing's cu_seqlens (the text's documents) and
         vision_cu_seqlens (the encoder's images). Qwen2-VL's 3-D rope positions are the
         model's to derive from input_ids and image_grid_thw, per document of cu_seqlens."""

@@ -69,8 +69,9 @@ class Images(msgspec.Struct, kw_only=True, frozen=True):
 
     @property
     def patch_values(self) -> int:
-        """Values per encoder patch: 3 channels x T frames x p x p."""
-        return 3 * self.temporal_patch_size * self.patch_size * self.patch_size
+        """Values per patch as batches carry it: 3 channels x p x p (one frame; the model's T
+        frames are repeated where it is fed)."""
+        return 3 * self.patch_size * self.patch_size
 
     @property
     def structural_ids(self) -> tuple[int, ...]:
