@@ -58,6 +58,12 @@ from pathlib import Path
 
 import numpy as np
 
+# streamload's configurations: the default planner, whose lookahead window buffers W = 8 steps
+# of samples (their encoded images) ahead; and "balanced" over 1 step of window, buffering about
+# what a loader without planning holds.
+STREAMLOAD_CONFIGS = {"streamload": {},
+                      "streamload (balanced, window 1)": {"planner": "balanced",
+                                                          "window_factor": 1.0}}
 SIZES = [(320, 240), (640, 480), (800, 600), (1024, 768), (1280, 720), (1920, 1080),
          (512, 512), (480, 640), (600, 1400), (1600, 400)]
 TARS = 4
@@ -228,15 +234,16 @@ class PeakMemory:
         return self.peak_mb
 
 
-def run_streamload(root: str, workers: int) -> dict:
+def run_streamload(root: str, workers: int, options: dict) -> dict:
     import streamload as sl
     from streamload.vision import qwen2_vl
     memory = PeakMemory()
     started = time.perf_counter()
     images = patches = 0
-    loader = sl.Loader([sl.Source(root, images=qwen2_vl())], micro_batch_tokens=32768,
-                       micro_batches=1, prefetch_steps=1, epochs=1, image_workers=workers,
-                       decode_images_in="processes")
+    options = {"micro_batch_tokens": 32768, "micro_batches": 1, "prefetch_steps": 1,
+               "epochs": 1, "image_workers": workers, "decode_images_in": "processes",
+               **options}
+    loader = sl.Loader([sl.Source(root, images=qwen2_vl())], **options)
     for batch in loader:
         for mb in batch.micro_batches:
             images += mb.num_images
@@ -300,8 +307,8 @@ def run_energon(root: str, workers: int, resize: bool = False) -> dict:
 
 
 def child(which: str, root: str, workers: int) -> None:
-    if which == "streamload":
-        result = run_streamload(root, workers)
+    if which.startswith("streamload"):
+        result = run_streamload(root, workers, STREAMLOAD_CONFIGS[which])
     else:
         result = run_energon(root, workers, resize=which == "energon+resize")
     print(json.dumps(result))
@@ -323,19 +330,27 @@ def main() -> None:
     parser.add_argument("--samples", type=int, default=240)
     parser.add_argument("--workers", type=int, default=2)
     parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--corpus", help="keep the corpus in this folder (made if absent)")
     parser.add_argument("--child", nargs=3, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
         return child(args.child[0], args.child[1], int(args.child[2]))
     samples = 60 if args.quick else args.samples
     with tempfile.TemporaryDirectory() as tmp:
-        root = Path(tmp)
-        corpus = write_corpus(root, samples)
+        root = Path(args.corpus or tmp)
+        made = root / ".corpus.json"   # hidden: no source reads it
+        if made.exists():
+            corpus = json.loads(made.read_text())
+        else:
+            root.mkdir(parents=True, exist_ok=True)
+            corpus = write_corpus(root, samples)
         try:
-            prepare_energon(root)
+            if not (root / ".nv-meta" / "dataset.yaml").exists():
+                prepare_energon(root)
             energon_ready = True
         except ImportError:
             energon_ready = False
+        made.write_text(json.dumps(corpus))
         print(f"corpus: {corpus}", file=sys.stderr)
         direct = decoders(jpegs_of(root / "part-000.tar"))
         for row in direct:
@@ -344,7 +359,7 @@ def main() -> None:
             else:
                 print(f"  {row['decoder']:28s} {row['images_per_core_s']:8.1f} images/core-s "
                       f"{row['mb_per_core_s']:7.2f} MB/core-s", file=sys.stderr)
-        loaders = {"streamload": run_child("streamload", root, args.workers)}
+        loaders = {name: run_child(name, root, args.workers) for name in STREAMLOAD_CONFIGS}
         for name in ("energon", "energon+resize"):
             loaders[name] = run_child(name, root, args.workers) if energon_ready \
                 else {"error": "megatron-energon is not installed"}
@@ -354,7 +369,7 @@ def main() -> None:
                 continue
             r["images_per_core_s"] = r["images"] / r["cpu_s"]
             r["mb_per_core_s"] = corpus["encoded_mb"] / r["cpu_s"]
-            print(f"  {name:15s} {r['images']} images, {r['cpu_s']:.1f} CPU s, "
+            print(f"  {name:32s} {r['images']} images, {r['cpu_s']:.1f} CPU s, "
                   f"{r['images_per_core_s']:.1f} images/core-s, {r['mb_per_core_s']:.2f} "
                   f"MB/core-s, peak PSS {r['peak_pss_mb']:.0f} MB, wall {r['wall_s']:.1f} s",
                   file=sys.stderr)

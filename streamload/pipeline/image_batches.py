@@ -5,7 +5,8 @@ it also moves each planned item's encoded images with it (`vision.exchange`, one
 all-to-alls on the collective thread), then `ImageBatches.attach` decodes every image of the
 rank's rows in worker processes (`image_workers`; `decode_images_in="threads"` decodes on
 daemon threads instead: Pillow releases the GIL while it decodes and resizes, but the Python
-between calls takes it), split evenly by pixels, and turns each row into a
+between calls takes it), one image per job, largest first, copied into its row as it arrives,
+and turns each row into a
 `VisionMicroBatch` (`vision.batch`).
 
 Every image source of a loader shares one encoder geometry (patch, merge, frames, image ids):
@@ -71,46 +72,54 @@ class ImageBatches:
                      here: dict[int, tuple], name_of: Callable[[int], tuple]) -> list:
         """Each of `micro_batches` (one per packed row of `rows`, whose `item_indices` index
         `entries`) with its images (`here`: plan entry -> ImageRefs, from the exchange).
-        `name_of(k)` -> (source name, shard name, record) of the k-th received item."""
+        `name_of(k)` -> (source name, shard name, record) of the k-th received item.
+
+        Each row's `pixel_values` is allocated once, at its size (known from the placements),
+        and each image is a job of its own: its patches are copied into place as it arrives,
+        so neither a worker nor this process holds more than the images in hand besides the
+        rows (a step's images held as a list, then concatenated, cost twice the step's
+        pixels, and a worker's share returned at once as much again)."""
         o = self.options
-        jobs, owners = [], []   # per image: (row, item k)
-        for r, row in enumerate(rows):
-            for k in row.item_indices.tolist():
-                for ref in here.get(int(entries[k]), ()):
-                    jobs.append((ref.data, tuple(ref.placement), o.patch_size, o.merge_size))
-                    owners.append((r, k, ref))
-        patches = await self._decode(jobs) if jobs else []
-        per_row: list[list] = [[] for _ in rows]
-        for (r, k, ref), result in zip(owners, patches):
-            if isinstance(result, str):
-                source, shard, record = name_of(k)
-                raise DataError(f"image member {ref.member!r} does not decode: {result}",
-                                source=source, shard=shard, record=record, skippable=False)
-            per_row[r].append((k, ref, result))
-        out = []
-        for mb, row, images in zip(micro_batches, rows, per_row):
+        values = o.patch_values
+        out, jobs = [], []   # jobs: (row's pixels, first patch, ImageRef, item k)
+        for mb, row in zip(micro_batches, rows):
             position = {k: j for j, k in enumerate(row.item_indices.tolist())}
-            out.append(vision_row(mb, [p for _, _, p in images],
-                                  [ref.placement.grid for _, ref, _ in images],
-                                  [position[k] for k, _, _ in images], o))
+            refs = [(k, ref) for k in row.item_indices.tolist()
+                    for ref in here.get(int(entries[k]), ())]
+            grids = [ref.placement.grid for _, ref in refs]
+            sizes = [g[0] * g[1] * g[2] for g in grids]
+            pixels = np.empty((sum(sizes), values), np.uint8)
+            at = 0
+            for (k, ref), size in zip(refs, sizes):
+                jobs.append((pixels, at, size, ref, k))
+                at += size
+            out.append(vision_row(mb, pixels, grids, [position[k] for k, _ in refs], o))
+        if jobs:
+            await self._decode(jobs, name_of)
         return out
 
-    async def _decode(self, jobs: list) -> list:
-        """The patches of every job, decoded by the workers in about equal shares of pixels."""
-        pixels = np.array([j[1][0] * j[1][1] for j in jobs], dtype=np.float64)
-        parts = min(self.workers, len(jobs))
-        order = np.argsort(-pixels, kind="stable")
-        load = np.zeros(parts)
-        share: list[list[int]] = [[] for _ in range(parts)]
-        for j in order.tolist():   # largest first, to the least loaded
-            w = int(np.argmin(load))
-            share[w].append(j)
-            load[w] += pixels[j]
-        pool = self._executor()
-        results = await asyncio.gather(*(asyncio.wrap_future(
-            pool.submit(decode_many, [jobs[j] for j in part])) for part in share))
-        out: list = [None] * len(jobs)
-        for part, result in zip(share, results):
-            for j, patches in zip(part, result):
-                out[j] = patches
-        return out
+    async def _decode(self, jobs: list, name_of: Callable[[int], tuple]) -> None:
+        """Decode every job's image in the workers, largest first (the step ends with small
+        ones), each copied into its row as it arrives; a failure is a DataError naming it."""
+        o, pool = self.options, self._executor()
+        pending = {}
+        for j in sorted(range(len(jobs)), key=lambda j: -jobs[j][2]):
+            ref = jobs[j][3]
+            pending[asyncio.wrap_future(pool.submit(
+                decode_many, [(ref.data, tuple(ref.placement), o.patch_size,
+                               o.merge_size)]))] = j
+        try:
+            while pending:
+                done, _ = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+                for future in done:
+                    pixels, at, size, ref, k = jobs[pending.pop(future)]
+                    (result,) = future.result()
+                    if isinstance(result, str):
+                        source, shard, record = name_of(k)
+                        raise DataError(f"image member {ref.member!r} does not decode: "
+                                        f"{result}", source=source, shard=shard,
+                                        record=record, skippable=False)
+                    pixels[at:at + size] = result
+        finally:
+            for future in pending:   # a failure: the rest is not needed
+                future.cancel()

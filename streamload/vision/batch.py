@@ -119,14 +119,13 @@ def mask_images(tokens: np.ndarray, labels: np.ndarray, loss_mask: np.ndarray,
     return tokens == image_token_id
 
 
-def vision_row(row: MicroBatch, patches: list[np.ndarray], grids: list[tuple],
+def vision_row(row: MicroBatch, pixels: np.ndarray, grids: list[tuple],
                documents: list[int], options) -> VisionMicroBatch:
-    """`row` (its arrays are written in place) with its images: `patches` and `grids` per
-    image in placeholder order, `documents` the segment each belongs to."""
+    """`row` (its arrays are written in place) with its images: `pixels` [patches, 3·p·p]
+    (filled by the caller, image after image in placeholder order), `grids` per image,
+    `documents` the segment each belongs to."""
     mask = mask_images(row.tokens.numpy(), row.labels.numpy(), row.loss_mask.numpy(),
                        options.structural_ids, options.image_token_id)
-    values = options.patch_values
-    pixels = np.concatenate(patches) if patches else np.zeros((0, values), np.uint8)
     counts = np.asarray([g[0] * g[1] * g[2] for g in grids], dtype=np.int64)
     cu = np.zeros(len(grids) + 1, dtype=np.int32)
     cu[1:] = np.cumsum(counts)
