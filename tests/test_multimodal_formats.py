@@ -197,3 +197,20 @@ def test_image_sources_must_share_the_encoder_geometry(tmp_path):
                    sl.Source(str(tmp_path), name="b", images=options(patch_size=16))])
     with pytest.raises(sl.ConfigError, match="holds no images"):
         read_all(sl.Source(str(tmp_path), format="jsonl", images=options()))
+
+
+@pytest.mark.timeout(120)
+def test_document_lengths_count_what_the_loader_delivers(tmp_path):
+    """`streamload plan` measures an image source as the loader counts it: text plus each
+    image's visual tokens and markers, from the headers."""
+    import asyncio
+    from formatcheck import FileStore, info, problems
+    from streamload.formats.webdataset import WebdatasetFormat
+    write_tar(tmp_path / "part-0.tar", range(9))
+    opts = options()
+    lengths, method = asyncio.run(WebdatasetFormat(images=opts).document_lengths(
+        FileStore(), info(tmp_path / "part-0.tar"), problems=problems("part-0.tar")))
+    rows = read_all(sl.Source(str(tmp_path), images=opts))
+    delivered = {int(sid.rsplit("/", 1)[1]): len(tokens)
+                 for sid, tokens, _, _, _ in documents(rows)}
+    assert method == "scan" and lengths.tolist() == [delivered[s] for s in range(9)]

@@ -96,3 +96,33 @@ def member_text(data: bytes, member: str, field: Optional[str]
         return None, (f"member {member!r}: field {field!r} is {type(value).__name__}; expected "
                       f"a string or a list of strings and nulls")
     return value, None
+
+
+def measure_image_records(records: list, tokenizer, images, problems) -> list[int]:
+    """The length of each image-text record as the loader counts it (`document_lengths` of a
+    source with images): its text pieces' tokens (UTF-8 bytes without a tokenizer) plus each
+    image's tokens, from its header (`Images.place`). An image that does not probe is reported
+    to `problems` and its record left out, as the loader leaves it out."""
+    import numpy as np
+    from ..vision.probe import ImageProblem, probe
+    from ..vision.rule import ImageRefused
+    out = []
+    for record in records:
+        sample, visual, problem = record.payload, 0, None
+        for blob in sample.images:
+            try:
+                header = probe(blob.data)
+                visual += images.image_tokens(images.place(header.height, header.width))
+            except (ImageProblem, ImageRefused) as exc:
+                problem = f"sample {sample.key!r}: image member {blob.member!r}: {exc}"
+                break
+        if problem is not None:
+            problems.record(record.index, problem)
+            continue
+        texts = [t for t in sample.texts if t]
+        if tokenizer is None:
+            text = sum(len(t.encode("utf-8")) for t in texts)
+        else:
+            text = sum(int(np.size(ids)) for ids in tokenizer.encode_texts(texts)) if texts else 0
+        out.append(text + visual)
+    return out
