@@ -3,6 +3,7 @@ Megatron-Energon reading the same WebDataset in the same run.
 
     python benchmarks/multimodal.py            # 240 samples (~1,000 JPEGs), 2 workers
     python benchmarks/multimodal.py --quick    # 60 samples, smoke run
+    python benchmarks/multimodal.py --corpus /tmp/mm --reps 3   # keep the corpus; 3 runs each
 
 Corpus (generated once per run, seeded, in a temporary folder): --samples image-text samples in
 4 WebDataset tars, 0-8 JPEGs per sample (uniform), each of a resolution drawn from 320x240 up to
@@ -39,7 +40,9 @@ encoded MB per CPU second. Both include their start (importing torch, starting w
 which a longer run amortizes: compare at the default size or larger.
 
 The machine is shared and loaded: CPU time, not wall time, is the measure.
-Prints a table on stderr and a JSON last line on stdout.
+With --reps, each loader runs that many times, alternating, and the run of median CPU is
+reported (with every run's CPU and peak). Prints a table on stderr and a JSON last line on
+stdout.
 """
 from __future__ import annotations
 
@@ -325,12 +328,24 @@ def run_child(which: str, root: Path, workers: int) -> dict:
 
 # ---------------------------------------------------------------------------- main
 
+def median_run(runs: list[dict]) -> dict:
+    """The run of median CPU time, with every run's CPU seconds and peak PSS beside it."""
+    ok = [r for r in runs if "error" not in r]
+    if not ok:
+        return runs[0]
+    ok.sort(key=lambda r: r["cpu_s"])
+    return {**ok[len(ok) // 2], "runs_cpu_s": [r["cpu_s"] for r in ok],
+            "runs_peak_pss_mb": [r["peak_pss_mb"] for r in ok]}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--samples", type=int, default=240)
     parser.add_argument("--workers", type=int, default=2)
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--corpus", help="keep the corpus in this folder (made if absent)")
+    parser.add_argument("--reps", type=int, default=1,
+                        help="runs of each loader, alternating; the median CPU is reported")
     parser.add_argument("--child", nargs=3, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
@@ -359,17 +374,23 @@ def main() -> None:
             else:
                 print(f"  {row['decoder']:28s} {row['images_per_core_s']:8.1f} images/core-s "
                       f"{row['mb_per_core_s']:7.2f} MB/core-s", file=sys.stderr)
-        loaders = {name: run_child(name, root, args.workers) for name in STREAMLOAD_CONFIGS}
-        for name in ("energon", "energon+resize"):
-            loaders[name] = run_child(name, root, args.workers) if energon_ready \
-                else {"error": "megatron-energon is not installed"}
+        names = list(STREAMLOAD_CONFIGS) + (["energon", "energon+resize"] if energon_ready
+                                            else [])
+        runs: dict[str, list] = {name: [] for name in names}
+        for _ in range(args.reps):   # alternating, so the machine's load falls on all alike
+            for name in names:
+                runs[name].append(run_child(name, root, args.workers))
+        loaders = {name: median_run(r) for name, r in runs.items()}
+        if not energon_ready:
+            loaders["energon"] = {"error": "megatron-energon is not installed"}
         for name, r in loaders.items():
             if "error" in r:
                 print(f"  {name}: failed: {r['error']}", file=sys.stderr)
                 continue
             r["images_per_core_s"] = r["images"] / r["cpu_s"]
             r["mb_per_core_s"] = corpus["encoded_mb"] / r["cpu_s"]
-            print(f"  {name:32s} {r['images']} images, {r['cpu_s']:.1f} CPU s, "
+            print(f"  {name:32s} {r['images']} images, {r['cpu_s']:.1f} CPU s "
+                  f"(runs {', '.join(f'{c:.1f}' for c in r['runs_cpu_s'])}), "
                   f"{r['images_per_core_s']:.1f} images/core-s, {r['mb_per_core_s']:.2f} "
                   f"MB/core-s, peak PSS {r['peak_pss_mb']:.0f} MB, wall {r['wall_s']:.1f} s",
                   file=sys.stderr)
