@@ -214,3 +214,29 @@ def test_document_lengths_count_what_the_loader_delivers(tmp_path):
     delivered = {int(sid.rsplit("/", 1)[1]): len(tokens)
                  for sid, tokens, _, _, _ in documents(rows)}
     assert method == "scan" and lengths.tolist() == [delivered[s] for s in range(9)]
+
+
+def shifted(text: str) -> list[int]:
+    """A tokenizer: one id per character, 1000 + its code point (a module-level function, so
+    the Loader can name it)."""
+    return [1000 + ord(c) for c in text]
+
+
+@pytest.mark.timeout(120)
+def test_a_tokenizer_encodes_each_text_piece_between_the_images(tmp_path):
+    import tarfile
+    from imagecorpus import add_member, image_bytes
+    with tarfile.open(tmp_path / "part-0.tar", "w") as tar:
+        add_member(tar, "a.txt", b"ab<image>cd")
+        add_member(tar, "a.jpg", image_bytes(56, 56))
+        add_member(tar, "b.txt", b"x\x00y")   # shifted: 1000 + 0 ... not the image id
+    opts = options(image_token_id=300, image_begin_ids=(), image_end_ids=())
+    rows = read_all(sl.Source(str(tmp_path), images=opts), tokenizer=shifted)
+    docs = {sid.rsplit("/", 1)[1]: tokens.tolist() for sid, tokens, _, _, _ in documents(rows)}
+    visual = opts.place(56, 56).tokens
+    assert docs["0"] == [1097, 1098] + [300] * visual + [1099, 1100]
+    assert docs["1"] == [1120, 1000, 1121]
+    # a tokenizer whose ids for the text hold the image id is refused by name
+    with pytest.raises(sl.DataError, match="the text's tokens hold image_token_id 1098"):
+        read_all(sl.Source(str(tmp_path), images=options(image_token_id=1098)),
+                 tokenizer=shifted)
