@@ -156,14 +156,27 @@ def test_an_energon_prepared_dataset_reads_in_place(tmp_path):
 
 
 @pytest.mark.timeout(120)
-def test_decoding_in_worker_processes_gives_the_same_batches(tmp_path):
+def test_decoding_in_worker_processes_gives_the_same_batches(tmp_path, monkeypatch):
+    """Threads write the patches in place; processes through the step's shared-memory file,
+    or, where /dev/shm cannot be had, sent back pickled: the same batches every way, and no
+    shared-memory file left behind."""
+    import os
+    from streamload.vision.decode import SharedPixels
     write_tar(tmp_path / "part-0.tar", range(10))
-    a = read_all(sl.Source(str(tmp_path), images=options()), decode_images_in="processes")
-    b = read_all(sl.Source(str(tmp_path), images=options()), decode_images_in="threads")
-    assert [m.sample_ids for m in a] == [m.sample_ids for m in b]
-    for x, y in zip(a, b):
-        assert x.pixel_values.equal(y.pixel_values) and x.tokens.equal(y.tokens)
-        assert x.image_grid.equal(y.image_grid)
+    source = sl.Source(str(tmp_path), images=options())
+    before = set(os.listdir(SharedPixels.DIRECTORY))
+    shared = read_all(source, decode_images_in="processes")
+    assert not {f for f in set(os.listdir(SharedPixels.DIRECTORY)) - before
+                if f.startswith("streamload-pixels-")}
+    threads = read_all(source, decode_images_in="threads")
+    monkeypatch.setattr(SharedPixels, "DIRECTORY", str(tmp_path / "no-shm"))
+    pickled = read_all(source, decode_images_in="processes")
+    for other in (threads, pickled):
+        assert [m.sample_ids for m in shared] == [m.sample_ids for m in other]
+        for x, y in zip(shared, other):
+            assert x.pixel_values.equal(y.pixel_values) and x.tokens.equal(y.tokens)
+            assert x.image_grid.equal(y.image_grid)
+    assert sum(m.num_images for m in shared) == sum(images_in(s) for s in range(10))
 
 
 @pytest.mark.timeout(120)

@@ -5,9 +5,9 @@ it also moves each planned item's encoded images with it (`vision.exchange`, one
 all-to-alls on the collective thread), then `ImageBatches.attach` decodes every image of the
 rank's rows in worker processes (`image_workers`; `decode_images_in="threads"` decodes on
 daemon threads instead: Pillow releases the GIL while it decodes and resizes, but the Python
-between calls takes it), one image per job, largest first, copied into its row as it arrives,
-and turns each row into a
-`VisionMicroBatch` (`vision.batch`).
+between calls takes it), one image per job, largest first, each written into its row's place
+(worker processes: through a shared-memory file of the step, `vision.decode.SharedPixels`),
+and turns each row into a `VisionMicroBatch` (`vision.batch`).
 
 Every image source of a loader shares one encoder geometry (patch, merge, frames, image ids):
 one `pixel_values` tensor holds a row's images whatever source they came from.
@@ -27,7 +27,7 @@ import numpy as np
 
 from ..errors import ConfigError, DataError
 from ..vision.batch import vision_row
-from ..vision.decode import decode_many
+from ..vision.decode import SharedPixels, decode_one
 from ..vision.options import Images
 from .workers import DaemonExecutor
 
@@ -50,8 +50,12 @@ def shared_geometry(names: Sequence[str], options: Sequence[Optional[Images]]) -
 
 
 class ImageBatches:
-    def __init__(self, options: Images, workers: int, where: str = "processes"):
+    def __init__(self, options: Images, workers: int, where: str = "processes",
+                 shared_memory: bool = True):
+        """`shared_memory`: worker processes write patches into a /dev/shm file of the step
+        (`SharedPixels`) when one can be had; False: they send them back pickled."""
         self.options, self.workers, self.where = options, workers, where
+        self.shared_memory = shared_memory
         self._pool: Optional[Executor] = None
 
     def _executor(self) -> Executor:
@@ -74,52 +78,71 @@ class ImageBatches:
         `entries`) with its images (`here`: plan entry -> ImageRefs, from the exchange).
         `name_of(k)` -> (source name, shard name, record) of the k-th received item.
 
-        Each row's `pixel_values` is allocated once, at its size (known from the placements),
-        and each image is a job of its own: its patches are copied into place as it arrives,
-        so neither a worker nor this process holds more than the images in hand besides the
-        rows (a step's images held as a list, then concatenated, cost twice the step's
-        pixels, and a worker's share returned at once as much again)."""
+        The step's `pixel_values` are allocated once, at their size (known from the
+        placements), and each image is a job of its own that writes its patches in place:
+        worker threads into the array, worker processes into the step's shared-memory file
+        (or, without one, sent back and copied into place as they arrive). Neither a worker nor
+        this process holds more than the images in hand besides the rows."""
         o = self.options
         values = o.patch_values
-        out, jobs = [], []   # jobs: (row's pixels, first patch, ImageRef, item k)
-        for mb, row in zip(micro_batches, rows):
-            position = {k: j for j, k in enumerate(row.item_indices.tolist())}
+        layout = []   # per row: its images (k, ref), their grids and sizes
+        for row in rows:
             refs = [(k, ref) for k in row.item_indices.tolist()
                     for ref in here.get(int(entries[k]), ())]
             grids = [ref.placement.grid for _, ref in refs]
-            sizes = [g[0] * g[1] * g[2] for g in grids]
-            pixels = np.empty((sum(sizes), values), np.uint8)
-            at = 0
+            layout.append((refs, grids, [g[0] * g[1] * g[2] for g in grids]))
+        total = sum(sum(sizes) for _, _, sizes in layout)
+        shared = None
+        if self.where == "processes" and self.shared_memory:
+            shared = SharedPixels.create(total * values)
+        memory = shared.array if shared is not None else np.empty(total * values, np.uint8)
+        out, jobs, at = [], [], 0
+        for mb, row, (refs, grids, sizes) in zip(micro_batches, rows, layout):
+            position = {k: j for j, k in enumerate(row.item_indices.tolist())}
+            pixels = memory[at * values:(at + sum(sizes)) * values].reshape(-1, values)
+            start = 0
             for (k, ref), size in zip(refs, sizes):
-                jobs.append((pixels, at, size, ref, k))
-                at += size
+                where = pixels[start:start + size]
+                if shared is not None:
+                    where = (shared.path, (at + start) * values)
+                elif self.where == "processes":
+                    where = (None, pixels[start:start + size])   # copied here on arrival
+                jobs.append((where, size, ref, k))
+                start += size
+            at += sum(sizes)
             out.append(vision_row(mb, pixels, grids, [position[k] for k, _ in refs], o))
-        if jobs:
-            await self._decode(jobs, name_of)
+        try:
+            if jobs:
+                await self._decode(jobs, name_of)
+        finally:
+            if shared is not None:
+                shared.unlink()
         return out
 
     async def _decode(self, jobs: list, name_of: Callable[[int], tuple]) -> None:
         """Decode every job's image in the workers, largest first (the step ends with small
-        ones), each copied into its row as it arrives; a failure is a DataError naming it."""
+        ones); a failure is a DataError naming it."""
         o, pool = self.options, self._executor()
         pending = {}
-        for j in sorted(range(len(jobs)), key=lambda j: -jobs[j][2]):
-            ref = jobs[j][3]
+        for j in sorted(range(len(jobs)), key=lambda j: -jobs[j][1]):
+            where, _, ref, _ = jobs[j]
+            into = None if isinstance(where, tuple) and where[0] is None else where
             pending[asyncio.wrap_future(pool.submit(
-                decode_many, [(ref.data, tuple(ref.placement), o.patch_size,
-                               o.merge_size)]))] = j
+                decode_one, ref.data, tuple(ref.placement), o.patch_size, o.merge_size,
+                into))] = j
         try:
             while pending:
                 done, _ = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
                 for future in done:
-                    pixels, at, size, ref, k = jobs[pending.pop(future)]
-                    (result,) = future.result()
+                    where, _, ref, k = jobs[pending.pop(future)]
+                    result = future.result()
                     if isinstance(result, str):
                         source, shard, record = name_of(k)
                         raise DataError(f"image member {ref.member!r} does not decode: "
                                         f"{result}", source=source, shard=shard,
                                         record=record, skippable=False)
-                    pixels[at:at + size] = result
+                    if result is not None:   # sent back: into its place
+                        where[1][...] = result
         finally:
             for future in pending:   # a failure: the rest is not needed
                 future.cancel()

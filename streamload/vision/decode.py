@@ -23,7 +23,10 @@ its device.
 from __future__ import annotations
 
 import io
+import mmap
+import os
 import warnings
+from typing import Optional
 
 import numpy as np
 
@@ -66,28 +69,88 @@ def decode_rgb(data: bytes, height: int, width: int) -> np.ndarray:
     return np.asarray(image)
 
 
-def patchify(pixels: np.ndarray, placement: Placement, patch_size: int,
-             merge_size: int) -> np.ndarray:
-    """uint8 [t·h·w, 3·p·p] patches of `pixels` [h·p, w·p, 3] (see the module)."""
+def patchify(pixels: np.ndarray, placement: Placement, patch_size: int, merge_size: int,
+             out: Optional[np.ndarray] = None) -> np.ndarray:
+    """uint8 [t·h·w, 3·p·p] patches of `pixels` [h·p, w·p, 3] (see the module), written into
+    `out` (that shape) when given: one strided copy, no intermediate."""
     p, m = patch_size, merge_size
     _, gh, gw = placement.grid
     x = pixels.reshape(gh // m, m, p, gw // m, m, p, 3).transpose(0, 3, 1, 4, 6, 2, 5)
-    return np.ascontiguousarray(x).reshape(gh * gw, 3 * p * p)
-
-
-def decode_patches(data: bytes, placement: Placement, patch_size: int,
-                   merge_size: int) -> np.ndarray:
-    pixels = decode_rgb(data, placement.height, placement.width)
-    return patchify(pixels, placement, patch_size, merge_size)
-
-
-def decode_many(jobs: list) -> list:
-    """Run in a worker: each job (data, placement, p, m) -> its patches, or the text of the
-    exception it raised (the caller names the sample and member)."""
-    out = []
-    for data, placement, p, m in jobs:
-        try:
-            out.append(decode_patches(data, Placement(*placement), p, m))
-        except Exception as exc:   # Pillow raises OSError, SyntaxError, ValueError, ...
-            out.append(f"{type(exc).__name__}: {exc}")
+    if out is None:
+        return np.ascontiguousarray(x).reshape(gh * gw, 3 * p * p)
+    out.reshape(x.shape)[...] = x
     return out
+
+
+def decode_patches(data: bytes, placement: Placement, patch_size: int, merge_size: int,
+                   out: Optional[np.ndarray] = None) -> np.ndarray:
+    pixels = decode_rgb(data, placement.height, placement.width)
+    return patchify(pixels, placement, patch_size, merge_size, out)
+
+
+def decode_one(data: bytes, placement: tuple, patch_size: int, merge_size: int,
+               into=None):
+    """Run in a worker: one image's patches, or the text of the exception it raised (the
+    caller names the sample and member). `into`: where to write them instead of returning
+    them: an array (a thread of this process), or (path, byte offset) of a shared-memory
+    file (`SharedPixels`, a worker process), then None comes back."""
+    placement = Placement(*placement)
+    try:
+        if into is None:
+            return decode_patches(data, placement, patch_size, merge_size)
+        if isinstance(into, np.ndarray):
+            decode_patches(data, placement, patch_size, merge_size, into)
+            return None
+        path, offset = into
+        shape = (placement.grid[0] * placement.grid[1] * placement.grid[2],
+                 3 * patch_size * patch_size)
+        with open(path, "r+b") as f:
+            mapped = mmap.mmap(f.fileno(), offset + shape[0] * shape[1])
+        try:
+            out = np.frombuffer(mapped, np.uint8, shape[0] * shape[1], offset).reshape(shape)
+            decode_patches(data, placement, patch_size, merge_size, out)
+            del out
+        finally:
+            mapped.close()
+        return None
+    except Exception as exc:   # Pillow raises OSError, SyntaxError, ValueError, ...
+        return f"{type(exc).__name__}: {exc}"
+
+
+class SharedPixels:
+    """A step's pixels in a file of /dev/shm that the worker processes write the patches into
+    (`decode_one`), so that they cross no pipe: no pickling there, no unpickling and no copy
+    here. `array` maps it; the file is removed (`unlink`) once the step's images are written,
+    and the memory goes back when the last tensor viewing it is gone. `create` returns None
+    where /dev/shm is missing or cannot hold it (its space is reserved up front: a tmpfs that
+    runs out kills the writer with SIGBUS); then the patches come back pickled."""
+
+    DIRECTORY = "/dev/shm"
+
+    def __init__(self, path: str, array: np.ndarray):
+        self.path, self.array = path, array
+
+    @classmethod
+    def create(cls, size: int) -> "Optional[SharedPixels]":
+        import tempfile
+        if size <= 0 or not os.path.isdir(cls.DIRECTORY):
+            return None
+        try:
+            fd, path = tempfile.mkstemp(prefix="streamload-pixels-", dir=cls.DIRECTORY)
+        except OSError:
+            return None
+        try:
+            os.posix_fallocate(fd, 0, size)
+            mapped = mmap.mmap(fd, size)
+        except OSError:
+            os.close(fd)
+            os.unlink(path)
+            return None
+        os.close(fd)
+        return cls(path, np.frombuffer(mapped, np.uint8))
+
+    def unlink(self) -> None:
+        try:
+            os.unlink(self.path)
+        except FileNotFoundError:
+            pass
