@@ -137,3 +137,25 @@ def test_no_label_targets_or_leaves_an_image_position():
     # 10 -> 11 counts; 11 -> begin, begin.., image.., end -> 12 do not; 12 -> 13 counts
     assert labels.tolist() == [11] + [IGNORE_INDEX] * 6 + [13, IGNORE_INDEX]
     assert loss.tolist() == [1, 0, 0, 0, 0, 0, 0, 1, 0]
+
+
+def test_the_encoder_cost_of_a_sample_sums_its_images():
+    from streamload.plan.cost import CostModel
+    from streamload.vision.cost import EncoderCost, item_patches
+    from streamload.vision.exchange import ImageRef
+    enc = EncoderCost.transformer(600e6, 32, 1280)
+    assert enc.a == 12 * 32 * 1280 and enc.b == 6 * 600e6
+    costs = enc.sample_costs([[100, 300], [], [400]])
+    assert costs.tolist() == [enc.a * (100 ** 2 + 300 ** 2) + enc.b * 400, 0.0,
+                              enc.a * 400 ** 2 + enc.b * 400]
+    # one 400-patch image costs more than two that add up to it (attention within an image)
+    assert costs[2] > costs[0]
+    # the same units as the backbone's CostModel.transformer (FLOPs): the parts add up
+    backbone = CostModel.transformer(7e9, 32, 4096)
+    assert backbone.b / enc.b == pytest.approx(7e9 / 600e6)
+
+    class Item:   # what the fetcher buffers: an ImageItem's images, or none
+        def __init__(self, *grids):
+            self.images = tuple(ImageRef("m", b"", Placement(0, 0, g, 0)) for g in grids)
+    assert item_patches([Item((1, 10, 20), (1, 2, 2)), Item(), object()]) == \
+        [[200, 4], [], []]
