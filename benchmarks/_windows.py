@@ -1,6 +1,7 @@
-"""The coordinator loop without processes, shared by the planner and mixing benchmarks:
-per-(rank, source) FIFO windows, refilled from length streams, flattened into Candidates each
-step; untaken items stay, one step older."""
+"""The loader's head windows over length streams, shared by the planner and mixing benchmarks:
+one `plan.windows.ItemQueue` per (rank, source), the loader's own head-window rule and aging
+(`plan.windows`, which `SourceBuffer` and the dry run apply too), each fed from its source's
+stream of lengths. Untaken items stay at the head of their window, one step older."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -8,8 +9,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from streamload.plan.types import Candidates, Geometry
-
-FIELDS = ("length", "source", "rank", "seq", "age")
+from streamload.plan.windows import Block, ItemQueue, Offer, Windows
 
 
 @dataclass(frozen=True)
@@ -26,66 +26,43 @@ BODY = (SourceSpec("web", 0.45, 600, 1.0), SourceSpec("code", 0.25, 1200, 1.3),
         SourceSpec("books", 0.15, 6000, 1.0), SourceSpec("chat", 0.15, 300, 0.8))
 
 
-def split_at_capacity(docs: np.ndarray, capacity: int) -> np.ndarray:
-    """Document lengths -> item lengths, as the loader splits documents longer than a row."""
-    pieces = -(-docs // capacity)
-    lengths = np.full(int(pieces.sum()), capacity, dtype=np.int64)
-    last = np.cumsum(pieces) - 1
-    lengths[last] = docs - (pieces - 1) * capacity
-    return lengths
-
-
-class FifoWindows:
+class StreamWindows:
     def __init__(self, geometry: Geometry, streams, depth: np.ndarray):
-        """`streams[s].take(tokens)` gives the next document lengths of source s (at least
-        `tokens` of them); `depth[s]` is the tokens each rank's window of s is kept at."""
+        """`streams[s].take(tokens)` gives the next item lengths of source s (at least `tokens`
+        of them; none once it ran out); `depth[s]` is the tokens of each rank's head window of
+        s (`head_window`)."""
         self.geometry, self.streams, self.depth = geometry, streams, np.asarray(depth, float)
-        empty = np.zeros(0, dtype=np.int64)
-        for name in FIELDS:
-            setattr(self, name, empty)
-        self.next_seq = 0
-        self.refill()
+        R, S = geometry.ranks, len(streams)
+        self.windows = Windows([[ItemQueue(self._feed(s)) for s in range(S)] for _ in range(R)])
+        self.offer: Offer | None = None
+
+    def _feed(self, s: int):
+        def feed():
+            lengths = self.streams[s].take(max(float(self.depth[s]), 1.0))
+            return Block.of(lengths) if lengths.size else None
+        return feed
 
     def refill(self) -> None:
-        R, S = self.geometry.ranks, len(self.streams)
-        have = np.bincount(self.source * R + self.rank, weights=self.length,
-                           minlength=S * R).reshape(S, R)
-        parts = [[self.length], [self.source], [self.rank]]
-        for s in range(S):
-            deficit = np.maximum(self.depth[s] - have[s], 0.0)
-            if not (deficit > 0).any():
-                continue
-            ends = np.cumsum(deficit)
-            lengths = self.streams[s].take(float(ends[-1]))
-            starts = np.cumsum(lengths) - lengths
-            # Consecutive documents go to one rank until it has its deficit (one item over).
-            owner = np.minimum(np.searchsorted(ends, starts, side="right"), R - 1)
-            parts[0].append(lengths)
-            parts[1].append(np.full(lengths.size, s, dtype=np.int64))
-            parts[2].append(owner.astype(np.int64))
-        added = sum(p.size for p in parts[0][1:])
-        self.length = np.concatenate(parts[0])
-        self.source = np.concatenate(parts[1])
-        self.rank = np.concatenate(parts[2])
-        self.seq = np.concatenate([self.seq, np.arange(self.next_seq, self.next_seq + added)])
-        self.age = np.concatenate([self.age, np.zeros(added, dtype=np.int64)])
-        self.next_seq += added
+        """Nothing to do: the windows draw on their streams as they are offered."""
 
     def candidates(self) -> Candidates:
-        order = np.lexsort((self.seq, self.rank, self.source))
-        for name in FIELDS:
-            setattr(self, name, getattr(self, name)[order])
-        group = self.source * self.geometry.ranks + self.rank
-        position = np.arange(group.size) - np.searchsorted(group, group, side="left")
-        return Candidates(self.length.copy(), self.source.astype(np.int32),
-                          self.rank.astype(np.int32), position.astype(np.int32),
-                          self.age.astype(np.int32), np.zeros(group.size), len(self.streams),
-                          self.geometry.ranks)
+        tokens = np.broadcast_to(np.ceil(self.depth).astype(np.int64),
+                                 (self.geometry.ranks, len(self.streams)))
+        self.offer = self.windows.offer(tokens)
+        return self.offer.candidates
 
-    def commit(self, take: np.ndarray) -> None:
-        keep = np.ones(self.length.size, dtype=bool)
-        keep[take] = False
-        for name in FIELDS:
-            setattr(self, name, getattr(self, name)[keep])
-        self.age = self.age + 1
-        self.refill()
+    def commit(self, take: np.ndarray, length: np.ndarray | None = None) -> None:
+        c = self.offer.candidates
+        take = np.asarray(take, dtype=np.int64)
+        self.windows.commit(self.offer, take, c.length[take] if length is None else length)
+
+    def held(self) -> np.ndarray:
+        """Tokens per source in the windows' queues (offered or not)."""
+        out = np.zeros(len(self.streams))
+        for rank in self.windows.queues:
+            for s, q in enumerate(rank):
+                out[s] += float((q.head >> 1).sum() + (q.codes[q.ptr:] >> 1).sum())
+        return out
+
+    def has_items(self) -> bool:
+        return bool(self.windows.holding().any())

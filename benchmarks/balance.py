@@ -97,7 +97,8 @@ from streamload.plan.cost import CostModel  # noqa: E402
 from streamload.plan.fill import step_overhead_cost  # noqa: E402
 from streamload.plan.planner import Planner  # noqa: E402
 from streamload.plan.types import Geometry  # noqa: E402
-from _windows import BODY, FifoWindows, SourceSpec, split_at_capacity  # noqa: E402
+from _windows import BODY, SourceSpec, StreamWindows  # noqa: E402
+from streamload.pieces import cut_documents  # noqa: E402
 
 DISTS = {
     # name: (capacity C, outlier fraction, outlier length range)
@@ -127,7 +128,7 @@ class LengthStream:
             lo, hi = self.outlier_range
             out = self.rng.random(n) < self.outlier_fraction
             docs[out] = self.rng.integers(lo, hi + 1, int(out.sum()))
-        return split_at_capacity(docs, self.capacity)
+        return cut_documents(docs, self.capacity, "split").lengths
 
     def take(self, tokens: float) -> np.ndarray:
         """Lengths of the next documents, at least `tokens` tokens of them (one item over)."""
@@ -163,7 +164,7 @@ class FiniteStream:
         return out
 
 
-class Coordinator(FifoWindows):
+class Coordinator(StreamWindows):
     """The coordinator loop without processes (see _windows.py), for one length mix. With
     `epoch_steps`, every source is finite (`FiniteStream`): its weight x epoch_steps x R*M*C
     tokens."""
@@ -187,7 +188,7 @@ class Coordinator(FifoWindows):
 
     def tokens_left(self) -> np.ndarray:
         """Tokens per source still to deliver: in the windows and in the finite streams."""
-        held = np.bincount(self.source, weights=self.length, minlength=len(self.streams))
+        held = self.held()
         return held + np.array([st.left for st in self.streams], dtype=np.float64)
 
     def epoch_targets(self) -> np.ndarray:
@@ -265,7 +266,7 @@ def run_epoch(dist: str, ranks: int, micro_batches: int, method: str, epoch_step
     tokens, items, largest, imbalance = [], 0, [], []
     plan_s = 0.0
     limit = 4 * epoch_steps + 50
-    while coord.length.size:
+    while coord.has_items():
         if len(tokens) >= limit:
             raise RuntimeError(f"{dist} R={ranks} M={micro_batches} {method}: the epoch did not "
                                f"end in {limit} steps")

@@ -55,7 +55,8 @@ import numpy as np  # noqa: E402
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 from streamload.plan.quota_mixer import QuotaMixer  # noqa: E402
-from _windows import BODY, FifoWindows, SourceSpec, split_at_capacity  # noqa: E402
+from _windows import BODY, SourceSpec, StreamWindows  # noqa: E402
+from streamload.pieces import cut_documents  # noqa: E402
 from streamload.plan.mix_spec import LengthQuota, MixPoint, Mixture  # noqa: E402
 from streamload.plan.select import arrival_order, select  # noqa: E402
 from streamload.plan.types import Candidates, Geometry  # noqa: E402
@@ -76,7 +77,7 @@ class LengthStream:
     def draw(self, n: int) -> np.ndarray:
         docs = np.maximum(np.rint(self.rng.lognormal(np.log(self.spec.median), self.spec.sigma, n)),
                           8).astype(np.int64)
-        return split_at_capacity(docs, self.capacity)
+        return cut_documents(docs, self.capacity, "split").lengths
 
     def take(self, tokens: float) -> np.ndarray:
         """The next items, at least `tokens` of them (one item over), until the source ends."""
@@ -94,7 +95,7 @@ class LengthStream:
         return lengths
 
 
-class Coordinator(FifoWindows):
+class Coordinator(StreamWindows):
     """Per-(rank, source) FIFO windows (see _windows.py) for the mixing scenarios."""
 
     def __init__(self, specs, shares: np.ndarray, seed: int, depth_steps: float = 2.0):

@@ -22,15 +22,18 @@ divided by the steps the loader *planned* in between, since it plans ahead of th
                              sends n x (R-1) from its source and n to every other rank; an
                              all_to_all counts the parts to and from other ranks. (Gloo's
                              algorithms forward data, so wire bytes differ, not the growth.)
-                             Split: gather (summaries), bcast (plans), a2a (samples).
+                             Split: gather (summaries: all_gather, or gather to rank 0),
+                             plan (the broadcast plan, or each rank's scattered part), a2a
+                             (samples). Both control planes are run (--paths).
   cpu_ms                     CPU per step by thread (`time.pthread_getcpuclockid`): the loader's
                              asyncio thread ("loop"), its collectives thread ("collectives": the
                              gloo calls), its transform threads; "process" is the whole rank,
                              the trainer's loop (which does nothing) included.
-    loop split               plan: Stepper.assign (rank 0 only: the balancer), bookkeeping:
-                             Stepper.begin + commit and JobProgress.observe (every rank tracks
-                             every rank's ids), encode/decode: building and encoding this rank's
-                             summary, decoding every rank's, encoding and decoding the plan;
+    loop split               plan: JobModel.assign (rank 0 only: the balancer), bookkeeping:
+                             JobModel.begin + commit (the stepper's and the progress's: every
+                             rank tracks every rank's ids), encode/decode: building and
+                             encoding this rank's summary, decoding every rank's, encoding and
+                             decoding the plan (or the replies);
                              rest: the loop's other work (fetch callbacks, buffers, exchange,
                              packing). Each timed with time.thread_time on the loop thread.
   plan_ms_median             stats()["plan_ms_median"] (rank 0: wall ms of Stepper.assign)
@@ -44,9 +47,12 @@ ranks, their encode/decode share; y = a + b*R + c*R^2 for rank 0's bytes sent (i
 plan of every rank's candidates to R-1 ranks); extrapolated to R = 1,024 and 4,096 next to the
 measured points. Buffer bytes are reported as measured (sized by the configuration).
 
-This measures today's path: every rank all-gathers every rank's summary and receives the whole
-plan. The gather/scatter path (issue 22, item 2) does not exist yet, so there is nothing to
-compare it with in the same run. Prints a table on stderr; JSON last line on stdout.
+Both control planes run in one invocation (--paths): "all_gather" (every rank all-gathers every
+rank's summary and receives the whole plan, every rank tracks the whole job) and "gather"
+(summaries to rank 0 only, which steps the job model alone and scatters each rank its own part
+of the plan; `LoaderConfig.control_plane`). Under "gather" only rank 0's state is measured (the
+others have it every `state_every` steps). Prints a table on stderr, the R=largest/R=smallest
+ratios of the targets, and the JSON last line on stdout.
 """
 from __future__ import annotations
 
@@ -107,7 +113,7 @@ def corpus(workdir: Path) -> tuple[Path, list[tuple[str, float]]]:
 class Counters:
     """Bytes of the collectives this rank takes part in, by kind."""
     def __init__(self):
-        self.bytes = {f"{k}_{d}": 0 for k in ("gather", "bcast", "a2a") for d in ("sent", "recv")}
+        self.bytes = {f"{k}_{d}": 0 for k in ("gather", "plan", "a2a") for d in ("sent", "recv")}
         self.calls = 0
 
     def add(self, kind: str, sent: int, recv: int) -> None:
@@ -123,17 +129,30 @@ def instrument_collectives(counters: Counters, world: int) -> None:
     import torch.distributed as dist
     all_gather, broadcast, all_to_all_single = (dist.all_gather, dist.broadcast,
                                                 dist.all_to_all_single)
+    gather_to, scatter_from = dist.gather, dist.scatter
 
-    def gather(out, tensor, *a, **k):
+    def all_gather_(out, tensor, *a, **k):
         n = tensor.numel() * tensor.element_size()
         counters.add("gather", n * (world - 1), n * (world - 1))
         return all_gather(out, tensor, *a, **k)
 
+    def gather_(tensor, gather_list=None, *a, **k):   # control_plane="gather": to rank 0
+        n = tensor.numel() * tensor.element_size()
+        root = dist.get_rank(k.get("group")) == k.get("group_dst", 0)
+        counters.add("gather", 0 if root else n, n * (world - 1) if root else 0)
+        return gather_to(tensor, gather_list, *a, **k)
+
     def bcast(tensor, *a, **k):
         n = tensor.numel() * tensor.element_size()
         mine = dist.get_rank(k.get("group")) == k.get("group_src", k.get("src", 0))
-        counters.add("bcast", n * (world - 1) if mine else 0, 0 if mine else n)
+        counters.add("plan", n * (world - 1) if mine else 0, 0 if mine else n)
         return broadcast(tensor, *a, **k)
+
+    def scatter_(tensor, scatter_list=None, *a, **k):   # each rank's own plan
+        n = tensor.numel() * tensor.element_size()
+        root = dist.get_rank(k.get("group")) == k.get("group_src", 0)
+        counters.add("plan", n * (world - 1) if root else 0, 0 if root else n)
+        return scatter_from(tensor, scatter_list, *a, **k)
 
     def a2a(output, input, output_split_sizes=None, input_split_sizes=None, *a, **k):
         size = input.element_size()
@@ -143,7 +162,8 @@ def instrument_collectives(counters: Counters, world: int) -> None:
         counters.add("a2a", sent, recv)
         return all_to_all_single(output, input, output_split_sizes, input_split_sizes, *a, **k)
 
-    dist.all_gather, dist.broadcast, dist.all_to_all_single = gather, bcast, a2a
+    dist.all_gather, dist.broadcast, dist.all_to_all_single = all_gather_, bcast, a2a
+    dist.gather, dist.scatter = gather_, scatter_
 
 
 class LoopTimer:
@@ -163,14 +183,15 @@ class LoopTimer:
 
 def instrument_loop(timer: LoopTimer, runtime) -> None:
     import streamload.runtime as rt
-    for name in ("decode_summaries", "encode_plan", "decode_plan"):
+    for name in ("decode_summaries", "encode_plan", "decode_plan", "encode_local_plan",
+                 "decode_local_plan"):
         setattr(rt, name, timer.wrap("encode_decode", getattr(rt, name)))
+    rt.step_totals = timer.wrap("bookkeeping", rt.step_totals)
     runtime._summary = timer.wrap("encode_decode", runtime._summary)
-    stepper = runtime.stepper
-    stepper.assign = timer.wrap("plan", stepper.assign)
-    stepper.begin = timer.wrap("bookkeeping", stepper.begin)
-    stepper.commit = timer.wrap("bookkeeping", stepper.commit)
-    runtime.progress.observe = timer.wrap("bookkeeping", runtime.progress.observe)
+    job = runtime.job
+    job.assign = timer.wrap("plan", job.assign)
+    job.begin = timer.wrap("bookkeeping", job.begin)
+    job.commit = timer.wrap("bookkeeping", job.commit)   # the stepper's and the progress's
 
 
 def thread_cpu_ms() -> dict:
@@ -189,15 +210,15 @@ def thread_cpu_ms() -> dict:
 
 
 def run_rank(rank: int, world: int, port: int, root: str, sources: list, warmup: int,
-             steps: int, results) -> None:
+             steps: int, results, path: str) -> None:
     try:
-        results.put((rank, measure_rank(rank, world, port, root, sources, warmup, steps)))
+        results.put((rank, measure_rank(rank, world, port, root, sources, warmup, steps, path)))
     except BaseException as exc:   # reported to the parent
         import traceback
         results.put((rank, {"error": f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"}))
 
 
-def measure_rank(rank, world, port, root, sources, warmup, steps) -> dict:
+def measure_rank(rank, world, port, root, sources, warmup, steps, path) -> dict:
     if os.environ.get("SCALE_DEBUG"):   # seconds: then dump every thread's stack and exit
         import faulthandler
         faulthandler.dump_traceback_later(float(os.environ["SCALE_DEBUG"]), exit=True)
@@ -212,7 +233,7 @@ def measure_rank(rank, world, port, root, sources, warmup, steps) -> dict:
     try:
         with sl.Loader([sl.Source(f"{root}/{name}", weight=w, name=name) for name, w in sources],
                        micro_batch_tokens=C, micro_batches=M, seed=0, planner="balanced",
-                       epochs=1, collective_timeout_s=600) as loader:
+                       epochs=1, collective_timeout_s=600, control_plane=path) as loader:
             instrument_loop(timer, loader._runtime)
             it = iter(loader)
             for _ in range(warmup):
@@ -225,7 +246,9 @@ def measure_rank(rank, world, port, root, sources, warmup, steps) -> dict:
                 planned = loader.stats()["steps_planned"]
                 marks.append((planned, counters.snapshot(), thread_cpu_ms(), dict(timer.ms)))
             stats = loader.stats()
-            state_bytes = len(loader.state_dict()["streamload"].encode())
+            # control_plane="gather": only rank 0 has the state after any step
+            state_bytes = len(loader.state_dict()["streamload"].encode()) \
+                if rank == 0 or path == "all_gather" else None
             runtime = loader._runtime
             held = loader._on_loop(lambda: [
                 (sum(e.tokens.nbytes for e in b._entries if hasattr(e, "tokens")), b.tokens)
@@ -241,7 +264,7 @@ def measure_rank(rank, world, port, root, sources, warmup, steps) -> dict:
     cpu = {k: round((t1[k] - t0[k]) / planned, 3) for k in t0}
     loop_ms["rest"] = cpu["loop"] - sum(loop_ms.values())
     return {
-        "ranks": world, "rank": rank, "steps_planned": planned,
+        "path": path, "ranks": world, "rank": rank, "steps_planned": planned,
         "sent_bytes": round(sum(v for k, v in per.items() if k.endswith("_sent"))),
         "recv_bytes": round(sum(v for k, v in per.items() if k.endswith("_recv"))),
         "bytes": {k: round(v) for k, v in per.items()},
@@ -254,7 +277,7 @@ def measure_rank(rank, world, port, root, sources, warmup, steps) -> dict:
 
 
 def run_world(world: int, root: Path, sources: list, warmup: int, steps: int,
-              timeout: float) -> list[dict]:
+              timeout: float, path: str) -> list[dict]:
     ctx = mp.get_context("forkserver")
     ctx.set_forkserver_preload(["torch", "torch.distributed", "numpy", "streamload",
                                 "streamload.loader"])
@@ -263,7 +286,7 @@ def run_world(world: int, root: Path, sources: list, warmup: int, steps: int,
         port = s.getsockname()[1]
     results = ctx.Queue()
     procs = [ctx.Process(target=run_rank, args=(r, world, port, str(root), sources, warmup,
-                                                steps, results), daemon=True)
+                                                steps, results, path), daemon=True)
              for r in range(world)]
     for p in procs:
         p.start()
@@ -306,12 +329,14 @@ def summarize(results: list[dict]) -> dict:
         "recv_bytes_per_rank_step": [mean(by[w], lambda r: r["recv_bytes"]) for w in worlds],
         "sent_bytes_per_rank_step": [mean(by[w], lambda r: r["sent_bytes"]) for w in worlds],
         "sent_bytes_rank0_step": [by[w][0]["sent_bytes"] for w in worlds],
-        "state_bytes": [mean(by[w], lambda r: r["state_bytes"]) for w in worlds],
+        "state_bytes": [by[w][0]["state_bytes"] for w in worlds],
         "loop_cpu_ms_rank0": [by[w][0]["cpu_ms"]["loop"] for w in worlds],
         "loop_cpu_ms_other_ranks": [mean(by[w][1:], lambda r: r["cpu_ms"]["loop"])
                                     for w in worlds],
         "encode_decode_ms_other_ranks": [mean(by[w][1:], lambda r: r["loop_ms"]["encode_decode"])
                                          for w in worlds],
+        "recv_bytes_other_ranks_step": [mean(by[w][1:], lambda r: r["recv_bytes"])
+                                        for w in worlds],
     }
     quadratic = {"sent_bytes_rank0_step"}   # the whole plan, sized by R, to R-1 ranks
     fits = {name: fit(worlds, values, 2 if name in quadratic and len(worlds) > 2 else 1)
@@ -323,16 +348,17 @@ def summarize(results: list[dict]) -> dict:
 
 
 def table(results: list[dict]) -> str:
-    head = (f"{'R':>3} {'rank':>4} {'recv B/step':>12} {'sent B/step':>12} {'loop ms':>8} "
+    head = (f"{'path':>10} {'R':>3} {'rank':>4} {'recv B/step':>12} {'sent B/step':>12} "
+            f"{'loop ms':>8} "
             f"{'plan':>6} {'bookk':>6} {'enc/dec':>7} {'rest':>6} {'coll ms':>7} "
             f"{'state B':>8} {'fetch':>5} {'read':>4} {'buffer B':>9}")
     lines = [head]
     for r in results:
         lm = r["loop_ms"]
-        lines.append(f"{r['ranks']:>3} {r['rank']:>4} {r['recv_bytes']:>12,} "
+        lines.append(f"{r['path']:>10} {r['ranks']:>3} {r['rank']:>4} {r['recv_bytes']:>12,} "
                      f"{r['sent_bytes']:>12,} {r['cpu_ms']['loop']:>8.2f} {lm['plan']:>6.2f} "
                      f"{lm['bookkeeping']:>6.2f} {lm['encode_decode']:>7.2f} {lm['rest']:>6.2f} "
-                     f"{r['cpu_ms']['collectives']:>7.2f} {r['state_bytes']:>8,} "
+                     f"{r['cpu_ms']['collectives']:>7.2f} {r['state_bytes'] or 0:>8,} "
                      f"{r['fetchers']:>5} {r['sources_read']:>4} {r['buffer_bytes']:>9,}")
     return "\n".join(lines)
 
@@ -344,31 +370,44 @@ def main(argv=None) -> int:
     ap.add_argument("--warmup", type=int, default=5)
     ap.add_argument("--workdir", default="/tmp/streamload-bench")
     ap.add_argument("--timeout", type=float, default=240, help="per world size, seconds")
+    ap.add_argument("--paths", default="all_gather,gather",
+                    help="control planes to compare (LoaderConfig.control_plane)")
     args = ap.parse_args(argv)
     workdir = Path(args.workdir)
     workdir.mkdir(parents=True, exist_ok=True)
     root, sources = corpus(workdir)
     results, started = [], time.perf_counter()
-    for world in (int(w) for w in args.ranks.split(",")):
-        t = time.perf_counter()
-        rows = run_world(world, root, sources, args.warmup, args.steps, args.timeout)
-        results += rows
-        print(f"R={world}: {time.perf_counter() - t:.1f} s", file=sys.stderr)
+    paths = args.paths.split(",")
+    for path in paths:
+        for world in (int(w) for w in args.ranks.split(",")):
+            t = time.perf_counter()
+            rows = run_world(world, root, sources, args.warmup, args.steps, args.timeout, path)
+            results += rows
+            print(f"{path} R={world}: {time.perf_counter() - t:.1f} s", file=sys.stderr)
     print(table(results), file=sys.stderr)
-    fits = summarize(results)
-    for name, f in fits.items():
-        if "formula" not in f:
-            print(f"{name}: measured {f['measured']}", file=sys.stderr)
-            continue
-        print(f"{name} = {f['formula']}  (max residual {f['max_rel_residual']:.0%}); "
-              f"measured {f['measured']}; extrapolated {f['extrapolated']}", file=sys.stderr)
-    print("path: all_gather of every rank's summary + broadcast of the whole plan (today's); "
-          "the gather/scatter path does not exist yet", file=sys.stderr)
+    fits = {path: summarize([r for r in results if r["path"] == path]) for path in paths}
+    for path in paths:
+        for name, f in fits[path].items():
+            if "formula" not in f:
+                print(f"{path} {name}: measured {f['measured']}", file=sys.stderr)
+                continue
+            print(f"{path} {name} = {f['formula']}  (max residual {f['max_rel_residual']:.0%}); "
+                  f"measured {f['measured']}; extrapolated {f['extrapolated']}", file=sys.stderr)
+    ratios = {}
+    for path in paths:
+        for name in ("recv_bytes_per_rank_step", "recv_bytes_other_ranks_step",
+                     "loop_cpu_ms_other_ranks", "loop_cpu_ms_rank0"):
+            measured = fits[path].get(name, {}).get("measured", {})
+            if len(measured) > 1:
+                keys = sorted(measured, key=int)
+                ratios[f"{path} {name} R={keys[-1]}/R={keys[0]}"] = round(
+                    measured[keys[-1]] / max(measured[keys[0]], 1e-9), 3)
+    for k, v in ratios.items():
+        print(f"{k}: {v}", file=sys.stderr)
     print(json.dumps({"config": {"sources": SOURCES, "micro_batches": M, "micro_batch_tokens": C,
-                                 "warmup": args.warmup, "steps": args.steps,
-                                 "path": "all_gather (gather/scatter not implemented)",
+                                 "warmup": args.warmup, "steps": args.steps, "paths": paths,
                                  "wall_s": round(time.perf_counter() - started, 1)},
-                      "results": results, "fits": fits}))
+                      "results": results, "fits": fits, "ratios": ratios}))
     return 0
 
 

@@ -156,6 +156,13 @@ class LoaderConfig(msgspec.Struct, kw_only=True):
     tokenize_in: Literal["threads", "processes"] = "threads"   # processes: GIL-bound tokenizers
     tokenizer_processes: int = 2            # size of that process pool
     collective_timeout_s: float = 300.0     # a collective waiting longer than this fails
+    # How the DP ranks agree on a step. "all_gather": every rank receives every rank's head
+    # windows and the whole plan, and tracks the whole job. "gather": the windows go to rank 0
+    # only, which alone steps the job model and sends each rank its own part of the plan; the
+    # other ranks then have the resumable state only every `state_every` steps (docs/guide.md)
+    control_plane: Literal["all_gather", "gather"] = "all_gather"
+    state_every: Optional[int] = None       # with control_plane="gather": rank 0 sends every
+                                            # rank the state after each step that is a multiple
     retry: RetryPolicy = RetryPolicy()      # storage retries, backoff, per-request timeout
     # Cost model: a*L^2 + b*L per document. The default is a d_model = 4096 decoder (7B class:
     # CostModel.transformer gives a/b = n_layers*d_model/n_params ~ 1/49152 there); set yours
@@ -194,7 +201,7 @@ class LoaderConfig(msgspec.Struct, kw_only=True):
                     "tokenizer_processes", "image_workers"):
             positive_int(key)
         for key in ("epochs", "max_deferral", "memory_budget", "buffer_tokens",
-                    "pipeline_stages"):
+                    "pipeline_stages", "state_every"):
             if getattr(self, key) is not None:
                 positive_int(key)
         if self.buffer_tokens is not None and self.buffer_tokens < self.micro_batch_tokens:

@@ -18,16 +18,16 @@ from . import pieces
 from .batch import Batch, MicroBatch
 from .collective.comm import Comm
 from .collective.exchange import exchange_tokens
-from .collective.messages import PlanMessage, Summaries
+from .collective.messages import PlanMessage, StepTotals, Summaries, step_totals
 from .metrics import SourceMetrics, StepMetrics
 from .mixreport import StepMix
 from .pipeline.buffer import SourceBuffer
 from .pipeline.image_batches import ImageBatches
-from .vision.exchange import exchange_images
 from .pipeline.recycle import ArrayRecycler
 from .plan.cost import CostModel
 from .plan.packing import pack_rows, row_memory_words, split_row_memory
 from .plan.types import Geometry
+from .vision.exchange import exchange_images
 
 T = TypeVar("T")
 
@@ -65,8 +65,11 @@ class Delivery:
     async def deliver(self, step: int, epoch: int, summaries: Summaries, plan: PlanMessage,
                       buffers: Sequence[SourceBuffer], window_sizes: Sequence[int],
                       collective: Callable[[Callable[[], T]], Awaitable[T]],
-                      mix: Optional[StepMix] = None) -> Batch:
-        """This rank's Batch of the step; `mix`: the step's mix facts, passed on in the Batch."""
+                      mix: Optional[StepMix] = None,
+                      totals: Optional[StepTotals] = None) -> Batch:
+        """This rank's Batch of the step; `mix`: the step's mix facts, passed on in the Batch.
+        `totals`: the job-wide figures, when `plan` is only this rank's part of it
+        (control_plane="gather"); else they are counted from the plan."""
         c = summaries.candidates
         me, M = self.comm.rank, self.geometry.micro_batches
         holder = c.rank[plan.take]
@@ -109,43 +112,30 @@ class Delivery:
                 return self.source_names[source], names[shard % len(names)], record
             micro_batches = await self.images.attach(micro_batches, rows, entries, refs_here,
                                                      name_of)
-        rank_tokens, row_cost, deferral = self._count(summaries, plan, sources, lengths[entries])
-        job_sources = np.bincount(c.source[plan.take], weights=lengths,
-                                  minlength=len(self.source_names)).astype(np.int64)
-        exchanged = int(lengths[holder != plan.rank].sum())   # the job's, moved between ranks
-        self.step_metrics.exchanged_tokens += exchanged
-        return Batch(step, epoch, micro_batches, rank_tokens, row_cost.sum(axis=1),
-                     row_cost=row_cost, pipeline_stages=self.geometry.pipeline_stages,
-                     max_deferral=deferral,
-                     source_tokens=job_sources, exchanged_tokens=exchanged, mix=mix)
+        if totals is None:
+            totals = step_totals(c, plan, self.cost, self.geometry)
+        self._count(totals, sources, lengths[entries])
+        return Batch(step, epoch, micro_batches, totals.rank_tokens, totals.row_cost.sum(axis=1),
+                     row_cost=totals.row_cost, pipeline_stages=self.geometry.pipeline_stages,
+                     max_deferral=totals.deferral_max, source_tokens=totals.source_tokens,
+                     exchanged_tokens=totals.exchanged, mix=mix)
 
-    def _count(self, summaries: Summaries, plan: PlanMessage, sources: np.ndarray,
-               received: np.ndarray) -> tuple[np.ndarray, np.ndarray, int]:
+    def _count(self, totals: StepTotals, sources: np.ndarray, received: np.ndarray) -> None:
         """Delivery counters: this rank's per source, the job's per step."""
-        c, S = summaries.candidates, len(self.source_names)
-        R, M = self.geometry.ranks, self.geometry.micro_batches
+        S = len(self.source_names)
         samples = np.bincount(sources, minlength=S)
         delivered = np.bincount(sources, weights=received, minlength=S)
         for metrics, n, t in zip(self.source_metrics, samples.tolist(), delivered.tolist()):
             metrics.delivered_samples += n
             metrics.delivered_tokens += int(t)
-        lengths = plan.length
-        rank_tokens = np.bincount(plan.rank, weights=lengths, minlength=R)
-        row_cost = self.cost.row_costs(lengths, plan.rank * M + plan.row, R * M,
-                                       extra_cost=c.extra_cost[plan.take]).reshape(R, M)
         metrics = self.step_metrics
-        metrics.record(rank_tokens, row_cost, self.geometry.pipeline_stages)
-        whole = c.length[plan.take]
-        cut = lengths < whole
-        if cut.any():
-            metrics.pieces_cut += int(cut.sum())
-            metrics.cut_work += self.cost.cut_savings(whole[cut], lengths[cut])
-        ages = c.age[plan.take]
-        deferral = int(ages.max()) if ages.size else 0
-        metrics.deferral_max = max(metrics.deferral_max, deferral)
-        metrics.deferral_sum += int(ages.sum())
-        metrics.delivered += int(ages.size)
-        return rank_tokens, row_cost, deferral
+        metrics.record(totals.rank_tokens, totals.row_cost, self.geometry.pipeline_stages)
+        metrics.pieces_cut += totals.pieces_cut
+        metrics.cut_work += totals.cut_work
+        metrics.deferral_max = max(metrics.deferral_max, totals.deferral_max)
+        metrics.deferral_sum += totals.deferral_sum
+        metrics.delivered += totals.delivered
+        metrics.exchanged_tokens += totals.exchanged
 
     def _sample_id(self, source: int, shard: int, record: int, chunk: int) -> str:
         """"source/shard/record", ":k" for piece k of a split document, ":k+o" for what was

@@ -39,7 +39,7 @@ from .collective.launch import check_launch
 from .collective.topology import Parallel, Topology, topology_for
 from .errors import ConfigError, UsageError
 from .peers import Follower
-from .progress import StepSnapshot, check_resume, data_options
+from .job import StepSnapshot, check_resume, data_options
 from .runtime import Runtime
 from .pipeline.image_batches import ImageBatches, shared_geometry
 from .state import decode_state, encode_state
@@ -306,7 +306,7 @@ class Loader:
         Raises ConfigError, naming every difference, when the state was saved with another seed
         or another option that decides which tokens are delivered (micro_batch_tokens,
         long_documents, the tokenizer, a source's text_field, tokens_field, format,
-        on_exhausted, repeat: `progress.check_resume`). The world size, the weights, the
+        on_exhausted, repeat: `job.check_resume`). The world size, the weights, the
         planner and micro_batches may change."""
         if self._background is not None:
             raise UsageError("load_state_dict() must be called before iterating the loader: "

@@ -5,10 +5,11 @@ fetcher per source under one supervisor, and runs the step loop until the data e
 is closed, or something fails; then it releases everything in order.
 
 Each step, on every rank: wait until every source's head window is complete, all-gather the
-windows (`Agreement.agree`), begin the step (`Stepper.begin`: outcome and quota), let rank 0
-assign it and broadcast the assignment, commit it (`Stepper.commit`, `JobProgress.observe`),
-resize the buffers the new windows need, and deliver (`Delivery`) a Batch to the bridge with
-the step's `StepSnapshot`.
+windows (`Agreement.agree`), begin the step (`JobModel.begin`: outcome and quota), let rank 0
+assign it and broadcast the assignment, commit it (`JobModel.commit`), resize the buffers the
+new windows need, and deliver (`Delivery`) a Batch to the bridge with the step's
+`StepSnapshot`. With control_plane="gather" (`_gather_loop`) the windows go to rank 0 only,
+which alone steps the job model and sends each rank its own part of the plan.
 
 Everything here is owned by the loop's thread. The Loader reaches it only through
 `Background.call` (a hop to the loop) or after the loop has ended.
@@ -19,22 +20,24 @@ import asyncio
 import functools
 import logging
 import time
+from dataclasses import dataclass
 from typing import Optional, Protocol
 
 import numpy as np
 
 from .batch import Batch
 from .collective.comm import Comm, GlooComm
-from .collective.messages import (OUTCOMES, SourceWindow, decode_plan, decode_summaries,
-                                  encode_plan, encode_summary, plan_size)
+from .collective.messages import (OUTCOMES, PlanMessage, SourceWindow, decode_local_plan,
+                                  decode_plan, decode_summaries, encode_local_plan, encode_plan,
+                                  encode_summary, plan_size, step_totals)
 from .collective.protocol import Agreement, StopStepping
 from .collective.topology import Topology
 from .config import LoaderConfig, Source
 from .delivery import Delivery
-from .errors import ConfigError, DistributedError
+from .errors import ConfigError, DistributedError, UsageError
 from .formats.catalog import Shard, catalog
 from .metrics import SourceMetrics, StepMetrics, rank_stats
-from .mixreport import MixTally, MixTracker
+from .mixreport import MixTally, MixTracker, StepMix
 from .pipeline.autoscale import Autoscaler, Knobs, MemoryGate
 from .pipeline.buffer import SourceBuffer
 from .pipeline.fetch import SourceFetcher
@@ -42,13 +45,13 @@ from .pipeline.supervisor import Supervisor
 from .pipeline.transform import tokenizer_pool
 from .pipeline.workers import DaemonExecutor, run_detached
 from .plan.cost import CostModel
+from .plan.memory import SourceBudget
 from .plan.mix_spec import Mixture
-from .plan.stepper import Stepper
 from .peers import encode_end, encode_step
-from .progress import JobProgress, StepSnapshot, data_options, listing_crc
+from .job import JobModel, StepSnapshot, data_options, listing_crc
 from .watch import RunWatch
 from .stage_view import needs_view, stage_view
-from .state import LoaderState, encode_state
+from .state import LoaderState, decode_state, encode_state
 from .storage import ObjectStore, open_store, source_store_options
 from .tokenizer import TextTokenizer
 
@@ -62,6 +65,14 @@ class Handoff(Protocol):
 
     async def reserve(self) -> None: ...
     def put(self, batch: Batch, snapshot: StepSnapshot) -> None: ...
+
+
+@dataclass(frozen=True)
+class RemoteState:
+    """control_plane="gather", a rank other than 0: what stands for a batch's `StepSnapshot`:
+    the step, and the state rank 0 sent with it (None: not a `state_every` step)."""
+    step: int
+    state: Optional[bytes]
 
 
 class Runtime:
@@ -80,10 +91,14 @@ class Runtime:
             raise ConfigError(f"sample_costs: no source named {unknown}; sources are "
                               f"{[s.name for s in sources]}", key="sample_costs")
         self.storage_options = storage_options or {}
-        self.stepper = Stepper.build(config, sources, mixture, comm.world)
         batches_held = config.prefetch_steps + 2   # queued, held by the trainer, being packed
-        self.progress = JobProgress(sources, config.seed, comm.world, batches_held,
-                                    functools.partial(data_options, config, sources, tokenizer))
+        # control_plane="gather": rank 0 alone steps the job model (`_plan_replies`); the other
+        # ranks keep it for the geometry, the start-up buffers and their fetchers' layouts
+        self.gathering = config.control_plane == "gather"
+        self.job = JobModel.build(config, sources, mixture, comm.world, batches_held,
+                                  functools.partial(data_options, config, sources, tokenizer),
+                                  track=not self.gathering or comm.rank == 0)
+        self.stepper = self.job.stepper   # the job's step machine (geometry, cost, mixer)
         self.agreement = Agreement(comm, config.collective_timeout_s)
         self.source_metrics = [SourceMetrics() for _ in sources]
         self.step_metrics = StepMetrics(step_tokens=self.stepper.geometry.step_tokens,
@@ -112,19 +127,35 @@ class Runtime:
         self._scale_mark: Optional[tuple] = None      # (time, buffers' blocked_s) at last step
         self._slot_held = False                       # room reserved for this step's batch
         self._handoff: Optional[Handoff] = None
-        self.watch = RunWatch(sources, self.stepper, self.progress, comm)   # the logger
+        self.watch = RunWatch(sources, self.job, comm)   # the logger
+        if self.gathering and peers is not None:
+            raise ConfigError("control_plane='gather' does not support delivery='broadcast' yet "
+                              "(a DP rank's leader sends its ranks the state, which only rank 0 "
+                              "has there)", key="control_plane")
+        self._window_sizes: list[int] = [0] * len(sources)   # this rank's last summary's
+        self._sent_budgets: list = []        # rank 0, gather: the budgets each rank was sent
+        self._snapshot: Optional[StepSnapshot] = None   # rank 0, gather: after the last step
 
     # -- called from the Loader before the loop starts, or on the loop ----------------------------
     def load_state(self, state: LoaderState) -> None:
-        self.progress.load(state)
+        self.job.load(state)
 
     def request_close(self) -> None:
         """Called on the loop. The step loop stops at its next all-gather, telling the other
         ranks, so no rank is left inside a collective."""
         self.agreement.request_close()
 
-    def state(self, snapshot: Optional[StepSnapshot]) -> LoaderState:
-        return self.progress.state(snapshot)
+    def state(self, snapshot) -> LoaderState:
+        if isinstance(snapshot, RemoteState):   # control_plane="gather", a rank other than 0
+            if snapshot.state is None:
+                raise UsageError(
+                    f"state_dict(): with control_plane='gather' only rank 0 has the job's "
+                    f"state after every step; rank {self.comm.rank} has it after steps that are "
+                    f"multiples of state_every ({self.config.state_every}), and the last batch "
+                    f"was step {snapshot.step}. Save rank 0's state (it is the whole job's), or "
+                    f"set state_every to the checkpoint interval")
+            return decode_state(snapshot.state)
+        return self.job.state(snapshot)
 
     def stats(self) -> dict:
         return rank_stats(self)
@@ -140,14 +171,9 @@ class Runtime:
         failure: Optional[BaseException] = None
         try:
             await self._list_shards()
-            if self.progress.resume is not None:
-                self.progress.apply_resume(self.stepper)
-            holding = self.progress.start_epoch(self.stepper.epoch)
-            if not self.progress.resumed() or self.progress.resume.holding is None \
-                    or self.progress.resume.world_size != self.comm.world:
-                self.stepper.start_epoch(holding)   # else: the windows the saved run had
+            self.job.start()
             self.watch.started(self.shards)
-            self.budgets = self.stepper.budgets(self.comm.rank)
+            self.budgets = self.job.budgets(self.comm.rank)
             self.buffers = [SourceBuffer(b.capacity_tokens, b.window_tokens) for b in self.budgets]
             self.gates = [MemoryGate(b.inflight_bytes) for b in self.budgets]
             for s, source in enumerate(self.sources):
@@ -156,11 +182,11 @@ class Runtime:
                     buffer=self.buffers[s], metrics=self.source_metrics[s], config=self.config,
                     rank=self.comm.rank, world=self.comm.world, tokenizer=self.tokenizer,
                     executor=executor, supervisor=supervisor, tokenizer_processes=processes,
-                    layout_for=functools.partial(self.progress.layout_for, s),
+                    layout_for=functools.partial(self.job.layout_for, s),
                     knobs=self.knobs[s], gate=self.gates[s],
-                    resume_ages=self.progress.resume_ages[s] if self.progress.resumed() else None)
+                    resume_ages=self.job.resume_ages[s] if self.job.resumed() else None)
                 self.fetchers.append(fetcher)
-                supervisor.spawn(fetcher.run(self.stepper.epoch), name=f"fetch {source.name}")
+                supervisor.spawn(fetcher.run(self.job.epoch), name=f"fetch {source.name}")
             await self._step_loop()
         except StopStepping:
             pass
@@ -215,7 +241,7 @@ class Runtime:
                 raise DistributedError(f"source {source.name!r}: ranks listed different shards "
                                        f"for {source.uri}; is the bucket changing under the job?")
         names = [[sh.name for sh in shards] for shards in self.shards]
-        self.progress.listed(names)
+        self.job.listed(names)
         self.delivery.listed(names)
         for metrics, shards in zip(self.source_metrics, self.shards):
             metrics.shards_listed = len(shards)
@@ -234,6 +260,7 @@ class Runtime:
             fields = np.array([(i.tokens.shape[0], i.age, i.shard, i.record, i.chunk)
                                for i in items], dtype=np.int64).reshape(-1, 5)
             lengths = fields[:, 0]
+            self._window_sizes[s] = int(lengths.shape[0])
             windows.append(SourceWindow(
                 lengths, fields[:, 1], fields[:, 2:], done,
                 CostModel.extra_cost(self.sample_costs.get(self.sources[s].name), lengths)))
@@ -245,18 +272,20 @@ class Runtime:
         self.source_waits[s] = time.perf_counter() - started
 
     async def _step_loop(self) -> None:
-        stepper, agreement = self.stepper, self.agreement
+        if self.gathering:
+            return await self._gather_loop()
+        job, agreement = self.job, self.agreement
         S = len(self.sources)
         while True:
             summaries = decode_summaries(await agreement.agree(self._summary), S)
             c = summaries.candidates
-            step = stepper.begin(c, summaries.exhausted)
+            step = job.begin(c, summaries.exhausted)
             message = None
             if self.comm.rank == 0:
                 assignment = None
                 if step.outcome == "continue":
                     started = time.perf_counter()
-                    assignment = stepper.assign(step)
+                    assignment = job.assign(step)
                     self.step_metrics.plan_ms.append((time.perf_counter() - started) * 1e3)
                 message = encode_plan(assignment, OUTCOMES.index(step.outcome))
             size = plan_size(len(c))
@@ -267,34 +296,32 @@ class Runtime:
                 return
             if outcome == "end_epoch":
                 for s, buffer in enumerate(self.buffers):
-                    if not self.progress.endless(s):   # an endless stream has no end marker
+                    if not job.endless(s):   # an endless stream has no end marker
                         buffer.next_epoch()
-                stepper.end_epoch()
-                self.step_metrics.epoch = stepper.epoch
-                if stepper.finished:
+                finished = job.end_epoch()
+                self.step_metrics.epoch = job.epoch
+                if finished:
                     return
-                stepper.start_epoch(self.progress.start_epoch(stepper.epoch))
                 self.watch.new_epoch()
                 self._resize()
                 continue
             window_sizes = [int(n) for n in np.bincount(
                 c.source[c.rank == self.comm.rank], minlength=S)]
-            self.mix_tracker.begin(stepper, step)
-            units = stepper.commit(step, plan.take, plan.length)
-            mix = self.mix_tracker.commit(stepper)
-            self.progress.observe(c, summaries.ids, plan.take, plan.length)
+            self.mix_tracker.begin(job.stepper, step)
+            units = job.commit(step, plan.take, plan.length, summaries.ids)
+            mix = self.mix_tracker.commit(job.stepper)
             self.watch.step(step.index, float(plan.length.sum()))
             self._resize()
             self._autoscale(step.index)
-            batch = await self.delivery.deliver(step.index, stepper.epoch, summaries, plan,
+            batch = await self.delivery.deliver(step.index, job.epoch, summaries, plan,
                                                 self.buffers, window_sizes, agreement.run, mix)
-            self.step_metrics.record_mix(stepper.epoch, step.index, batch.source_tokens, units,
+            self.step_metrics.record_mix(job.epoch, step.index, batch.source_tokens, units,
                                          mix)
             batch.skipped = np.array([[m.skipped_records, m.skipped_shards]
                                       for m in self.source_metrics], dtype=np.int64)
-            snapshot = self.progress.snapshot(stepper)
+            snapshot = job.snapshot()
             if self.peers is not None:   # broadcast delivery: the whole step to this DP rank's ranks
-                message = encode_step(batch, encode_state(self.progress.state(snapshot)))
+                message = encode_step(batch, encode_state(job.state(snapshot)))
                 await agreement.run_threaded(functools.partial(self.peers.broadcast_bytes,
                                                                message, self.peers.leader))
             if needs_view(self.topology):   # this rank's CP part, its pipeline stage's fields
@@ -302,9 +329,105 @@ class Runtime:
             self._handoff.put(batch, snapshot)
             self._slot_held = False
 
+    # -- control_plane="gather" ----------------------------------------------------------------
+    async def _gather_loop(self) -> None:
+        """The step loop when the windows go to rank 0 only: each rank receives its own part of
+        the plan (`LocalPlan`) and delivers it as in the all-gather loop."""
+        agreement, S = self.agreement, len(self.sources)
+        R, M = self.comm.world, self.stepper.geometry.micro_batches
+        if self.comm.rank == 0:
+            self._sent_budgets = [self.job.budgets(r) for r in range(R)]
+        plan_replies = self._plan_replies if self.comm.rank == 0 else None
+        while True:
+            mine = await agreement.gather_step(self._summary, plan_replies)
+            local = decode_local_plan(mine, S, R, M)
+            if local.budgets is not None:
+                self._set_budgets(local.budgets)
+            outcome = OUTCOMES[local.outcome]
+            if outcome == "stop":
+                return
+            if outcome == "end_epoch":
+                for s, buffer in enumerate(self.buffers):
+                    if self.sources[s].on_exhausted != "restart":   # endless: no end marker
+                        buffer.next_epoch()
+                self.step_metrics.epoch = local.epoch
+                if local.finished:
+                    return
+                continue
+            self._autoscale(local.step)
+            target, tail, ran_out = local.mix
+            mix = StepMix(target, tail, ran_out)
+            batch = await self.delivery.deliver(local.step, local.epoch, local.summaries,
+                                                local.plan, self.buffers, self._window_sizes,
+                                                agreement.run, mix, local.totals)
+            self.step_metrics.record_mix(local.epoch, local.step, batch.source_tokens,
+                                         local.units, mix)
+            batch.skipped = np.array([[m.skipped_records, m.skipped_shards]
+                                      for m in self.source_metrics], dtype=np.int64)
+            snapshot = (self._snapshot if self.comm.rank == 0
+                        else RemoteState(local.step, local.state))
+            if needs_view(self.topology):   # this rank's CP part, its pipeline stage's fields
+                batch = stage_view(batch, self.topology, self.config.pad_token_id)
+            self._handoff.put(batch, snapshot)
+            self._slot_held = False
+
+    def _plan_replies(self, gathered: list[np.ndarray]) -> list[np.ndarray]:
+        """Rank 0: step the job model on every rank's windows and give each rank its reply:
+        what it takes from its buffers and sends, what it receives, the job's totals, its
+        buffers for the next step when they changed, and the state every `state_every` steps."""
+        job, S, R = self.job, len(self.sources), self.comm.world
+        summaries = decode_summaries(gathered, S)
+        c = summaries.candidates
+        step = job.begin(c, summaries.exhausted)
+        if step.outcome == "stop":   # a source with on_exhausted="stop" ran out
+            self.watch.stopped(c)
+            return [encode_local_plan(OUTCOMES.index("stop"), job.epoch, step.index)] * R
+        if step.outcome == "end_epoch":
+            finished = job.end_epoch()
+            if not finished:
+                self.watch.new_epoch()
+            return [encode_local_plan(OUTCOMES.index("end_epoch"), job.epoch, step.index,
+                                      finished=finished, budgets=self._budgets_for(r))
+                    for r in range(R)]
+        started = time.perf_counter()
+        a = job.assign(step)
+        self.step_metrics.plan_ms.append((time.perf_counter() - started) * 1e3)
+        plan = PlanMessage(0, a.take.astype(np.int64), a.rank.astype(np.int64),
+                           a.row.astype(np.int64), a.length.astype(np.int64))
+        self.mix_tracker.begin(job.stepper, step)
+        units = job.commit(step, plan.take, plan.length, summaries.ids)
+        mix = self.mix_tracker.commit(job.stepper)
+        self.watch.step(step.index, float(plan.length.sum()))
+        totals = step_totals(c, plan, self.stepper.cost, self.stepper.geometry)
+        self._snapshot = job.snapshot()
+        every = self.config.state_every
+        state = encode_state(job.state(self._snapshot)) if every and job.step % every == 0 \
+            else None
+        holder = c.rank[plan.take]
+        return [encode_local_plan(0, job.epoch, step.index, c=c, ids=summaries.ids, plan=plan,
+                                  entries=np.flatnonzero((holder == r) | (plan.rank == r)),
+                                  totals=totals, units=units, mix=mix,
+                                  budgets=self._budgets_for(r), state=state)
+                for r in range(R)]
+
+    def _budgets_for(self, rank: int) -> Optional[np.ndarray]:
+        """Rank 0: `rank`'s buffers for the next step, if they changed since it was told."""
+        budgets = self.job.budgets(rank)
+        if budgets is self._sent_budgets[rank]:
+            return None
+        self._sent_budgets[rank] = budgets
+        return np.array([[b.capacity_tokens, b.window_tokens, b.inflight_bytes]
+                         for b in budgets], dtype=np.int64).reshape(-1, 3)
+
+    def _set_budgets(self, rows: np.ndarray) -> None:
+        self.budgets = [SourceBudget(int(c), int(w), int(i)) for c, w, i in rows.tolist()]
+        for buffer, gate, budget in zip(self.buffers, self.gates, self.budgets):
+            buffer.resize(budget.capacity_tokens, budget.window_tokens)
+            gate.set_limit(budget.inflight_bytes)
+
     def _resize(self) -> None:
         """The buffers and gates the next step's windows need (when they changed)."""
-        budgets = self.stepper.budgets(self.comm.rank)
+        budgets = self.job.budgets(self.comm.rank)
         if budgets is self.budgets:
             return
         self.budgets = budgets

@@ -23,6 +23,8 @@ finite sources end the epoch, the endless ones go on where they are.
 """
 from __future__ import annotations
 
+import functools
+import zlib
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Iterator, Optional
@@ -34,7 +36,8 @@ from . import pieces
 from .errors import ConfigError
 from .plan.quota_mixer import MixtureState
 
-STATE_VERSION = 4   # 4: the options that decide the data (`DataOptions`) are recorded
+STATE_VERSION = 5   # 4: the options that decide the data (`DataOptions`) are recorded;
+                    # 5: saved in O(sources + ranks) (`SavedState`), not per (rank, source)
 _END = (2**62, 2**62)   # skip_through for "only the extras"
 
 
@@ -95,7 +98,7 @@ class SourceProgress(msgspec.Struct, frozen=True):
                                          # before sources were rotated)
 
 
-class SourceData(msgspec.Struct, frozen=True, kw_only=True):
+class SourceData(msgspec.Struct, frozen=True, kw_only=True, array_like=True):
     """A source's options that decide its items: resumed with others, the saved positions
     would name other items (duplicates and gaps). Its weight, URI and storage may change."""
     name: str
@@ -128,41 +131,223 @@ class LoaderState(msgspec.Struct, frozen=True):
     # [world_size, sources] bits, row-major: which ranks still held data of which source after
     # the last step. Head windows are sized from it (`MemoryPlan`), so an exact resume needs it.
     holding: Optional[bytes] = None
-    data: Optional[DataOptions] = None   # always written (version 4); `decode_state` requires it
+    data: Optional[DataOptions] = None   # always written (version >= 4); `decode_state` requires it
+
+
+# -- the saved form (version 5): O(sources + ranks), not O(ranks x sources) ------------------------
+#
+# A source's progress in memory (`SourceProgress`) has per base rank its position in the base
+# and its filtered units. Saved, the positions of a finite source are one bitmap over its shards
+# (which base shards were started: a rank's are a prefix of its own base, so its position is
+# how many of its shards are set), and the units in progress, of every source, one packed
+# array for the whole state, as are the pending items' ages. What grows with R is then only
+# what is in flight: a shard in progress per reading rank, the items offered and not taken,
+# and the holding bits (R x S bits).
+
+
+class SavedSource(msgspec.Struct, array_like=True, frozen=True):
+    num_shards: int
+    listing_crc: int
+    base_world: int
+    rotation: int
+    first_pass: int
+    base_shards: Optional[bytes]     # bitmap of the base's shards; None: all of them
+    started: Optional[bytes]         # finite: bitmap of the base's shards started; None: none
+
+
+class SavedState(msgspec.Struct, frozen=True):
+    version: int
+    seed: int
+    world_size: int
+    epoch: int
+    step: int
+    mixture: Optional[MixtureState]
+    sources: tuple[SavedSource, ...]
+    # packed int64 columns (`_pack`): the filtered units in read order, rows (source, rank,
+    # shard, skip record, skip chunk), skip record -1: none; their extras, rows (unit, record,
+    # chunk); endless sources' positions, rows (source, rank, pass, position); the pending
+    # items, rows (source, shard, record, chunk, age)
+    units: bytes = b""
+    extras: bytes = b""
+    positions: bytes = b""
+    pending: bytes = b""
+    holding: Optional[bytes] = None
+    data: Optional[DataOptions] = None
+
+
+def _pack(rows, width: int, delta: tuple[int, ...] = ()) -> bytes:
+    """rows [n, width] of ints as zlib'd little-endian int64 columns, the `delta` columns as
+    differences from the row before: sorted ids become runs of small numbers, which is most of
+    what makes the saved state small."""
+    table = np.asarray(rows, dtype=np.int64).reshape(-1, width)
+    if not table.shape[0]:
+        return b""
+    columns = table.T.copy()
+    for k in delta:
+        columns[k] = np.diff(columns[k], prepend=0)
+    return zlib.compress(columns.astype("<i8").tobytes(), 9)
+
+
+def _unpack(data: bytes, width: int, delta: tuple[int, ...] = ()) -> np.ndarray:
+    if not data:
+        return np.zeros((0, width), np.int64)
+    columns = np.frombuffer(zlib.decompress(data), dtype="<i8").reshape(width, -1).copy()
+    for k in delta:
+        columns[k] = np.cumsum(columns[k])
+    return columns.T
+
+
+_UNIT_DELTA = (0, 1)          # units: source, rank, shard, skip record (-1: none), skip chunk
+_EXTRA_DELTA = (0,)           # extras: unit, record, chunk
+_PENDING_DELTA = (0, 1, 2)    # pending: source, shard, record, chunk, age (sorted)
+
+
+def _bits(mask: np.ndarray) -> Optional[bytes]:
+    return np.packbits(mask).tobytes() if mask.any() else None
+
+
+def _base(progress: SourceProgress, seed: int, epoch: int, source_index: int,
+          endless: bool) -> list[np.ndarray]:
+    """The base each base rank was dealt (`layout_from_progress`'s, before any position)."""
+    bits = None
+    if progress.base_shards is not None:
+        bits = np.unpackbits(np.frombuffer(progress.base_shards, np.uint8),
+                             count=progress.num_shards).astype(bool)
+    return deal_epoch(progress.num_shards, seed=seed,
+                      epoch=progress.first_pass if endless else epoch,
+                      source_index=source_index, world=progress.base_world,
+                      endless=endless, base_shards=bits, rotation=progress.rotation)
 
 
 def encode_state(state: LoaderState) -> bytes:
-    return msgspec.json.encode(state)
+    endless = [False] * len(state.sources) if state.data is None else [
+        s.on_exhausted == "restart" for s in state.data.sources]
+    sources, units, extras, positions = [], [], [], []
+    # A pending item is an extra of its shard's unit too: saved once, in `pending`.
+    pending_ids = {tuple(row[:4]) for row in state.ages}
+    for s, p in enumerate(state.sources):
+        started = None
+        if endless[s]:
+            passes = list(p.passes) or [p.first_pass] * p.base_world
+            for q, (pass_index, position) in enumerate(zip(passes, p.base_position)):
+                positions += [s, q, pass_index, position]
+        else:
+            mask = np.zeros(p.num_shards, dtype=bool)
+            for q, shards in enumerate(_base(p, state.seed, state.epoch, s, False)):
+                mask[shards[:p.base_position[q]]] = True
+            started = _bits(mask)
+        for q, rank_units in enumerate(p.units):
+            for u in rank_units:
+                skip = (-1, 0) if u.skip_through is None else tuple(u.skip_through)
+                extras += [(len(units), *e) for e in u.extras
+                           if (s, u.shard, *e) not in pending_ids]   # those: from `pending`
+                units.append((s, q, u.shard, *skip))
+        sources.append(SavedSource(p.num_shards, p.listing_crc, p.base_world, p.rotation,
+                                   p.first_pass, p.base_shards, started))
+    pending = sorted(state.ages)
+    saved = SavedState(state.version, state.seed, state.world_size, state.epoch, state.step,
+                       state.mixture, tuple(sources), _pack(units, 5, _UNIT_DELTA),
+                       _pack(extras, 3, _EXTRA_DELTA), _pack(positions, 4),
+                       _pack(pending, 5, _PENDING_DELTA), state.holding, state.data)
+    return msgspec.json.encode(saved)
+
+
+def _progress(saved: SavedState, s: int, units: list, positions: dict) -> SourceProgress:
+    """A source's `SourceProgress` again, from its saved form."""
+    source, endless = saved.sources[s], saved.data.sources[s].on_exhausted == "restart"
+    W = source.base_world
+    progress = SourceProgress(saved.data.sources[s].name, source.num_shards, source.listing_crc,
+                              W, source.base_shards, (0,) * W, ((),) * W, source.first_pass,
+                              (), source.rotation)
+    if endless:
+        rows = [positions.get((s, q), (source.first_pass, 0)) for q in range(W)]
+        base_position, passes = tuple(r[1] for r in rows), tuple(r[0] for r in rows)
+    else:
+        started = np.zeros(source.num_shards, dtype=bool)
+        if source.started is not None:
+            started = np.unpackbits(np.frombuffer(source.started, np.uint8),
+                                    count=source.num_shards).astype(bool)
+        base = _base(progress, saved.seed, saved.epoch, s, False)
+        base_position, passes = tuple(int(started[b].sum()) for b in base), ()
+    per_rank = [[] for _ in range(W)]
+    for q, unit in units:
+        per_rank[q].append(unit)
+    return msgspec.structs.replace(progress, base_position=base_position, passes=passes,
+                                   units=tuple(tuple(u) for u in per_rank))
+
+
+def _from_saved(saved: SavedState) -> LoaderState:
+    extras: dict[int, list] = {}
+    for unit, record, chunk in _unpack(saved.extras, 3, _EXTRA_DELTA).tolist():
+        extras.setdefault(unit, []).append((record, chunk))
+    ages = tuple(tuple(row) for row in _unpack(saved.pending, 5, _PENDING_DELTA).tolist())
+    pending: dict[tuple[int, int], list] = {}   # (source, shard) -> its pending (record, chunk)
+    for s, shard, record, chunk, _ in ages:
+        pending.setdefault((s, shard), []).append((record, chunk))
+    units: dict[int, list] = {}
+    rows = _unpack(saved.units, 5, _UNIT_DELTA).tolist()
+    for i, (s, q, shard, record, chunk) in enumerate(rows):
+        both = extras.get(i, []) + pending.get((s, shard), [])
+        units.setdefault(s, []).append(
+            (q, ReadUnit(shard, None if record == -1 else (record, chunk),
+                         tuple(sorted(both)))))
+    positions = {(s, q): (pass_index, position) for s, q, pass_index, position
+                 in _unpack(saved.positions, 4).tolist()}
+    sources = tuple(_progress(saved, s, units.get(s, []), positions)
+                    for s in range(len(saved.sources)))
+    return LoaderState(saved.version, saved.seed, saved.world_size, saved.epoch, saved.step,
+                       saved.mixture, sources, ages, saved.holding, saved.data)
 
 
 def decode_state(data) -> LoaderState:
     """From bytes (JSON) or a dict (as stored by torch.distributed.checkpoint)."""
     try:
-        if isinstance(data, (bytes, bytearray, str)):
-            state = msgspec.json.decode(data, type=LoaderState)
-        else:
-            state = msgspec.convert(data, LoaderState)
+        raw = msgspec.json.decode(data) if isinstance(data, (bytes, bytearray, str)) else data
+        version = raw.get("version") if isinstance(raw, dict) else None
+        if not isinstance(version, int):
+            raise msgspec.ValidationError(f"no integer 'version' (got {version!r})")
     except msgspec.MsgspecError as exc:
         raise ConfigError(f"loader state: not a valid streamload state: {exc}") from None
-    if state.version < STATE_VERSION:
+    if version < 4:
         raise ConfigError(
-            f"loader state: version {state.version} was saved by an older streamload, which did "
+            f"loader state: version {version} was saved by an older streamload, which did "
             f"not record the options that decide the data (micro_batch_tokens, long_documents, "
             f"the sources' text_field, tokens_field and format, the tokenizer), so a resume "
             f"cannot be checked against them; resume it with the streamload that saved it, or "
             f"start without it", key="version")
-    if state.version != STATE_VERSION:
-        raise ConfigError(f"loader state: version {state.version} is not supported "
+    if version < STATE_VERSION:
+        raise ConfigError(
+            f"loader state: version {version} was saved by an older streamload, whose states "
+            f"recorded every rank's position in every source (they grew with ranks x sources); "
+            f"this one writes version {STATE_VERSION} and cannot read it. Resume it with the "
+            f"streamload that saved it, or start without it", key="version")
+    if version != STATE_VERSION:
+        raise ConfigError(f"loader state: version {version} is not supported "
                           f"(this streamload writes version {STATE_VERSION})", key="version")
-    if state.data is None:
-        raise ConfigError("loader state: version 4 without its 'data' record (the options that "
-                          "decide the data); not a state written by Loader.state_dict()",
-                          key="data")
-    return state
+    try:
+        saved = msgspec.convert(raw, SavedState)
+    except msgspec.MsgspecError as exc:
+        raise ConfigError(f"loader state: not a valid streamload state: {exc}") from None
+    if saved.data is None:
+        raise ConfigError(f"loader state: version {version} without its 'data' record (the "
+                          f"options that decide the data); not a state written by "
+                          f"Loader.state_dict()", key="data")
+    if saved.sources and len(saved.data.sources) != len(saved.sources):
+        raise ConfigError("loader state: not a valid streamload state: its 'data' and "
+                          "'sources' list different numbers of sources")
+    try:
+        return _from_saved(saved)
+    except (zlib.error, ValueError, IndexError) as exc:
+        raise ConfigError(f"loader state: not a valid streamload state: {exc}") from None
 
 
+@functools.lru_cache(maxsize=1024)
 def shard_permutation(num_shards: int, seed: int, epoch: int, source_index: int) -> np.ndarray:
-    return np.random.default_rng([seed, epoch, source_index]).permutation(num_shards)
+    """The epoch's (an endless source's pass's) shard order. Kept (read-only): every rank's
+    layout, tracker and elastic resume asks for the same passes again."""
+    order = np.random.default_rng([seed, epoch, source_index]).permutation(num_shards)
+    order.setflags(write=False)
+    return order
 
 
 def deal(order: np.ndarray, world: int, rank: int, offset: int = 0) -> np.ndarray:
@@ -196,9 +381,9 @@ class EpochLayout:
 
     def pass_shards(self, rank: int, pass_index: int) -> np.ndarray:
         """An endless source's pass `pass_index` for one rank, as pass-wide shard ids."""
-        return deal_epoch(self.num_shards, seed=self.seed, epoch=pass_index,
-                          source_index=self.source_index, world=self.base_world,
-                          endless=True, rotation=self.rotation)[rank]
+        order = shard_permutation(self.num_shards, self.seed, pass_index, self.source_index)
+        return deal(order, self.base_world, rank, pass_index - self.rotation) \
+            + pass_index * self.num_shards   # `deal_epoch`'s, for one rank
 
     def later_passes(self, rank: int) -> Iterator[tuple[int, list[ReadUnit]]]:
         """(pass, units) for each pass after the base, without end; nothing if finite."""
@@ -417,7 +602,7 @@ class SourceTracker:
                 extras = pending_by_shard.get(unit.shard, [])
                 if i < p.frontier_unit:
                     if extras:
-                        remaining.append(ReadUnit(unit.shard, _END, tuple(extras)))
+                        remaining.append(ReadUnit(unit.shard, _END, tuple(sorted(extras))))
                     continue
                 skip = p.frontier if unit.skip_through is None else max(tuple(unit.skip_through), p.frontier)
                 later = [tuple(e) for e in unit.extras if tuple(e) > p.frontier]

@@ -19,9 +19,8 @@ import numpy as np
 from .collective.comm import Comm
 from .config import Source
 from .metrics import LOW_FILL
-from .plan.stepper import Stepper
 from .plan.types import Candidates
-from .progress import JobProgress
+from .job import JobModel
 
 LOW_FILL_STREAK = 20      # steps in a row below LOW_FILL (metrics.py) worth a warning
 NEXT = {"renormalize": "the other sources take its share", "stop": "the run stops",
@@ -31,17 +30,17 @@ log = logging.getLogger("streamload")
 
 
 class RunWatch:
-    def __init__(self, sources: Sequence[Source], stepper: Stepper, progress: JobProgress,
-                 comm: Comm):
-        self.sources, self.stepper, self.progress, self.comm = list(sources), stepper, progress, comm
+    def __init__(self, sources: Sequence[Source], job: JobModel, comm: Comm):
+        self.sources, self.comm = list(sources), comm
+        self.stepper, self.job = job.stepper, job
         self.short_steps = 0                 # steps in a row below LOW_FILL
         self.sources_out: set[int] = set()   # sources that ran out this epoch
 
     def started(self, shards: Sequence[Sequence]) -> None:
         R, memory = self.comm.world, self.stepper.memory
         for s, source in enumerate(self.sources):
-            count = self.progress.virtual_shards(s)
-            mine = len(self.progress.layout_for(s, self.stepper.epoch).rank_units(self.comm.rank))
+            count = self.job.virtual_shards(s)
+            mine = len(self.job.layout_for(s, self.stepper.epoch).rank_units(self.comm.rank))
             log.info("source %r (%s): %d shard(s), %d on rank %d of %d, weight %g, "
                      "format %s", source.name, source.uri, count, mine, self.comm.rank, R,
                      source.weight, shards[s][0].format.name if shards[s] else "-")

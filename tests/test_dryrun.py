@@ -11,7 +11,7 @@ from corpus import write_jsonl_source, write_token_source
 from streamload.commands.cli import main
 from streamload.configfile import load_config
 from streamload.commands.dryrun import scan, scan_lengths, simulate, summarize
-from streamload.commands.dryrun.simulate import _Window
+from streamload.plan.windows import Block, ItemQueue
 from streamload.pipeline.buffer import Item, SourceBuffer
 
 MIX_TOLERANCE = 0.02   # realized share over the 20-step run vs the weights (tokens)
@@ -171,18 +171,22 @@ def test_window_matches_source_buffer():
         buffer = SourceBuffer(10 ** 9, W)
         await buffer.put(Item(0, i, -1, np.zeros(n, np.int32)) for i, n in enumerate(lengths))
         await buffer.end_epoch(0)
-        window = _Window(lengths)
+        blocks = iter([Block.of(lengths[:150]), Block.of(lengths[150:], np.stack(
+            [np.zeros(250, np.int64), np.arange(150, 400), np.full(250, -1)], axis=1))])
+        window = ItemQueue(lambda: next(blocks, None))
         for _ in range(200):
             items, done = buffer.window()
-            sim, ages, sim_done = window.window(W)
+            sim, ages, ids, sim_done = window.window(W)
             np.testing.assert_array_equal(sim, [len(i) for i in items])
             np.testing.assert_array_equal(ages, [i.age for i in items])
+            expected = [(i.shard, i.record, i.chunk) for i in items]
+            np.testing.assert_array_equal(ids, np.array(expected, np.int64).reshape(-1, 3))
             assert sim_done == done
             if not items:
                 break
             positions = np.flatnonzero(rng.random(len(items)) < 0.5)
             buffer.take(positions, len(items))
-            window.commit(positions, sim, ages)
+            window.commit(positions, sim, ages, ids)
         assert done
 
     asyncio.run(run())

@@ -232,7 +232,9 @@ def test_elastic_resume_with_cut_pieces_delivers_every_token_once(long_only):
     from streamload.commands.demo.corpus import check_delivery
     first = run_ranks(elastic_job, 2, str(long_only), 5, None)
     state = {"streamload": msgspec.json.encode(first[0][1]).decode()}
-    cut_pending = any(c >= 0 and c & 0xFFFFFFFF for *_, c, _ in first[0][1]["ages"])
+    from streamload.state import decode_state
+    pending = decode_state(msgspec.json.encode(first[0][1])).ages   # (source, shard, record,
+    cut_pending = any(c >= 0 and c & 0xFFFFFFFF for *_, c, _ in pending)   # chunk, age)
     second = elastic_job(0, 1, str(long_only), None, state)
     with long_loader(long_only) as loader:   # one uninterrupted run: what each piece holds
         whole = [(sid, int(n)) for b in loader for mb in b.micro_batches

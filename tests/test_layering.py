@@ -2,9 +2,10 @@
 
 Layers, bottom up; a module imports from its own layer or below, never above:
   0  errors, pieces, plan/ (pure NumPy), storage/
-  1  tokenizer, formats/, config, configfile, state, batch, metrics, mixreport, vision/
+  1  tokenizer, formats/, config, configfile, state, batch, metrics, mixreport, job,
+     vision/
   2  collective/, pipeline/
-  3  progress, delivery, stage_view, peers, watch, runtime
+  3  delivery, stage_view, peers, watch, runtime
   4  loader, observe (metrics records, logs, TensorBoard), the package's __init__
   5  commands/: nothing in the library imports them
 plan/ imports nothing outside plan/, errors and pieces (imports under TYPE_CHECKING are for
@@ -24,9 +25,9 @@ pytestmark = pytest.mark.core
 PACKAGE = Path(streamload.__file__).parent
 LAYERS = [("errors", "pieces", "plan", "storage"),
           ("tokenizer", "formats", "config", "configfile", "state", "batch", "metrics",
-           "mixreport", "vision"),
+           "mixreport", "job", "vision"),
           ("collective", "pipeline"),
-          ("progress", "delivery", "stage_view", "peers", "watch", "runtime"),
+          ("delivery", "stage_view", "peers", "watch", "runtime"),
           ("loader", "observe", "__init__"),
           ("commands",)]
 

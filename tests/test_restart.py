@@ -209,7 +209,7 @@ def test_a_long_run_keeps_the_endless_tracker_small_and_resumes_exactly(tmp_path
     # oldest in flight); the tracker still keeps what those states need, and no more.
     with long_run_loader(tmp_path, prefetch_steps=16) as loader:
         full = [flat(b) for b in loader]
-        tracker = loader._runtime.progress.trackers[0]
+        tracker = loader._runtime.job.trackers[0]
         units_read = tracker.offsets[0] + len(tracker.unit_lists[0])
     steps = len(full)
     # Hundreds of passes, but the tracker holds only the recent ones.

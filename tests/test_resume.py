@@ -116,7 +116,7 @@ def test_a_state_from_an_older_version_is_refused_saying_why(tmp_path):
     with loader_for(tmp_path) as loader:
         next(iter(loader))
         state = msgspec.json.decode(loader.state_dict()["streamload"])
-    assert state["version"] == 4 and state["data"]["micro_batch_tokens"] == 1024
+    assert state["version"] == 5 and state["data"]["micro_batch_tokens"] == 1024
     old = {k: v for k, v in state.items() if k != "data"}
     old["version"] = 3
     with pytest.raises(sl.ConfigError, match="version 3 was saved by an older streamload, which "
@@ -230,7 +230,7 @@ def test_state_dict_is_consistent_while_the_loop_runs_ahead(tmp_path):
         full = [flat(b) for b in loader]
     stops, states, threads = (3, 11, 20), {}, set()
     with make() as loader:
-        progress = loader._runtime.progress
+        progress = loader._runtime.job
         real_state = progress.state
 
         def recording_state(snapshot):

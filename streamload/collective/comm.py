@@ -26,12 +26,22 @@ class Comm(Protocol):
     def all_to_all(self, sends: list[np.ndarray], dtype,
                    recv_sizes: list[int]) -> list[np.ndarray]: ...
 
+    def gather(self, array: np.ndarray) -> Optional[list[Optional[np.ndarray]]]: ...
+
+    def scatter(self, arrays: Optional[list[np.ndarray]]) -> np.ndarray: ...
+
 
 class LocalComm:
     rank, world = 0, 1
 
     def all_gather(self, array):
         return [array]
+
+    def gather(self, array):
+        return [array]
+
+    def scatter(self, arrays):
+        return arrays[0]
 
     def broadcast(self, array, size):
         return array
@@ -50,6 +60,8 @@ class GlooComm:
     def __init__(self, group, rank: int, world: int, timeout_s: float):
         self.group, self.rank, self.world, self.timeout_s = group, rank, world, timeout_s
         self.gather_capacity = MIN_GATHER_CAPACITY   # values per rank in all_gather's 1st round
+        self.next_gather_capacity = MIN_GATHER_CAPACITY   # rank 0, gather: from the sizes seen
+        self.scatter_capacity = MIN_GATHER_CAPACITY  # values per rank in scatter's 1st round
 
     def _run(self, what: str, fn: Callable[[], T]) -> T:
         try:
@@ -90,6 +102,68 @@ class GlooComm:
             return [np.concatenate([head, tail[:max(size - cap, 0)].numpy()])
                     for head, tail, size in zip(heads, tails, sizes)]
         return self._run("all_gather", gather)
+
+    def gather(self, array: np.ndarray) -> Optional[list[Optional[np.ndarray]]]:
+        """Every rank's int64 array on rank 0 (None elsewhere), in one fixed-size message of
+        `gather_capacity` values. An array longer than that arrives as None: rank 0 raises the
+        capacity (`scatter` tells every rank) and the caller gathers again."""
+        import torch
+        import torch.distributed as dist
+        array = np.ascontiguousarray(array, dtype=np.int64)
+        n, cap = array.shape[0], self.gather_capacity
+
+        def gather():
+            message = np.zeros(1 + cap, dtype=np.int64)
+            message[0] = n
+            message[1:1 + min(n, cap)] = array[:cap]
+            out = ([torch.empty(1 + cap, dtype=torch.int64) for _ in range(self.world)]
+                   if self.rank == 0 else None)
+            dist.gather(torch.from_numpy(message), out, group=self.group, group_dst=0)
+            if self.rank != 0:
+                return None
+            sizes = [int(o[0]) for o in out]
+            self.next_gather_capacity = max(MIN_GATHER_CAPACITY, 2 * max(sizes))
+            return [o[1:1 + size].numpy() if size <= cap else None
+                    for o, size in zip(out, sizes)]
+        return self._run("gather", gather)
+
+    def scatter(self, arrays: Optional[list[np.ndarray]]) -> np.ndarray:
+        """Rank 0's `arrays[r]` on rank r, whatever their lengths: one collective in the steady
+        state. Each message holds the array's length, the longest one's, the next gather
+        capacity (rank 0 saw every rank's length) and the first `scatter_capacity` values; the
+        values past that go in a second round, padded to the longest."""
+        import torch
+        import torch.distributed as dist
+        cap = self.scatter_capacity
+
+        def scatter():
+            head = torch.empty(3 + cap, dtype=torch.int64)
+            parts = None
+            if self.rank == 0:
+                longest = max(a.shape[0] for a in arrays)
+                parts = []
+                for a in arrays:
+                    message = np.zeros(3 + cap, dtype=np.int64)
+                    message[:3] = (a.shape[0], longest, self.next_gather_capacity)
+                    message[3:3 + min(a.shape[0], cap)] = a[:cap]
+                    parts.append(torch.from_numpy(message))
+            dist.scatter(head, parts, group=self.group, group_src=0)
+            n, longest, self.gather_capacity = (int(v) for v in head[:3])
+            self.scatter_capacity = max(MIN_GATHER_CAPACITY, 2 * longest)
+            out = head[3:3 + min(n, cap)].numpy()
+            if longest <= cap:
+                return out
+            tail = torch.empty(longest - cap, dtype=torch.int64)
+            rests = None
+            if self.rank == 0:
+                rests = []
+                for a in arrays:
+                    rest = np.zeros(longest - cap, dtype=np.int64)
+                    rest[:max(a.shape[0] - cap, 0)] = a[cap:]
+                    rests.append(torch.from_numpy(rest))
+            dist.scatter(tail, rests, group=self.group, group_src=0)
+            return np.concatenate([out, tail[:max(n - cap, 0)].numpy()])
+        return self._run("scatter", scatter)
 
     def broadcast(self, array: Optional[np.ndarray], size: int) -> np.ndarray:
         """Rank 0's `array` (None elsewhere), zero-padded to `size`, which every rank knows (so

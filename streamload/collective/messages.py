@@ -106,3 +106,150 @@ def decode_plan(array: np.ndarray) -> PlanMessage:
     body = array[3:]
     return PlanMessage(outcome, body[:k], body[k:2 * k], body[2 * k:3 * k],
                        body[3 * k:4 * k])
+
+
+# -- control_plane="gather": each rank's own part of the plan ------------------------------------
+
+@dataclass(frozen=True)
+class StepTotals:
+    """What a step did over the whole job, which a rank given only its own part of the plan
+    cannot count itself (the Batch's and `stats()`'s job-wide figures)."""
+    rank_tokens: np.ndarray     # float64 [R] (a weighted bincount, as the Batch has it)
+    row_cost: np.ndarray        # float64 [R, M]
+    source_tokens: np.ndarray   # int64 [S]
+    exchanged: int              # tokens moved to another rank
+    deferral_max: int           # the most steps a taken item had waited
+    deferral_sum: int
+    delivered: int              # items taken
+    pieces_cut: int
+    cut_work: float
+
+
+def step_totals(c: Candidates, plan: "PlanMessage", cost, geometry) -> StepTotals:
+    """The job-wide figures of a step, from every rank's windows and the whole plan."""
+    R, M, S = geometry.ranks, geometry.micro_batches, c.num_sources
+    lengths, holder = plan.length, c.rank[plan.take]
+    whole = c.length[plan.take]
+    cut = lengths < whole
+    ages = c.age[plan.take]
+    return StepTotals(
+        np.bincount(plan.rank, weights=lengths, minlength=R),
+        cost.row_costs(lengths, plan.rank * M + plan.row, R * M,
+                       extra_cost=c.extra_cost[plan.take]).reshape(R, M),
+        np.bincount(c.source[plan.take], weights=lengths, minlength=S).astype(np.int64),
+        int(lengths[holder != plan.rank].sum()), int(ages.max()) if ages.size else 0,
+        int(ages.sum()), int(ages.size), int(cut.sum()),
+        float(cost.cut_savings(whole[cut], lengths[cut])) if cut.any() else 0.0)
+
+
+ENTRY_FIELDS = 12   # holder, dest, row, source, position, whole length, length, shard, record,
+                    # chunk, age, extra cost (float64 bits)
+
+
+@dataclass(frozen=True)
+class LocalPlan:
+    """One rank's reply from rank 0: the step's outcome, the plan entries this rank takes from
+    its buffers or receives (in plan order, as `Summaries` and `PlanMessage` over just them, so
+    `Delivery` and `exchange_tokens` work on them as on the whole plan), the job-wide totals,
+    the mix, this rank's buffers for the next step when they changed, and the state when rank
+    0 sent it (`state_every`)."""
+    outcome: int
+    finished: bool
+    epoch: int
+    step: int
+    summaries: Optional[Summaries]
+    plan: Optional[PlanMessage]
+    totals: Optional[StepTotals]
+    units: Optional[np.ndarray]          # float64 [S]: the mixer's realized units
+    mix: Optional[tuple]                 # (target [S] or None, tail, ran_out [S])
+    budgets: Optional[np.ndarray]        # int64 [S, 3]: capacity, window, in flight
+    state: Optional[bytes]
+
+
+def _f64(values) -> np.ndarray:
+    return np.ascontiguousarray(values, dtype=np.float64).reshape(-1).view(np.int64)
+
+
+def encode_local_plan(outcome: int, epoch: int, step: int, *, finished: bool = False,
+                      c: Optional[Candidates] = None, ids: Optional[np.ndarray] = None,
+                      plan: Optional[PlanMessage] = None, entries: Optional[np.ndarray] = None,
+                      totals: Optional[StepTotals] = None, units=None, mix=None,
+                      budgets=None, state: Optional[bytes] = None) -> np.ndarray:
+    """Rank 0: one rank's reply. `entries`: the plan entries (indices into `plan`) it needs."""
+    n = 0 if entries is None else entries.shape[0]
+    parts = [np.array([OK, outcome, int(finished), epoch, step, n, int(budgets is not None),
+                       -1 if state is None else len(state), int(totals is not None)],
+                      dtype=np.int64)]
+    if n:
+        take = plan.take[entries]
+        parts.append(np.stack([c.rank[take], plan.rank[entries], plan.row[entries],
+                               c.source[take], c.position[take], c.length[take],
+                               plan.length[entries], ids[take, 0], ids[take, 1], ids[take, 2],
+                               c.age[take], _f64(c.extra_cost[take])],
+                              axis=1).astype(np.int64).reshape(-1))
+    if totals is not None:
+        t = totals
+        parts += [_f64(t.rank_tokens), _f64(t.row_cost), t.source_tokens, _f64(units),
+                  np.array([t.exchanged, t.deferral_max, t.deferral_sum, t.delivered,
+                            t.pieces_cut], np.int64), _f64([t.cut_work]),
+                  np.array([int(mix.target is not None), int(mix.tail)], np.int64),
+                  _f64(mix.target if mix.target is not None else np.zeros(units.shape[0])),
+                  np.asarray(mix.ran_out, np.int64)]
+    if budgets is not None:
+        parts.append(np.asarray(budgets, np.int64).reshape(-1))
+    if state is not None:
+        padded = state + b"\0" * (-len(state) % 8)
+        parts.append(np.frombuffer(padded, dtype="<i8").astype(np.int64))
+    return np.concatenate(parts)
+
+
+def decode_local_plan(array: np.ndarray, num_sources: int, ranks: int,
+                      micro_batches: int) -> LocalPlan:
+    S, R, M = num_sources, ranks, micro_batches
+    _, outcome, finished, epoch, step, n, has_budgets, state_len, has_totals = \
+        (int(v) for v in array[:9])
+    at = 9
+    summaries = plan = totals = units = mix = budgets = state = None
+    if n:
+        rows = array[at:at + n * ENTRY_FIELDS].reshape(n, ENTRY_FIELDS)
+        at += n * ENTRY_FIELDS
+        extra = np.ascontiguousarray(rows[:, 11]).view(np.float64)
+        ids = np.ascontiguousarray(rows[:, 7:10])
+        c = Candidates(rows[:, 5].copy(), rows[:, 3].astype(np.int32),
+                       rows[:, 0].astype(np.int32), rows[:, 4].astype(np.int32),
+                       rows[:, 10].astype(np.int32), extra, S, R, ids[:, 2] >= 0)
+        summaries = Summaries(c, ids, None)
+        plan = PlanMessage(outcome, np.arange(n, dtype=np.int64), rows[:, 1].copy(),
+                           rows[:, 2].copy(), rows[:, 6].copy())
+    if has_totals:
+        def take(k):
+            nonlocal at
+            out = array[at:at + k]
+            at += k
+            return out
+        rank_tokens = np.ascontiguousarray(take(R)).view(np.float64)
+        row_cost = np.ascontiguousarray(take(R * M)).view(np.float64).reshape(R, M)
+        source_tokens = take(S).copy()
+        units = np.ascontiguousarray(take(S)).view(np.float64)
+        exchanged, deferral_max, deferral_sum, delivered, pieces_cut = (int(v) for v in take(5))
+        cut_work = float(np.ascontiguousarray(take(1)).view(np.float64)[0])
+        has_target, tail = (int(v) for v in take(2))
+        target = np.ascontiguousarray(take(S)).view(np.float64)
+        ran_out = take(S).astype(bool)
+        totals = StepTotals(rank_tokens, row_cost, source_tokens, exchanged, deferral_max,
+                            deferral_sum, delivered, pieces_cut, cut_work)
+        mix = (target if has_target else None, bool(tail), ran_out)
+    if has_budgets:
+        budgets = array[at:at + 3 * S].reshape(S, 3)
+        at += 3 * S
+    if state_len >= 0:
+        words = -(-state_len // 8)
+        state = np.ascontiguousarray(array[at:at + words]).astype("<i8").tobytes()[:state_len]
+    if plan is None and outcome == 0:   # a step that took nothing from or for this rank
+        c = Candidates(np.zeros(0, np.int64), np.zeros(0, np.int32), np.zeros(0, np.int32),
+                       np.zeros(0, np.int32), np.zeros(0, np.int32), np.zeros(0), S, R)
+        summaries = Summaries(c, np.zeros((0, ID_FIELDS), np.int64), None)
+        plan = PlanMessage(outcome, np.zeros(0, np.int64), np.zeros(0, np.int64),
+                           np.zeros(0, np.int64), np.zeros(0, np.int64))
+    return LocalPlan(outcome, bool(finished), epoch, step, summaries, plan, totals, units, mix,
+                     budgets, state)

@@ -19,6 +19,7 @@ from .comm import Comm, collective_thread
 T = TypeVar("T")
 
 OK, FAILED, CLOSING, WAITING = 0, 1, 2, 3
+RESEND = 4   # control_plane="gather": a summary outgrew the gather; every rank sends it again
 
 
 class StopStepping(Exception):
@@ -125,3 +126,80 @@ class Agreement:
             if not task.done():
                 task.cancel()
                 await asyncio.gather(task, return_exceptions=True)
+
+    # -- control_plane="gather": windows to rank 0, each rank's own reply back ------------------
+    async def gather_step(self, local: Callable[[], Awaitable[np.ndarray]],
+                          plan: Optional[Callable[[list[np.ndarray]], list[np.ndarray]]]
+                          ) -> np.ndarray:
+        """Gather `local()`'s array to rank 0 once every rank has one; rank 0 turns them into
+        one reply per rank (`plan`, given on rank 0 only), and each rank returns its own.
+
+        The protocol of `agree`, through rank 0: each rank gathers its status (WAITING as a
+        heartbeat, FAILED with its error, CLOSING), and rank 0 replies to all with what it saw
+        before anything else: gather again (a rank waiting, or a summary that outgrew the
+        gather's capacity), stop (a rank failed: every rank raises, naming it; a rank closed),
+        or the plan."""
+        task = asyncio.ensure_future(local())
+        try:
+            while True:
+                closing_wait = asyncio.ensure_future(self.closing.wait())
+                await asyncio.wait({task, closing_wait}, timeout=self.heartbeat_s,
+                                   return_when=asyncio.FIRST_COMPLETED)
+                closing_wait.cancel()
+                error, closing = None, self.closing.is_set()
+                if closing:
+                    array = encode_closing()
+                elif not task.done():
+                    array = encode_waiting()
+                elif task.exception() is not None:   # told to every rank, then re-raised here
+                    error = task.exception()
+                    array = encode_failure(error)
+                else:
+                    array = task.result()
+                gathered = await self.run(lambda: self.comm.gather(array))
+                replies = None
+                if self.comm.rank == 0:
+                    replies = _control_replies(gathered, self.comm.world)
+                    if replies is None:
+                        replies = plan(gathered)
+                mine = await self.run(lambda: self.comm.scatter(replies))
+                if _check_reply(mine, self.comm.rank, error, closing):
+                    return mine
+        finally:
+            if not task.done():
+                task.cancel()
+                await asyncio.gather(task, return_exceptions=True)
+
+
+def _control_replies(gathered: list, world: int) -> Optional[list[np.ndarray]]:
+    """Rank 0: the reply to every rank when the step cannot be planned (None: it can)."""
+    for other, array in enumerate(gathered):
+        if array is not None and array.shape[0] and array[0] == FAILED:
+            return [np.concatenate([[FAILED, other], array[1:]]).astype(np.int64)] * world
+    for other, array in enumerate(gathered):
+        if array is not None and array.shape[0] and array[0] == CLOSING:
+            return [np.array([CLOSING, other], dtype=np.int64)] * world
+    if any(array is None for array in gathered):   # outgrew the capacity, which grew
+        return [np.array([RESEND], dtype=np.int64)] * world
+    if any(array.shape[0] and array[0] == WAITING for array in gathered):
+        return [np.array([WAITING], dtype=np.int64)] * world
+    return None
+
+
+def _check_reply(reply: np.ndarray, rank: int, local_error: Optional[BaseException],
+                 closing: bool) -> bool:
+    """`check_statuses` on rank 0's reply: raises as every rank would on the gathered
+    statuses; False to gather again, True for a plan."""
+    if local_error is not None:
+        raise local_error
+    kind = int(reply[0])
+    if kind == FAILED:
+        message = bytes(reply[2:].astype(np.uint8)).decode("utf-8", "replace")
+        raise DistributedError(f"rank {int(reply[1])} failed, so rank {rank} stops too: {message}")
+    if closing:
+        raise StopStepping()
+    if kind == CLOSING:
+        raise DistributedError(
+            f"rank {int(reply[1])} closed its loader while rank {rank} was still iterating; "
+            f"every rank must stop at the same step")
+    return kind == OK

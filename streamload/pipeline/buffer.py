@@ -14,6 +14,7 @@ from typing import Iterable, Optional
 
 import numpy as np
 
+from ..plan.windows import head_window
 from .changes import Changes
 
 
@@ -108,18 +109,20 @@ class SourceBuffer:
         self._raise_if_failed()
 
     def window(self) -> tuple[list[Item], bool]:
-        """The head window (call after wait_ready), and whether it holds the rest of the epoch."""
-        out, tokens = [], 0
+        """The head window (call after wait_ready), and whether it holds the rest of the epoch:
+        `plan.windows.head_window` over the items before the first marker."""
+        items, ended, tokens = [], False, 0
         for entry in self._entries:
-            # A window complete by its tokens is not done, whether or not the end-of-epoch
-            # marker has arrived behind it yet: `done` must not depend on fetch timing.
-            if tokens >= self.window_tokens:
-                return out, False
             if isinstance(entry, EndOfEpoch):
-                return out, True
-            out.append(entry)
+                ended = True
+                break
+            if tokens >= self.window_tokens:   # enough at hand: the rest cannot be in it
+                break
+            items.append(entry)
             tokens += len(entry)
-        return out, False
+        lengths = np.fromiter((len(i) for i in items), np.int64, len(items))
+        n, done = head_window(lengths, self.window_tokens, ended) or (len(items), False)
+        return items[:n], done
 
     def take(self, positions: np.ndarray, window_size: int,
                    cut: Optional[dict[int, int]] = None) -> list[Item]:

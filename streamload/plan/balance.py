@@ -43,7 +43,7 @@ from __future__ import annotations
 import numpy as np
 
 from .cost import CostModel
-from .fill import deferral_gain, largest_that_fits
+from .fill import fit_limits, monotone_picks, deferral_gain
 from .types import Assignment, Candidates, Geometry
 
 _EPS = 1e-9
@@ -55,8 +55,11 @@ DROP_SHARE = 0.1         # refinement may leave out items up to this share of th
 LIGHT_SHARE = 1 / 256    # an item is light below this fraction of a bin's fair load
 
 
-def item_costs(c: Candidates, idx: np.ndarray, cost: CostModel) -> np.ndarray:
-    """Cost of each candidate in `idx` on its own (document-masking cost + the source's hook)."""
+def item_costs(c: Candidates, idx: np.ndarray | None, cost: CostModel) -> np.ndarray:
+    """Cost of each candidate in `idx` (None: all) on its own (document-masking cost + the
+    source's hook)."""
+    if idx is None:
+        return cost.doc_cost(c.length) + c.extra_cost
     return cost.doc_cost(c.length[idx]) + c.extra_cost[idx]
 
 
@@ -118,6 +121,18 @@ class _Bins:
         if items.size == 0:
             return np.zeros(0, dtype=bool)
         lengths = self.length[items]
+        if self.rows == 1:                                           # rows are the bins
+            ok = self.capacity - self.fill[bins, 0] >= lengths
+            b, it, placed = (bins, items, lengths) if ok.all() else \
+                (bins[ok], items[ok], lengths[ok])
+            r = np.zeros(b.size, dtype=np.int64)
+            self.fill[b, 0] += placed
+            self.load[b] += self.weight[it]
+            self.tokens[b] += placed
+            self.maxroom[b] = self.capacity - self.fill[b, 0]
+            self.bin[it] = b
+            self.row[it] = r
+            return ok
         room = self.capacity - self.fill[bins]                       # (k, rows)
         fits = room >= lengths[:, None]
         score = np.where(fits, room, self.capacity + 1)
@@ -170,14 +185,16 @@ def _pair_home(chunk: np.ndarray, eligible: np.ndarray, keys: np.ndarray, weight
     `slack` times the item's weight above the bin LPT would give it. The rest take the
     remaining bins in order, heaviest item to least loaded bin."""
     k = chunk.size
-    home = home_bin[chunk]
-    slot_of_bin[eligible] = np.arange(eligible.size)    # scratch, one entry per bin
-    slot = np.where(home >= 0, slot_of_bin[np.maximum(home, 0)], -1)
+    # Scratch, one entry per bin and a last one for "no home" (-1), always -1.
+    slot_of_bin[eligible] = np.arange(eligible.size)
+    slot = slot_of_bin[home_bin[chunk]]
     slot_of_bin[eligible] = -1
-    near = keys[np.maximum(slot, 0)] <= keys[np.arange(k)] + slack * weight[chunk]
-    wants = np.flatnonzero((slot >= 0) & near)
-    _, first = np.unique(slot[wants], return_index=True)
-    winners = wants[first]                              # the heaviest item per claimed bin
+    wants = np.flatnonzero((slot >= 0) & (keys[slot] <= keys[:k] + slack * weight[chunk]))
+    if wants.size == 0:
+        return eligible[:k]
+    first = np.full(eligible.size, k, dtype=np.int64)
+    np.minimum.at(first, slot[wants], wants)
+    winners = first[first < k]                          # the heaviest item per claimed bin
     targets = np.full(k, -1, dtype=np.int64)
     targets[winners] = eligible[slot[winners]]
     free_slots = np.ones(eligible.size, dtype=bool)
@@ -195,45 +212,64 @@ def _lpt(bins: _Bins, queue: np.ndarray, *, cap: float | None, home_first: bool 
     one later in the round) falls back to the best bin with room. With `cap`, no item goes where
     it would lift a bin above max(cap, current maximum load): it stays untaken, unless it is
     `forced`.
+
+    The queue is the items put back ahead of the rest (`front`) followed by `queue[at:]`, and
+    the projected loads (and the largest load: loads only grow here) are kept up to date for
+    the bins a round touches, so a round costs a few passes over the bins, not over the queue.
     """
     w, length = bins.weight, bins.length
-    slot_of_bin = np.full(bins.num_bins, -1, dtype=np.int64)
-    while queue.size:
-        head = queue[0]
-        open_bins = np.flatnonzero(bins.maxroom >= length[head])
-        limit = None if cap is None else max(cap, float(bins.load.max())) * (1 + 1e-12)
+    slot_of_bin = np.full(bins.num_bins + 1, -1, dtype=np.int64)
+    projected = bins.projected()
+    top = float(bins.load.max(initial=0.0))           # loads only grow here
+    front, at = queue[:0], 0
+    while front.size or at < queue.size:
+        head = int(front[0]) if front.size else int(queue[at])
+        limit = None if cap is None else max(cap, top) * (1 + 1e-12)
         if forced is not None and forced[head]:
             limit = None                               # a forced item goes in regardless
-        if limit is not None and open_bins.size:
-            open_bins = open_bins[bins.load[open_bins] + w[head] <= limit]
+        usable = bins.maxroom >= length[head]
+        if limit is not None:
+            usable &= bins.load + w[head] <= limit
+        open_bins = np.flatnonzero(usable)
         if open_bins.size == 0:
             # The head fits nowhere: drop every queued item that fits nowhere either.
+            rest = np.concatenate([front, queue[at:]])
             least = float(bins.load.min())
-            fits = length[queue] <= bins.maxroom.max()
+            fits = length[rest] <= bins.maxroom.max()
             if limit is not None:
-                fits &= least + w[queue] <= limit
+                fits &= least + w[rest] <= limit
             fits[0] = False
-            queue = queue[fits]
+            queue, front, at = rest[fits], queue[:0], 0
             continue
-        keys = bins.projected(open_bins)
+        keys = projected[open_bins]
         near = keys < keys.min() + max(w[head], _EPS)
         eligible, keys = open_bins[near], keys[near]
         order = np.argsort(keys, kind="stable")
         eligible, keys = eligible[order], keys[order]
-        chunk, queue = queue[:eligible.size], queue[eligible.size:]
+        if front.size >= eligible.size:
+            chunk, front = front[:eligible.size], front[eligible.size:]
+        else:
+            take = min(eligible.size - front.size, queue.size - at)
+            chunk, front, at = np.concatenate([front, queue[at:at + take]]), front[:0], at + take
         targets = (_pair_home(chunk, eligible, keys, w, bins.home_bin, slot_of_bin, home_slack)
                    if home_first else eligible[:chunk.size])
         if limit is not None:
             allowed = bins.load[targets] + w[chunk] <= limit
             if forced is not None:
                 allowed |= forced[chunk]
-            queue = np.concatenate([chunk[~allowed], queue])     # their turn comes again
-            chunk, targets = chunk[allowed], targets[allowed]
+            if not allowed.all():
+                front = np.concatenate([chunk[~allowed], front])   # their turn comes again
+                chunk, targets = chunk[allowed], targets[allowed]
             if chunk.size == 0:
                 continue
         ok = bins.place(chunk, targets)
+        touched = targets if ok.all() else targets[ok]
         for item in chunk[~ok].tolist():
-            bins.place_one(item, None if forced is not None and forced[item] else limit)
+            if bins.place_one(item, None if forced is not None and forced[item] else limit):
+                touched = np.append(touched, bins.bin[item])
+        if touched.size:
+            projected[touched] = bins.projected(touched)
+            top = max(top, float(bins.load[touched].max()))
 
 
 def _level(load: np.ndarray, room: np.ndarray, density: float, tokens: float, limit: float | None):
@@ -272,7 +308,8 @@ def _sorted_by(*keys: tuple[np.ndarray, int]) -> np.ndarray:
     ties kept in their current order (stable).
 
     Each key comes with its exclusive upper bound. Keys are packed into one integer; when that
-    fits in 16 bits NumPy's stable sort is a radix sort, which is what makes this cheap.
+    fits in 16 bits NumPy's stable sort is a radix sort, which is what makes this cheap. Up to
+    32 bits, two such sorts (low half, then high half) still beat a comparison sort.
     """
     bound = 1
     packed = np.zeros(keys[0][0].shape[0], dtype=np.int64)
@@ -282,15 +319,45 @@ def _sorted_by(*keys: tuple[np.ndarray, int]) -> np.ndarray:
         packed += key
     if bound > 2 ** 62:
         return np.lexsort(tuple(k for k, _ in reversed(keys)))
-    dtype = np.uint16 if bound <= 2 ** 16 else np.uint32 if bound <= 2 ** 32 else np.int64
-    return np.argsort(packed.astype(dtype, copy=False), kind="stable")
+    if bound <= 2 ** 16:
+        return np.argsort(packed.astype(np.uint16), kind="stable")
+    if bound <= 2 ** 32:
+        order = np.argsort((packed & 0xFFFF).astype(np.uint16), kind="stable")
+        return order[np.argsort((packed[order] >> 16).astype(np.uint16), kind="stable")]
+    return np.argsort(packed, kind="stable")
 
 
-def _put_many(bins: _Bins, items: np.ndarray, cells: np.ndarray, gaps: np.ndarray) -> None:
-    """Place items into flat row indices (several per row allowed); shrink `gaps` to match."""
+def _longest_first(items: np.ndarray, length: np.ndarray) -> np.ndarray:
+    """`items` by length, longest first, ties in their current order. The key counts down
+    from the longest item present (not from C), so it fits 16 bits, a radix sort, whenever the
+    items are shorter than 65,536 tokens (light items always are at any C in use)."""
+    lengths = length[items]
+    longest = int(lengths.max(initial=0))
+    return items[_sorted_by((longest - lengths, longest + 1))]
+
+
+def _put_many(bins: _Bins, items: np.ndarray, cells: np.ndarray, gaps: np.ndarray, *,
+              one_per_row: bool = False) -> None:
+    """Place items into flat row indices (several per row allowed); shrink `gaps` to match.
+
+    With `one_per_row` (no row twice, as in a wave) the rows are updated in place, not through
+    counts over every row: the same sums (one item per row, and per bin unless a bin has
+    several rows, where the bins' loads are still summed by `np.bincount`)."""
     M, B = bins.rows, bins.num_bins
     lengths = bins.length[items]
     b, r = cells // M, cells % M
+    if one_per_row:
+        bins.fill[b, r] += lengths
+        gaps[cells] -= lengths
+        if M == 1:
+            bins.load[b] += bins.weight[items]
+            bins.tokens[b] += lengths
+        else:
+            bins.load += np.bincount(b, weights=bins.weight[items], minlength=B)
+            np.add.at(bins.tokens, b, lengths)
+        bins.bin[items] = b
+        bins.row[items] = r
+        return
     per_cell = np.bincount(cells, weights=lengths, minlength=B * M)
     bins.fill += per_cell.astype(np.int64).reshape(B, M)
     bins.load += np.bincount(b, weights=bins.weight[items], minlength=B)
@@ -314,16 +381,28 @@ def _keep_home(bins: _Bins, items: np.ndarray, gaps: np.ndarray) -> np.ndarray:
     own = own[_sorted_by((home[own], B))]
     own_items, own_home = items[own], home[own]
     lengths = length[own_items]
-    csum = np.cumsum(lengths)
-    starts = _group_starts(own_home)
+    # Tokens before each item in its bin: whole numbers, so the float sums are exact.
+    per_bin = np.bincount(own_home, weights=lengths, minlength=B)
+    within = np.cumsum(lengths) - (np.cumsum(per_bin) - per_bin)[own_home]
     span = float(M * C + 1)
-    end = own_home * span + (csum - (csum[starts] - lengths[starts]))
-    cell_end = (np.cumsum(gaps.reshape(B, M), axis=1) + (np.arange(B) * span)[:, None]).ravel()
-    slot = np.minimum(np.searchsorted(cell_end, end - 0.5, side="left"), B * M - 1)
-    ok = (end - lengths >= cell_end[slot] - gaps[slot] - 0.5) & (end <= cell_end[slot] + 0.5)
-    # A bin's own items past its span would land in the next bin's gaps, on top of that bin's
-    # own items there (a row went 9k tokens over C at 128k once windows were 8 steps deep).
-    ok &= slot // M == own_home
+    end = own_home * span + within
+    if M == 1:
+        # One row per bin: the row is the home's (or none), found without a search. The same
+        # sums as below: the search would land on the home exactly when end - 0.5 <= its end.
+        slot = own_home
+        cell_end = gaps[slot] + own_home * span
+        ok = ((end - 0.5 <= cell_end) | (slot == B - 1)) & \
+            (end - lengths >= cell_end - gaps[slot] - 0.5) & (end <= cell_end + 0.5)
+    else:
+        cell_end = (np.cumsum(gaps.reshape(B, M), axis=1) +
+                    (np.arange(B) * span)[:, None]).ravel()
+        slot = np.minimum(np.searchsorted(cell_end, end - 0.5, side="left"), B * M - 1)
+        ok = (end - lengths >= cell_end[slot] - gaps[slot] - 0.5) & \
+            (end <= cell_end[slot] + 0.5)
+        # A bin's own items past its span would land in the next bin's gaps, on top of that
+        # bin's own items there (a row went 9k tokens over C at 128k once windows were 8 steps
+        # deep).
+        ok &= slot // M == own_home
     _put_many(bins, own_items[ok], slot[ok], gaps)
     rest = np.ones(items.size, dtype=bool)
     rest[own[ok]] = False
@@ -335,23 +414,46 @@ def _waves(bins: _Bins, items: np.ndarray, gaps: np.ndarray, max_waves: int = 64
 
     In a wave, rows with room go largest gap first, and each takes the largest remaining item
     that fits in it (`fill.largest_that_fits`). Returns what is left.
+
+    A wave costs O(rows · log items), not O(items): the items stay where they are, and the
+    placed ones are kept as a sorted list of positions (`dead`), so the matching's search runs
+    over the original lengths and then counts the placed items away (compacted once a
+    quarter of them are placed).
     """
     length = bins.length
+    lengths = length[items]                          # descending
+    ascending = lengths[::-1].copy()
+    alive = np.ones(items.size, dtype=bool)
+    dead = np.zeros(0, dtype=np.int64)               # placed positions, sorted
+    last = items.size - 1                            # the last position still waiting
     for _ in range(max_waves):
-        if items.size == 0:
+        if dead.size * 4 > items.size:               # compact: the lists stay short
+            items, lengths = items[alive], lengths[alive]
+            ascending = lengths[::-1].copy()
+            alive = np.ones(items.size, dtype=bool)
+            dead, last = dead[:0], items.size - 1
+        if dead.size == items.size:
             break
-        cells = np.flatnonzero(gaps >= length[items[-1]] - 0.5)
+        while not alive[last]:
+            last -= 1
+        cells = np.flatnonzero(gaps >= lengths[last] - 0.5)
         if cells.size == 0:
             break
         cells = cells[np.lexsort((cells, -gaps[cells]))]
-        pick, ok = largest_that_fits(gaps[cells], length[items])
+        # First fit among all positions, then among the waiting ones (less those placed).
+        first = items.size - np.searchsorted(ascending, fit_limits(gaps[cells], lengths),
+                                             side="right")
+        first -= np.searchsorted(dead, first, side="left")
+        pick, ok = monotone_picks(first, items.size - dead.size)
         if not ok.any():
             break
-        _put_many(bins, items[pick[ok]], cells[ok], gaps)
-        keep = np.ones(items.size, dtype=bool)
-        keep[pick[ok]] = False
-        items = items[keep]
-    return items
+        # The k-th waiting item sits at k + #{i: dead[i] - i <= k}.
+        k = pick[ok]
+        position = k + np.searchsorted(dead - np.arange(dead.size), k, side="right")
+        _put_many(bins, items[position], cells[ok], gaps, one_per_row=True)
+        alive[position] = False
+        dead = np.insert(dead, np.searchsorted(dead, position), position)
+    return items[alive]
 
 
 def _fill_light(bins: _Bins, items: np.ndarray, *, cap: float | None, home_first: bool,
@@ -375,7 +477,7 @@ def _fill_light(bins: _Bins, items: np.ndarray, *, cap: float | None, home_first
     limit = None if cap is None else max(cap, float(bins.load.max()))
     allowance = _level(bins.load, room, density, float(length[items].sum()), limit)
     gaps = (free * (allowance / np.maximum(room, 1.0))[:, None]).ravel()
-    items = items[_sorted_by((C - length[items], C + 1))]            # largest first
+    items = _longest_first(items, length)
 
     left = []
     must = forced[items] if forced is not None else np.zeros(items.size, dtype=bool)
@@ -688,7 +790,7 @@ def assign_balanced(c: Candidates, selected: np.ndarray, geometry: Geometry, cos
 
     def largest_first(items):
         if not extra:   # weight and excess both grow with length: sort integers
-            return items[_sorted_by((C - length[items], C + 1))]
+            return _longest_first(items, length)
         return items[np.lexsort((items, -weight[items], -excess[items]))]
 
     def run(forced_first: bool) -> bool:
@@ -708,7 +810,7 @@ def assign_balanced(c: Candidates, selected: np.ndarray, geometry: Geometry, cos
                            forced=forced)
         if not tight and left.size:
             # Room to spare: whatever still fits somewhere goes there.
-            _waves(bins, left[_sorted_by((C - length[left], C + 1))],
+            _waves(bins, _longest_first(left, length),
                    (C - bins.fill).astype(np.float64).ravel())
             bins.maxroom = C - bins.fill.min(axis=1)
         if not _repair(bins, local[forced & usable & (bins.bin < 0)], forced):

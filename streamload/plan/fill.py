@@ -30,6 +30,7 @@ import bisect
 import numpy as np
 
 from .cost import CostModel
+from .select import interleaved, interleaved_head
 from .types import Candidates, Geometry
 
 FULL = 0.99                # a step below this share of its tokens takes what fits, whatever
@@ -49,11 +50,25 @@ def largest_that_fits(room: np.ndarray, lengths: np.ndarray) -> tuple[np.ndarray
     once. Rooms and lengths both descend, so the item for row j is j + the running max of
     (first fitting index - j). Returns (pick, ok): row j takes item pick[j] where ok[j].
     (`balance._waves` and `_Rows.wave_fill` run waves of it.)"""
-    ascending = lengths[::-1]
-    first_fit = lengths.size - np.searchsorted(ascending, room + 0.5, side="right")
-    j = np.arange(room.size)
-    pick = j + np.maximum.accumulate(first_fit - j) if room.size else j
-    return pick, pick < lengths.size
+    first_fit = lengths.size - np.searchsorted(lengths[::-1], fit_limits(room, lengths),
+                                               side="right")
+    return monotone_picks(first_fit, lengths.size)
+
+
+def fit_limits(room: np.ndarray, lengths: np.ndarray) -> np.ndarray:
+    """The longest whole length that fits each `room` (within half a token: rooms may be
+    fractional gaps), in `lengths`' integer dtype, so a search over the lengths compares
+    integers (a float key made NumPy convert the whole array on every call)."""
+    if np.issubdtype(room.dtype, np.integer) or not np.issubdtype(lengths.dtype, np.integer):
+        return room if np.issubdtype(room.dtype, np.integer) else room + 0.5
+    return np.floor(room + 0.5).astype(lengths.dtype)
+
+
+def monotone_picks(first_fit: np.ndarray, available: int) -> tuple[np.ndarray, np.ndarray]:
+    """`largest_that_fits` from each row's first fitting index among `available` items."""
+    j = np.arange(first_fit.size)
+    pick = j + np.maximum.accumulate(first_fit - j) if first_fit.size else j
+    return pick, pick < available
 
 
 def deferral_gain(lowered_max, work, tokens, geometry: Geometry, overhead: float):
@@ -132,37 +147,48 @@ class _Rows:
             work = float(self.cost.doc_cost(head)) + float(self.c.extra_cost[item])
             self.place(item, cell, work, head)
 
-    def wave_fill(self, pool: np.ndarray, stop_at: float) -> np.ndarray:
+    def wave_fill(self, pool: np.ndarray, stop_at: float) -> tuple[np.ndarray, int]:
         """Light items of `pool` (in priority order) into rows with room, in vectorized waves:
         a wave offers the next items in order (a few per open row), and rows, roomiest first,
-        each take the longest offered item that fits (`largest_that_fits`). For items this light the row they land in barely moves the step's
-        cost, and a per-item choice over thousands of rows cost seconds per step at
-        R·M = 2048. Returns the items not placed, in order."""
+        each take the longest offered item that fits (`largest_that_fits`). For items this
+        light the row they land in barely moves the step's cost, and a per-item choice over
+        thousands of rows cost seconds per step at R·M = 2048. Only a prefix of `pool` is
+        offered; returns the items of that prefix not placed, in order, and its length.
+
+        A wave touches only the items it offers: placed items are marked, not cut out of the
+        pool, and the scan for the next offer starts at the first item still offered (the
+        ones before it are longer than any room, and rooms only shrink)."""
         lengths, cost = self.c.length, self.cost
         pool = np.asarray(pool, dtype=np.int64)
         # Only a prefix can be needed: a few times the tokens the step is short of.
         short = max(stop_at - float(self.fill.sum()), 0.0)
-        prefix = int(np.searchsorted(np.cumsum(lengths[pool]), OFFER_PER_ROW * short)) + 1
-        left, rest = pool[:prefix], pool[prefix:]
+        prefix = _first_reaching(lengths, pool, OFFER_PER_ROW * short) + 1
+        left = pool[:prefix]
+        left_len = lengths[left]
+        alive = np.ones(left.size, dtype=bool)
+        # How many items still waiting have each length: the shortest one opens the rows.
+        waiting = np.bincount(left_len) if left.size else np.zeros(1, dtype=np.int64)
+        n_alive, start = left.size, 0
         for _ in range(WAVES):
             total = int(self.fill.sum())
-            if left.size == 0 or total >= stop_at:
+            if n_alive == 0 or total >= stop_at:
                 break
-            open_rows = np.flatnonzero(self.room >= lengths[left].min())
+            open_rows = np.flatnonzero(self.room >= int(np.argmax(waiting > 0)))
             if open_rows.size == 0:
                 break
-            offered = np.flatnonzero(lengths[left] <= self.room[open_rows].max())
-            offered = offered[:OFFER_PER_ROW * open_rows.size]
+            offered = _first_alive(alive, left_len, int(self.room[open_rows].max()), start,
+                                   OFFER_PER_ROW * open_rows.size)
+            start = int(offered[0])
             # Longest first; gaps roomiest first: the j-th gap takes the first item from the
             # running position that fits it.
-            offered = offered[np.argsort(-lengths[left[offered]], kind="stable")]
-            rows = open_rows[np.argsort(-self.room[open_rows], kind="stable")]
-            pick, ok = largest_that_fits(self.room[rows], lengths[left[offered]])
+            offered = offered[_descending(left_len[offered])]
+            rows = open_rows[_descending(self.room[open_rows])]
+            pick, ok = largest_that_fits(self.room[rows], left_len[offered])
             if not ok.any():
                 break
             chosen, cells = offered[pick[ok]], rows[ok]
             # Stop near FULL: the rows in order of the wave, while the step is short.
-            placed_len = lengths[left[chosen]]
+            placed_len = left_len[chosen]
             keep = np.cumsum(placed_len) - placed_len < stop_at - total
             chosen, cells, placed_len = chosen[keep], cells[keep], placed_len[keep]
             items = left[chosen]
@@ -173,54 +199,158 @@ class _Rows:
             self.added.extend(items.tolist())
             self.cells.extend(cells.tolist())
             self.lengths.extend(placed_len.tolist())
-            gone = np.zeros(left.size, dtype=bool)
-            gone[chosen] = True
-            left = left[~gone]
-        return np.concatenate([left, rest])
+            alive[chosen] = False
+            n_alive -= chosen.size
+            waiting -= np.bincount(placed_len, minlength=waiting.size)
+        return left[alive], left.size
 
     def best(self, item: int) -> tuple[int, float, float]:
         """(row, the item's cost there, what the step's slowest rank gains): the row whose
-        rank ends cheapest, then the tightest. The item must fit somewhere."""
+        rank ends cheapest, then the tightest (then the first). The item must fit somewhere."""
         cost, length = self.cost, int(self.c.length[item])
-        fits = np.flatnonzero(self.room >= length)
+        fits = self.room >= length
         extra = float(self.c.extra_cost[item])
         if cost.document_masking:
-            marginal = np.full(fits.size, float(cost.doc_cost(length)) + extra)
+            marginal = float(cost.doc_cost(length)) + extra
         else:   # a row's cost is convex in its tokens: what this row would add
-            f = self.fill[fits].astype(np.float64)
+            f = self.fill.astype(np.float64)
             marginal = cost.a * ((f + length) ** 2 - f * f) + cost.b * length + extra
-        ends = self.load[self.row_rank[fits]] + marginal
+        row_load = self.load if self.geometry.pipelined else self.load[self.row_rank]
+        ends = np.where(fits, row_load + marginal, np.inf)
         tied = np.flatnonzero(ends == ends.min())
-        pick = tied[np.argmin(self.room[fits[tied]])]
-        return int(fits[pick]), float(marginal[pick]), max(float(ends[pick] - self.load.max()), 0.0)
+        pick = int(tied[np.argmin(self.room[tied])])
+        work = marginal if cost.document_masking else float(marginal[pick])
+        return pick, work, max(float(ends[pick] - self.load.max()), 0.0)
 
-    def fill_pass(self, pool: list[int], *, cost_aware: bool, overhead: float,
-                  stop_at: float, budget: int) -> list[int]:
-        """One pass over `pool`; returns the items it refused (cost-aware) or skipped. An item
-        longer than every row's room is skipped for free; `budget` bounds the others."""
+    def fill_pass(self, pool: np.ndarray, *, cost_aware: bool, overhead: float,
+                  stop_at: float, budget: int) -> np.ndarray:
+        """One pass over `pool`; returns the items it refused (cost-aware) or skipped, and
+        those it did not reach, in order. An item longer than every row's room is skipped for
+        free; `budget` bounds the others. (The pool goes to Python lists a chunk at a time:
+        the pass often stops early in a pool of a million items.)"""
+        pool = np.asarray(pool, dtype=np.int64)
         left, lengths = [], self.c.length
         max_room = int(self.room.max())
         total, attempts = int(self.fill.sum()), 0
-        for k, item in enumerate(pool):
-            if attempts >= budget or max_room <= 0 or total >= stop_at:
-                left.extend(pool[k:])
-                break
-            length = int(lengths[item])
-            if length > max_room:
-                left.append(item)
-                continue
-            attempts += 1
-            if not cost_aware:
-                self.place(item, int(np.flatnonzero(self.room >= length)[0]), 0.0)
-            else:
-                cell, work, raised = self.best(item)
-                if deferral_gain(raised, work, length, self.geometry, overhead) > 0:
+        for first in range(0, pool.size, _CHUNK):
+            part = pool[first:first + _CHUNK]
+            for k, (item, length) in enumerate(zip(part.tolist(), lengths[part].tolist())):
+                if attempts >= budget or max_room <= 0 or total >= stop_at:
+                    return np.concatenate([np.asarray(left, dtype=np.int64),
+                                           pool[first + k:]])
+                if length > max_room:
                     left.append(item)
                     continue
-                self.place(item, cell, work)
-            total += length
-            max_room = int(self.room.max())
-        return left
+                attempts += 1
+                if not cost_aware:
+                    self.place(item, int(np.argmax(self.room >= length)), 0.0)
+                else:
+                    cell, work, raised = self.best(item)
+                    if deferral_gain(raised, work, length, self.geometry, overhead) > 0:
+                        left.append(item)
+                        continue
+                    self.place(item, cell, work)
+                total += length
+                max_room = int(self.room.max())
+        return np.asarray(left, dtype=np.int64)
+
+
+_CHUNK = 4096   # items a fill pass turns into Python ints at a time
+
+
+def _first_reaching(lengths: np.ndarray, items: np.ndarray, tokens: float) -> int:
+    """The first index i with sum(lengths[items[:i + 1]]) >= tokens (items.size if none), as
+    np.searchsorted(np.cumsum(lengths[items]), tokens) gives it, summing only as far as
+    needed (in doubling chunks)."""
+    done, chunk, base = 0, 4096, 0
+    while done < items.size:
+        csum = base + np.cumsum(lengths[items[done:done + chunk]])
+        if csum.size and csum[-1] >= tokens:
+            return done + int(np.searchsorted(csum, tokens))
+        base = int(csum[-1]) if csum.size else base
+        done += chunk
+        chunk *= 2
+    return items.size
+
+
+def _first_alive(alive: np.ndarray, lengths: np.ndarray, limit: int, start: int,
+                 count: int) -> np.ndarray:
+    """Indices of the first `count` items from `start` that are `alive` and at most `limit`
+    long, scanning in doubling chunks."""
+    found, total, chunk = [], 0, max(2 * count, 1024)
+    while total < count and start < alive.size:
+        stop = min(start + chunk, alive.size)
+        hits = start + np.flatnonzero(alive[start:stop] & (lengths[start:stop] <= limit))
+        found.append(hits)
+        total += hits.size
+        start, chunk = stop, 2 * chunk
+    return np.concatenate(found)[:count] if found else np.zeros(0, dtype=np.int64)
+
+
+def _descending(values: np.ndarray) -> np.ndarray:
+    """Indices that sort non-negative integers `values` largest first, ties in index order
+    (np.argsort(-values, kind="stable")). Values under 2**16 sort by radix, in linear time."""
+    if values.size and int(values.max()) < 1 << 16 and int(values.min()) >= 0:
+        return np.argsort((int(values.max()) - values).astype(np.uint16), kind="stable")
+    return np.argsort(-values, kind="stable")
+
+
+class Leftovers:
+    """What the top-up may add, in priority order: the selected items the method did not
+    place (in the selection's order), then the rest of the windows interleaved across sources
+    as `select` interleaves (`select.interleaved`); only items of `eligible` sources (bool per
+    source; None: all).
+
+    Worked out only as far as the top-up reads it: a step the waves fill needs only the head
+    of its light items (`light_head`), and sorting every candidate of a lookahead window for it
+    cost more than the rest of the top-up."""
+
+    def __init__(self, c: Candidates, selected: np.ndarray, take: np.ndarray,
+                 eligible: np.ndarray | None = None):
+        self.c = c
+        placed = np.zeros(len(c), dtype=bool)
+        placed[take] = True
+        unplaced = np.asarray(selected, dtype=np.int64)
+        unplaced = unplaced[~placed[unplaced]]
+        placed[unplaced] = True
+        self.member = ~placed                    # the rest of the windows
+        if eligible is not None:
+            unplaced = unplaced[eligible[c.source[unplaced]]]
+            self.member &= eligible[c.source]
+        self.unplaced = unplaced
+        self.size = unplaced.size + int(np.count_nonzero(self.member))
+        self._all: np.ndarray | None = None
+
+    @classmethod
+    def of(cls, c: Candidates, pool: np.ndarray) -> "Leftovers":
+        """A pool given in full (in its order)."""
+        self = cls.__new__(cls)
+        self.c, self.unplaced, self.member = c, np.asarray(pool, dtype=np.int64), None
+        self.size, self._all = self.unplaced.size, self.unplaced
+        return self
+
+    def all(self) -> np.ndarray:
+        """The whole pool, in order."""
+        if self._all is None:
+            self._all = np.concatenate([self.unplaced,
+                                        interleaved(self.c, np.flatnonzero(self.member))])
+        return self._all
+
+    def light_head(self, longest: int, tokens: float) -> np.ndarray:
+        """The pool's items of at most `longest` tokens, in order, at least as far as the first
+        one at which their running total reaches `tokens` (all of them if it never does)."""
+        lengths = self.c.length
+        if self._all is None:
+            first = self.unplaced[lengths[self.unplaced] <= longest]
+            have = float(lengths[first].sum())
+            if have >= tokens:
+                return first
+            # One more item's worth: the running total crosses `tokens` inside the head.
+            rest = interleaved_head(self.c, self.member, longest, tokens - have + longest + 1)
+            if rest is not None:
+                return np.concatenate([first, rest])
+        pool = self.all()
+        return pool[lengths[pool] <= longest]
 
 
 def top_up(c: Candidates, take: np.ndarray, rank: np.ndarray, row: np.ndarray,
@@ -240,28 +370,46 @@ def top_up(c: Candidates, take: np.ndarray, rank: np.ndarray, row: np.ndarray,
     are the loader's guarantee, not a planner's), rows with room left take the head of a
     divisible item (a piece of a long document) cut to fit (`cut_to_fill`)."""
     R, M = geometry.ranks, geometry.micro_batches
-    pool = np.asarray(pool, dtype=np.int64)
+    pool = pool if isinstance(pool, Leftovers) else Leftovers.of(c, pool)
     rows = _Rows(c, take, rank, row, geometry, cost)
     full = FULL * geometry.step_tokens
-    fits = pool[c.length[pool] <= rows.room.max(initial=0)]
     if pool.size == 0 or rows.fill.sum() >= full:   # full already: nothing to do (and cheap)
         return take, rank, row, c.length[take]
+    max_room = int(rows.room.max(initial=0))
+    light_limit = min(max_room, geometry.capacity // LIGHT_FRACTION)
     budget = MAX_ATTEMPTS_PER_ROW * R * M + MIN_ATTEMPTS
     if R * M > WAVE_ROWS:
         # Many rows: light items go in vectorized waves first; the per-item pass sees the rest.
-        light = c.length[fits] <= geometry.capacity // LIGHT_FRACTION
-        rest = rows.wave_fill(fits[light], full)
-        fits = np.concatenate([fits[~light], rest])
-    left = rows.fill_pass(fits.tolist(), cost_aware=cost_aware, overhead=overhead,
-                          stop_at=full, budget=budget)
-    if cost_aware and left:
-        rows.fill_pass(left, cost_aware=False, overhead=overhead, stop_at=full, budget=budget)
+        # The waves offer only a few times the tokens the step is short of.
+        short = max(full - float(rows.fill.sum()), 0.0)
+        waved, offered = rows.wave_fill(pool.light_head(light_limit, OFFER_PER_ROW * short), full)
+        if rows.fill.sum() < full and rows.room.max() > 0:   # else the passes stop at once
+            everything = pool.all()
+            length = c.length[everything]
+            light = length <= light_limit
+            rows_pass(rows, np.concatenate([everything[(length <= max_room) & ~light], waved,
+                                            everything[light][offered:]]),
+                      cost_aware, overhead, full, budget)
+    else:
+        everything = pool.all()
+        rows_pass(rows, everything[c.length[everything] <= max_room], cost_aware, overhead,
+                  full, budget)
     if rows.fill.sum() < full:
+        everything = pool.all()
         added = np.zeros(len(c), dtype=bool)
         added[rows.added] = True
-        rows.cut_to_fill(pool[c.divisible[pool] & ~added[pool]])
+        rows.cut_to_fill(everything[c.divisible[everything] & ~added[everything]])
     cells = np.asarray(rows.cells, dtype=np.int64)
     return (np.concatenate([take, np.asarray(rows.added, dtype=np.int64)]),
             np.concatenate([rank, (cells // M).astype(rank.dtype)]),
             np.concatenate([row, (cells % M).astype(row.dtype)]),
             np.concatenate([c.length[take], np.asarray(rows.lengths, dtype=np.int64)]))
+
+
+def rows_pass(rows: _Rows, fits: np.ndarray, cost_aware: bool, overhead: float, stop_at: float,
+              budget: int) -> None:
+    """The per-item passes of `top_up`: cost-aware first (when asked), then what still fits."""
+    left = rows.fill_pass(fits, cost_aware=cost_aware, overhead=overhead, stop_at=stop_at,
+                          budget=budget)
+    if cost_aware and left.size:
+        rows.fill_pass(left, cost_aware=False, overhead=overhead, stop_at=stop_at, budget=budget)

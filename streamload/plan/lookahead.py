@@ -44,19 +44,21 @@ step_quotas = water_fill
 
 
 def _take_arrival(c: Candidates, mask: np.ndarray, used: np.ndarray,
-                  quota: np.ndarray) -> np.ndarray:
+                  quota: np.ndarray, key: np.ndarray | None = None) -> np.ndarray:
     """Among candidates in `mask`, per source in arrival order (position, then rank), those
     taken while the source's tokens are below its quota (one item of overshoot, like `select`).
 
     Whole positions are taken while a source's quota lasts; only the one position where it runs
     out is sorted by rank, so this is O(n). Updates `used`; returns a mask of what is taken.
+    `key`: each candidate's source · (largest position + 1) + position, when already known.
     """
     S = used.shape[0]
     take = np.zeros(len(c), dtype=bool)
     if not mask.any():
         return take
     P = int(c.position.max()) + 1
-    key = c.source.astype(np.int64) * P + c.position
+    if key is None:
+        key = c.source.astype(np.int64) * P + c.position
     tokens = np.bincount(key, weights=np.where(mask, c.length, 0), minlength=S * P).reshape(S, P)
     through = np.cumsum(tokens, axis=1)                          # tokens up to and including p
     remaining = quota - used
@@ -74,8 +76,11 @@ def _take_arrival(c: Candidates, mask: np.ndarray, used: np.ndarray,
         csum = np.cumsum(lengths)
         starts = np.searchsorted(es, es, side="left")
         within = csum - lengths - (csum[starts] - lengths[starts])
-        take[edge[before_position + within < remaining[es]]] = True
-    used += np.bincount(c.source[take], weights=c.length[take], minlength=S)
+        taken = before_position + within < remaining[es]
+        take[edge[taken]] = True
+        used += np.bincount(es, weights=np.where(taken, lengths, 0), minlength=S)
+    # Whole positions: their tokens are known already (sums of whole numbers, so exact).
+    used += np.where(cutoff > 0, through[np.arange(S), np.maximum(cutoff - 1, 0)], 0.0)
     return take
 
 
@@ -92,30 +97,37 @@ def select_lookahead(c: Candidates, targets: np.ndarray, geometry: Geometry, cos
     # order (what `select` does with window * targets). Masks over all candidates from here on.
     forced = age >= force_age
     window_quota = step_quotas(targets * window, np.bincount(source, weights=length, minlength=S))
-    pool_used = np.bincount(source[forced], weights=length[forced], minlength=S).astype(np.float64)
-    pool = forced | _take_arrival(c, ~forced, pool_used, window_quota)
-    weight = item_costs(c, np.arange(len(c)), cost)
-    quota = step_quotas(targets, np.bincount(source[pool], weights=length[pool], minlength=S))
+    overdue = np.flatnonzero(forced)
+    forced_tokens = np.bincount(source[overdue], weights=length[overdue],
+                                minlength=S).astype(np.float64)
+    key = c.source.astype(np.int64) * (int(c.position.max()) + 1) + c.position
+    pool = forced | _take_arrival(c, ~forced, forced_tokens.copy(), window_quota, key)
+    weight = item_costs(c, None, cost)
+    pool_by_source = np.bincount(source, weights=np.where(pool, length, 0), minlength=S)
+    quota = step_quotas(targets, pool_by_source)
     step_tokens = float(quota.sum())
-    pool_tokens = float(length[pool].sum())
+    pool_tokens = float(pool_by_source.sum())   # whole numbers: the float sum is exact
     if pool_tokens <= 0:
         return np.zeros(0, dtype=np.int64), np.zeros(0, dtype=bool)
-    fair = float(weight[pool].sum()) / pool_tokens * step_tokens / slots   # a slot's fair cost
+    pool_weight = weight.sum() if pool.all() else weight[pool].sum()   # the same sum either way
+    fair = float(pool_weight) / pool_tokens * step_tokens / slots   # a slot's fair cost
     heavy = pool & (weight >= HEAVY_SHARE * fair) & (length <= geometry.capacity)
     # What a heavy item costs above the light documents' rate per token: what its slot
     # carries more than a slot of light documents of the same tokens.
     light_pool = pool & ~heavy
     density = float(weight[light_pool].sum()) / float(length[light_pool].sum()) \
         if light_pool.any() else float(cost.b)
-    excess = np.maximum(weight - density * length, 0.0)
+    excess = np.zeros(len(c))                      # read for heavy items only
+    heavy_items = np.flatnonzero(heavy)
+    excess[heavy_items] = np.maximum(weight[heavy_items] - density * length[heavy_items], 0.0)
 
-    used = np.bincount(source[forced], weights=length[forced], minlength=S).astype(np.float64)
+    used = forced_tokens
     taken = forced.copy()
-    room = float(geometry.step_tokens) - float(length[forced].sum())
+    room = float(geometry.step_tokens) - float(forced_tokens.sum())
     # A source owed tokens this step (quota > 0) may give heavy documents past its quota: the
     # mixer's carry takes the overshoot back over the next steps (the mix stays exact over the
     # window). A source with nothing owed waits.
-    free = np.flatnonzero(heavy & ~forced & (quota[source] > used[source]))
+    free = np.flatnonzero(heavy & ~forced & (quota > used)[source])
     slot_tokens = geometry.capacity if slots == geometry.rows else \
         geometry.micro_batches * geometry.capacity
     picked = heavy_layer(excess, np.flatnonzero(forced & heavy), free, age, length, slots,
@@ -130,11 +142,11 @@ def select_lookahead(c: Candidates, targets: np.ndarray, geometry: Geometry, cos
     # as `step_quotas` does (its heavy ones wait for their layer; the carry keeps the mix).
     remaining = np.maximum(quota - used, 0.0)
     light = pool & ~taken & ~heavy
-    light_available = np.bincount(source[light], weights=length[light], minlength=S)
+    light_available = np.bincount(source, weights=np.where(light, length, 0), minlength=S)
     remaining = step_quotas(remaining * (max(room, 0.0) / max(remaining.sum(), 1e-9)),
                             light_available)
     light_quota = used + remaining
-    taken |= _take_arrival(c, pool & ~taken & ~heavy, used, light_quota)
+    taken |= _take_arrival(c, light, used, light_quota, key)
     selected = np.flatnonzero(taken)
     return selected, forced[selected]
 

@@ -20,15 +20,17 @@ def assign_naive(c: Candidates, selected: np.ndarray, geometry: Geometry) -> tup
     lengths = c.length[selected]
     share = float(lengths.sum()) / R
     # Python lists for the per-item bookkeeping (NumPy calls on tiny arrays cost more than the
-    # work); `room` is mirrored in an array for the rare scan over later ranks.
+    # work); `room` is mirrored in an array for the rare scan over later ranks, kept up to date
+    # for the ranks after the current one only (the scan starts after it).
     fill = [[0] * M for _ in range(R)]
     used = [0] * R                              # tokens per rank (fill summed over rows)
     room = [C] * R                              # largest free space of any row of each rank
     room_array = np.full(R, C, dtype=np.int64)
     take, ranks, rows = [], [], []
-    current = 0
+    add_take, add_rank, add_row = take.append, ranks.append, rows.append
+    current, last = 0, R - 1
     for idx, length in zip(selected.tolist(), lengths.tolist()):
-        if current < R - 1 and used[current] >= share:
+        if current < last and used[current] >= share:
             current += 1
         # The current rank first, then later ranks: the first with a row that has room.
         # (Vectorized over ranks: with the step's tokens near capacity a rank rarely reaches
@@ -36,16 +38,29 @@ def assign_naive(c: Candidates, selected: np.ndarray, geometry: Geometry) -> tup
         if room[current] >= length:
             r = current
         else:
-            later = np.flatnonzero(room_array[current:] >= length)
+            later = np.flatnonzero(room_array[current + 1:] >= length)
             if later.size == 0:
                 continue
-            r = current + int(later[0])
-        row = fill[r]
-        m = next(k for k in range(M) if row[k] + length <= C)
-        row[m] += length
+            r = current + 1 + int(later[0])
         used[r] += length
-        room[r] = room_array[r] = C - min(row)
-        take.append(idx); ranks.append(r); rows.append(m)
+        if M == 1:
+            m = 0
+            room[r] -= length
+        else:
+            row = fill[r]
+            m = 0
+            while row[m] + length > C:
+                m += 1
+            if C - row[m] == room[r]:           # the emptiest row fills: the room may shrink
+                row[m] += length
+                room[r] = C - min(row)
+            else:
+                row[m] += length
+        if r != current:
+            room_array[r] = room[r]
+        add_take(idx)
+        add_rank(r)
+        add_row(m)
     return (np.asarray(take, dtype=np.int64), np.asarray(ranks, dtype=np.int32),
             np.asarray(rows, dtype=np.int32))
 

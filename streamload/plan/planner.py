@@ -21,10 +21,10 @@ import numpy as np
 
 from .balance import assign_balanced
 from .cost import CostModel
-from .fill import FULL, epoch_cost, step_overhead_cost, top_up
+from .fill import FULL, Leftovers, epoch_cost, step_overhead_cost, top_up
 from .lookahead import select_lookahead
 from .naive import assign_naive, finish
-from .select import interleaved, select
+from .select import select
 from .types import Assignment, Candidates, Geometry
 
 # The planning methods: the one list of them. `LoaderConfig.planner` has this type and is
@@ -79,26 +79,13 @@ class Planner:
     def _fill(self, c: Candidates, selected, take, rank, row, eligible=None):
         """`top_up` with what the plan left: the step's leftovers, then the windows of the
         `eligible` sources (bool per source; None: all). A step already FULL is left as it is
-        (and the leftovers, a sort of every candidate, are not worked out)."""
+        (and its leftovers are not looked at)."""
         length = c.length[take]
         if length.sum() >= FULL * self.geometry.step_tokens:
             return take, rank, row, length
-        pool = self._leftovers(c, selected, take)
-        if eligible is not None:
-            pool = pool[eligible[c.source[pool]]]
+        pool = Leftovers(c, selected, take, eligible)   # worked out as far as it is read
         return top_up(c, take, rank, row, pool, self.geometry, self.cost, overhead=self.overhead,
                       cost_aware=self.effective_method != "naive")
-
-    @staticmethod
-    def _leftovers(c: Candidates, selected: np.ndarray, take: np.ndarray) -> np.ndarray:
-        """What the top-up may add, in priority order: selected items the method could not
-        place, then the rest of the windows."""
-        placed = np.zeros(len(c), dtype=bool)
-        placed[take] = True
-        unplaced = np.asarray(selected, dtype=np.int64)
-        unplaced = unplaced[~placed[unplaced]]
-        placed[unplaced] = True
-        return np.concatenate([unplaced, interleaved(c, np.flatnonzero(~placed))])
 
     @property
     def effective_method(self) -> str:

@@ -23,11 +23,33 @@ def _stable_order(keys: np.ndarray, order: np.ndarray | None = None) -> np.ndarr
     return by if order is None else order[by]
 
 
-def arrival_order(c: Candidates) -> np.ndarray:
-    """Indices of all candidates, per source in round-robin arrival order (source-major): by
-    (source, position, rank). Three stable sorts, least significant key first: each a linear
-    radix sort for the small integers these are, where one lexsort costs n log n three times."""
-    return _stable_order(c.source, _stable_order(c.position, _stable_order(c.rank)))
+def arrival_order(c: Candidates, items: np.ndarray | None = None) -> np.ndarray:
+    """Indices of all candidates (or of `items`, increasing candidate indices), per source in
+    round-robin arrival order (source-major): by (source, position, rank).
+
+    Stable sorts, least significant key first, each a linear radix sort for the small integers
+    these are (one lexsort costs n log n three times): (source, position) as one 16-bit key
+    when it fits, and the rank only when the layout does not already put a window's ranks in
+    order (`Candidates` laid out by (source, rank, position), as windows make them)."""
+    order = np.arange(len(c)) if items is None else np.asarray(items, dtype=np.int64)
+    if order.size == 0:
+        return order
+    if not _ranks_in_order(c):
+        order = _stable_order(c.rank, order)
+    span = int(c.position.max()) + 1
+    if c.num_sources * span <= 1 << 16:
+        key = c.source[order].astype(np.int32) * span + c.position[order]
+        return order[np.argsort(key.astype(np.uint16), kind="stable")]
+    return _stable_order(c.source, _stable_order(c.position, order))
+
+
+def _ranks_in_order(c: Candidates) -> bool:
+    """Whether (source, rank) never decreases in candidate order: then items of one (source,
+    position) already come by rank."""
+    if len(c) < 2:
+        return True
+    window = c.source.astype(np.int64) * max(c.num_ranks, int(c.rank.max()) + 1) + c.rank
+    return bool((window[1:] >= window[:-1]).all())
 
 
 def select(c: Candidates, targets: np.ndarray, *, max_age: int | None = None,
@@ -79,14 +101,73 @@ def interleaved(c: Candidates, items: np.ndarray) -> np.ndarray:
     by progress through their tokens among `items`, as `select` interleaves what it picks."""
     member = np.zeros(len(c), dtype=bool)
     member[items] = True
-    order = arrival_order(c)
-    order = order[member[order]]
+    order = arrival_order(c, np.flatnonzero(member))
     if order.size == 0:
         return order.astype(np.int64)
     sources = c.source[order]
     lengths = c.length[order].astype(np.float64)
-    starts = np.searchsorted(sources, sources, side="left")
-    csum = np.cumsum(lengths)
-    before = csum - lengths - (csum[starts] - lengths[starts])
     totals = np.bincount(sources, weights=lengths, minlength=c.num_sources)
-    return order[np.argsort(before / totals[sources], kind="stable")].astype(np.int64)
+    # Tokens ahead of each item in its source (whole numbers: the float sums are exact).
+    ahead = np.cumsum(lengths) - lengths - (np.cumsum(totals) - totals)[sources]
+    return order[np.argsort(ahead / totals[sources], kind="stable")].astype(np.int64)
+
+
+def interleaved_head(c: Candidates, member: np.ndarray, longest: int,
+                     tokens: float) -> np.ndarray | None:
+    """The start of `interleaved(c, np.flatnonzero(member))`, as far as its items of at most
+    `longest` tokens hold `tokens` tokens (at least): those items, in order. None when that is
+    most of the order (work it out in full then).
+
+    Without sorting every member: a histogram of tokens per (source, position) gives each
+    source's cut, the whole positions that the head can reach; only the members before the cuts
+    are sorted. Of their order, the part no member past a cut can precede is the head (a
+    member past the cut of source s comes after every member that `interleaved` ranks below
+    the first one past it: tokens ahead / the source's tokens, then the source)."""
+    S = c.num_sources
+    span = int(c.position.max()) + 1
+    key = c.source.astype(np.int64) * span + c.position
+    short = member & (c.length <= longest)
+    tok = np.bincount(key, weights=np.where(member, c.length, 0), minlength=S * span)
+    short_tok = np.bincount(key, weights=np.where(short, c.length, 0), minlength=S * span)
+    through = np.cumsum(tok.reshape(S, span), axis=1)
+    totals = through[:, -1]
+    if float(short_tok.sum()) <= tokens:
+        return None
+    # The smallest share of every source's tokens whose whole positions hold `tokens` of short
+    # members (positions in order of the share they complete).
+    share = (through / np.maximum(totals, 1.0)[:, None]).ravel()
+    by_share = np.argsort(share, kind="stable")
+    enough = np.searchsorted(np.cumsum(short_tok[by_share]), tokens, side="left")
+    for _ in range(3):
+        if enough >= by_share.size:
+            return None
+        level = float(share[by_share[enough]])
+        if level >= 0.5:
+            return None
+        start = through - tok.reshape(S, span)               # tokens before each position
+        cut = np.array([np.searchsorted(start[s], level * totals[s], side="right")
+                        for s in range(S)])
+        head = np.flatnonzero(member & (c.position < cut[c.source]))
+        order = arrival_order(c, head)
+        sources = c.source[order]
+        lengths = c.length[order].astype(np.float64)
+        within = np.bincount(sources, weights=lengths, minlength=S)   # whole positions
+        ahead = np.cumsum(lengths) - lengths - (np.cumsum(within) - within)[sources]
+        fraction = ahead / np.maximum(totals, 1.0)[sources]
+        merged = np.argsort(fraction, kind="stable")
+        # The first member past a cut, per source that has one: nothing after it is sure.
+        past = np.flatnonzero(within < totals)
+        trusted = merged.size
+        if past.size:
+            first_past = within[past] / totals[past]
+            bound = int(np.lexsort((past, first_past))[0])
+            bound_fraction, bound_source = first_past[bound], past[bound]
+            f, src = fraction[merged], sources[merged]
+            trusted = int(np.count_nonzero((f < bound_fraction) |
+                                           ((f == bound_fraction) & (src < bound_source))))
+        out = order[merged[:trusted]]
+        out = out[c.length[out] <= longest]
+        if float(c.length[out].sum()) >= tokens:
+            return out.astype(np.int64)
+        enough = min(2 * enough + 1, by_share.size)
+    return None

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import Callable, Optional, Sequence, Union
+from typing import Optional, Sequence, Union
 
 import numpy as np
 
@@ -11,9 +11,10 @@ from ...configfile import LoaderSpec
 from ...errors import ConfigError
 from ...mixreport import MixTracker, StepMix
 from ...plan.cost import CostModel
-from ...plan.stepper import Stepper
+from ...job import JobModel, layout_feed
 from ...plan.types import Candidates, Geometry
-from ...state import deal, deal_epoch
+from ...plan.windows import Block, Feed, ItemQueue, Windows
+from ...state import deal
 
 from .scan import SourceScan
 
@@ -78,101 +79,12 @@ class StepReport:
                 "waited_steps": self.waited_steps, "delay_max": self.delay_max, "plan_ms": round(1e3 * self.plan_seconds, 3)}
 
 
-class _Window:
-    """One (rank, source) buffer: items deferred at its head (with their ages), then the rank's
-    feed of items not yet offered.
-
-    Items are kept *coded*, `length * 2 + divisible` (a piece of a split document, which the
-    planner may cut: its rest stays at the head, as in `SourceBuffer.take`)."""
-
-    def __init__(self, feed: np.ndarray, next_pass: Optional[Callable[[], np.ndarray]] = None,
-                 coded: bool = False):
-        """`next_pass`: where the items after `feed` come from, for a stream without end (a
-        sampled source's items again, an endless source's next pass); None: it ends. Both give
-        coded items when `coded`, else plain lengths (nothing divisible)."""
-        self.head = np.zeros(0, np.int64)
-        self.head_age = np.zeros(0, np.int64)
-        # The step from which each head item was deferred: a later item of this window was
-        # taken while it stayed (-1: never). Its delay, when taken, counts from there.
-        self.head_skipped = np.zeros(0, np.int64)
-        self.coded = coded
-        self.next_pass = next_pass if (coded or next_pass is None) else (lambda: 2 * next_pass())
-        self._set_feed(feed if coded else 2 * np.asarray(feed, dtype=np.int64))
-        self.offered = 0            # head items in this step's window
-        self.fresh = 0              # feed items in this step's window
-        self.divisible = np.zeros(0, bool)   # of this step's window
-
-    def _set_feed(self, feed: np.ndarray) -> None:
-        self.feed = feed
-        self.ptr = 0
-        self.prefix = np.concatenate([[0], np.cumsum(feed >> 1)])   # tokens in feed[:j]
-
-    def restart(self, feed: np.ndarray) -> None:
-        """The next pass (epoch) of this rank's items, after what is still at the head."""
-        self._set_feed(feed if self.coded else 2 * np.asarray(feed, dtype=np.int64))
-
-    def window(self, tokens: int) -> tuple[np.ndarray, np.ndarray, bool]:
-        """The shortest prefix holding >= `tokens` tokens, or all that is left: (lengths, ages,
-        done). `done`: the window holds the rest of the pass (SourceBuffer.window). Which
-        items are divisible: `self.divisible`."""
-        head_lengths = self.head >> 1
-        head_before = np.cumsum(head_lengths) - head_lengths
-        n_head = int(np.searchsorted(head_before, tokens, side="left"))
-        fresh = 0
-        if n_head == self.head.size:
-            need = tokens - int(head_lengths.sum())
-            while True:
-                stop = int(np.searchsorted(self.prefix[:-1], need + self.prefix[self.ptr],
-                                           side="left"))
-                fresh = max(stop - self.ptr, 0) if need > 0 else 0
-                if not (self.next_pass and need > 0 and self.ptr + fresh >= self.feed.size):
-                    break
-                self._set_feed(np.concatenate([self.feed[self.ptr:], self.next_pass()]))
-        self.offered, self.fresh = n_head, fresh
-        codes = np.concatenate([self.head[:n_head], self.feed[self.ptr:self.ptr + fresh]])
-        lengths, self.divisible = codes >> 1, (codes & 1).astype(bool)
-        ages = np.concatenate([self.head_age[:n_head], np.zeros(fresh, np.int64)])
-        done = (self.next_pass is None and n_head == self.head.size
-                and self.ptr + fresh >= self.feed.size and int(lengths.sum()) < tokens)
-        return lengths, ages, done
-
-    def commit(self, taken: np.ndarray, lengths: np.ndarray, ages: np.ndarray,
-               taken_lengths: Optional[np.ndarray] = None, step: int = 0) -> np.ndarray:
-        """Remove the taken window positions (`taken_lengths`: tokens taken of each; an item
-        cut short keeps its rest in place); the rest of the window ages one step. Returns
-        [2, n]: the delays of the taken items that had been deferred (steps since a later item
-        of this window went ahead of them) and their tokens."""
-        keep = np.ones(lengths.size, dtype=bool)
-        keep[taken] = False
-        skipped = np.concatenate([self.head_skipped[:self.offered],
-                                  np.full(lengths.size - self.offered, -1, np.int64)])
-        whole = np.asarray(taken)[np.asarray(taken_lengths) >= lengths[taken]] \
-            if taken_lengths is not None else np.asarray(taken)
-        late = whole[skipped[whole] >= 0]
-        delays = np.stack([step - skipped[late], np.asarray(lengths, np.int64)[late]])
-        if whole.size:   # a later item went ahead of what stays before it
-            overtaken = keep & (np.arange(lengths.size) < int(whole.max())) & (skipped < 0)
-            skipped[overtaken] = step
-        lengths = np.asarray(lengths, dtype=np.int64).copy()
-        if taken_lengths is not None:
-            cut = np.asarray(taken_lengths) < lengths[taken]
-            lengths[taken[cut]] -= np.asarray(taken_lengths)[cut]
-            keep[taken[cut]] = True
-        codes = lengths * 2 + self.divisible
-        self.head = np.concatenate([codes[keep], self.head[self.offered:]])
-        self.head_age = np.concatenate([ages[keep] + 1, self.head_age[self.offered:]])
-        self.head_skipped = np.concatenate([skipped[keep], self.head_skipped[self.offered:]])
-        self.ptr += self.fresh
-        self.offered = self.fresh = 0
-        return delays
-
-    @property
-    def has_items(self) -> bool:
-        return self.head.size > 0 or self.ptr < self.feed.size or self.next_pass is not None
-
-
 class _SourceFeed:
-    """How one source's items are dealt to ranks, pass by pass, as coded items (`_Window`)."""
+    """How one source's items reach the ranks, as `ItemQueue` feeds. A scanned source with its
+    shards is dealt by the job model's own layouts (`JobModel.layout_for`, `layout_feed`): the
+    loader's deal, epoch by epoch, an endless source pass after pass. Plain arrays are dealt
+    round-robin, item by item (pass p > 0 reshuffled); a sampled scan's items come round again
+    on every rank."""
 
     def __init__(self, data: Union[SourceScan, np.ndarray], index: int, seed: int, ranks: int):
         self.index, self.seed, self.ranks = index, seed, ranks
@@ -187,49 +99,70 @@ class _SourceFeed:
         if self.lengths.size and self.lengths.min() < 1:
             raise ValueError(f"source {index}: item lengths must be >= 1")
         divisible = getattr(data, "divisible", None)
-        self.codes = 2 * self.lengths + (0 if divisible is None else
-                                         np.asarray(divisible, dtype=np.int64))
+        self.divisible = (np.zeros(self.lengths.size, bool) if divisible is None
+                          else np.asarray(divisible, dtype=bool))
         self.by_shards = self.shard_items is not None and not self.sampled
+        self._dealt: tuple = (None, None)
         if self.by_shards:
             self.starts = np.cumsum(self.shard_items) - self.shard_items
 
+    @property
+    def num_shards(self) -> int:
+        """Listed shards, for the job model's deal (0: not dealt by shards)."""
+        return int(self.shard_items.size) if self.by_shards else 0
+
+    def shard_block(self, shard: int) -> Block:
+        """A (virtual, pass-wide) shard's items: ids (shard, item, chunk), chunk 0 for a piece
+        of a split document (which the planner may cut) and -1 for a whole one."""
+        k = shard % self.shard_items.size
+        at = slice(int(self.starts[k]), int(self.starts[k] + self.shard_items[k]))
+        lengths, divisible = self.lengths[at], self.divisible[at]
+        ids = np.stack([np.full(lengths.size, shard, np.int64),
+                        np.arange(lengths.size, dtype=np.int64),
+                        np.where(divisible, 0, -1)], axis=1)
+        return Block(lengths, ids, divisible)
+
+    def _block(self, items: np.ndarray) -> Block:
+        return Block.of(items >> 1, None, (items & 1).astype(bool))
+
     def rank_items(self, pass_index: int, endless: bool = False) -> list[np.ndarray]:
-        """Each rank's items in pass (epoch) `pass_index`; an endless source's passes rotate the
-        deal, as the loader's do."""
-        R, offset = self.ranks, pass_index if endless else 0
-        if self.by_shards:   # the loader's own deal (`state.deal_epoch`)
-            n = self.shard_items.size
-            out = []
-            for shards in deal_epoch(n, seed=self.seed, epoch=pass_index, source_index=self.index,
-                                     world=R, endless=endless, rotation=self.index % R):
-                parts = [self.codes[self.starts[k]:self.starts[k] + self.shard_items[k]]
-                         for k in shards % n]
-                out.append(np.concatenate(parts) if parts else np.zeros(0, np.int64))
-            return out
-        items = self.codes
+        """Each rank's coded items (`length * 2 + divisible`) in pass (epoch) `pass_index`, dealt
+        round-robin; an endless source's passes rotate the deal, as the loader's do. Every rank
+        asks for the same pass: the last one is kept."""
+        if self._dealt[0] != (pass_index, endless):
+            self._dealt = ((pass_index, endless), self._deal(pass_index, endless))
+        return self._dealt[1]
+
+    def _deal(self, pass_index: int, endless: bool) -> list[np.ndarray]:
+        items = 2 * self.lengths + self.divisible
         if pass_index > 0 and not self.sampled:
             items = items[np.random.default_rng([self.seed, pass_index, self.index])
                           .permutation(items.size)]
-        return [deal(items, R, q, offset) for q in range(R)]
+        return [deal(items, self.ranks, q, pass_index if endless else 0)
+                for q in range(self.ranks)]
 
-    def window(self, rank: int, endless: bool) -> "_Window":
-        """Rank `rank`'s first window: a sampled source cycles through its items, an endless
-        one goes on pass after pass (each rank at its own pace, as in the loader)."""
-        first = self.rank_items(0, endless)[rank]
+    def feed(self, job: JobModel, rank: int, endless: bool) -> Optional[Feed]:
+        """Rank `rank`'s feed for the job's current epoch (an endless source: its whole
+        stream)."""
         if not self.lengths.size:
-            return _Window(first, coded=True)
+            return None
+        if self.by_shards:
+            layout = job.layout_for(self.index, job.epoch)
+            units = layout.stream(rank) if endless else layout.rank_units(rank)
+            return layout_feed(units, self.shard_block)
         if self.sampled:   # this rank's items come round again
-            return _Window(first, (lambda: first) if first.size else None, coded=True)
-        if endless:
-            passes = iter(range(1, 2**62))
-            return _Window(first, lambda: self.rank_items(next(passes), True)[rank], coded=True)
-        return _Window(first, coded=True)
+            first = self.rank_items(0)[rank]
+            return (lambda: self._block(first)) if first.size else None
+        passes = iter([job.epoch] if not endless else range(0, 2**62))
+        return lambda: next((self._block(self.rank_items(p, endless)[rank]) for p in passes),
+                            None)
 
 
 def simulate(spec: LoaderSpec, lengths: Sequence[Union[SourceScan, np.ndarray]], steps: int,
              ranks: int = DEFAULT_RANKS) -> list[StepReport]:
-    """Run the loader's step machine (`plan.stepper.Stepper`) for `steps` steps on `ranks`
-    ranks, on item lengths only.
+    """Drive the loader's job model (`job.JobModel`: the `Stepper`, the deal, the epochs) for
+    `steps` steps on `ranks` ranks, on item lengths only, over head windows kept by
+    `plan.windows` (the loader's head-window rule).
 
     `lengths`: per source, a `SourceScan` (from `scan`: shards are dealt to ranks like the
     loader deals them) or an array of item lengths in 1..C (dealt round-robin). Returns one
@@ -249,65 +182,49 @@ def simulate(spec: LoaderSpec, lengths: Sequence[Union[SourceScan, np.ndarray]],
         if arr.size and arr.max() > C:
             raise ValueError(f"source {spec.sources[s].name!r}: item of {int(arr.max())} tokens "
                              f"> micro_batch_tokens ({C}); split long documents first")
-    stepper = Stepper.build(config, spec.sources, spec.mixture, R)
-    restartable = [p == "restart" for p in stepper.mixer.on_exhausted]
+    # No progress tracking: the dry run saves no state (the job model's tests do, on lengths).
+    job = JobModel.build(config, spec.sources, spec.mixture, R, track=False)
     feeds = [_SourceFeed(data, s, config.seed, R) for s, data in enumerate(lengths)]
-    windows = [[feeds[s].window(r, restartable[s]) for s in range(S)] for r in range(R)]
-
-    def holding_now() -> np.ndarray:   # an epoch's start: the ranks dealt items of a source
-        return np.array([[windows[r][s].has_items for s in range(S)] for r in range(R)],
-                        dtype=bool).reshape(R, S)
-
-    stepper.start_epoch(holding_now())
+    job.listed([[""] * f.num_shards for f in feeds])
+    endless = [job.endless(s) for s in range(S)]
+    windows = Windows([[ItemQueue(feeds[s].feed(job, r, endless[s])) for s in range(S)]
+                       for r in range(R)])
+    # The ranks dealt items of a source: the queues know (a sampled source, an empty shard).
+    job.start(windows.holding())
     mix_tracker = MixTracker(S)   # each step's configured target, tail, run-outs (as the loader)
     reports: list[StepReport] = []
-    passes = [0] * S
     empty_epochs = 0
     while len(reports) < steps:
-        window_tokens = stepper.window_tokens()
-        views = [[windows[r][s].window(window_tokens[r, s]) for s in range(S)] for r in range(R)]
-        exhausted = np.array([[views[r][s][2] for s in range(S)] for r in range(R)])
-        c = Candidates.from_windows(
-            [[views[r][s][0] for s in range(S)] for r in range(R)],
-            [[views[r][s][1] for s in range(S)] for r in range(R)], None,
-            [[windows[r][s].divisible for s in range(S)] for r in range(R)])
-        step = stepper.begin(c, exhausted)
+        offer = windows.offer(job.window_tokens())
+        c = offer.candidates
+        step = job.begin(c, offer.exhausted)
         if step.outcome == "stop":
             break
         if step.outcome == "end_epoch":
-            stepper.end_epoch()
             empty_epochs += 1
-            if stepper.finished or empty_epochs > 1:   # an epoch without a step: no data
+            if job.end_epoch() or empty_epochs > 1:   # an epoch without a step: no data
                 break
             for s in range(S):
-                if not restartable[s]:   # `restart` sources go on where they are
-                    passes[s] += 1
-                    for r, items in enumerate(feeds[s].rank_items(passes[s])):
-                        windows[r][s].restart(items)
-            stepper.start_epoch(holding_now())
+                if not endless[s]:   # `restart` sources go on where they are
+                    for r in range(R):
+                        windows.queues[r][s].next_epoch(feeds[s].feed(job, r, False))
+            job.set_holding(windows.holding())
             continue
         empty_epochs = 0
         if len(c) == 0:
             break
         started = time.process_time()
-        assignment = stepper.assign(step)
+        assignment = job.assign(step)
         plan_seconds = time.process_time() - started
         take = np.asarray(assignment.take, dtype=np.int64)
-        mix_tracker.begin(stepper, step)
-        units = stepper.commit(step, take, assignment.length)
-        reports.append(_report(step.index, stepper.epoch, c, step.quota, assignment, take, units,
-                               stepper.geometry, S, stepper.cost, mix_tracker.commit(stepper)))
+        mix_tracker.begin(job.stepper, step)
+        units = job.commit(step, take, assignment.length, offer.ids)
+        reports.append(_report(step.index, job.epoch, c, step.quota, assignment, take, units,
+                               job.stepper.geometry, S, job.stepper.cost,
+                               mix_tracker.commit(job.stepper)))
         reports[-1].plan_seconds = plan_seconds
         # Taken items leave their windows; the others age.
-        taken = np.zeros(len(c), dtype=np.int64)   # tokens taken of each candidate
-        taken[take] = assignment.length
-        delays = []
-        for (s, r), window in c.windows():
-            positions = np.flatnonzero(taken[window])
-            delays.append(windows[r][s].commit(positions, c.length[window],
-                                               c.age[window].astype(np.int64),
-                                               taken[window][positions], step.index))
-        delays, tokens = np.concatenate(delays, axis=1) if delays else np.zeros((2, 0), np.int64)
+        delays, tokens = windows.commit(offer, take, assignment.length, step.index)
         report = reports[-1]
         report.waited, report.waited_steps = int(delays.size), int(delays.sum())
         report.waited_token_steps = int((delays * tokens).sum())

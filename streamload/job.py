@@ -1,25 +1,48 @@
-"""The job's progress through its epochs, and resumption: which data is delivered, per source and
-rank, from the gathered windows and the plans (`SourceTracker`, state.py), as `LoaderState`.
+"""The job model: one owner of everything that must evolve identically wherever the job is
+planned (on rank 0 of the loader, in the dry run, in the benchmarks, in tests with no process
+group). Pure: no I/O, no threads, no process group.
 
-Loop-owned: `observe` runs on the loader's loop every step, and so does `state` (the Loader hops
-there for `state_dict()`, or calls it directly once the loop has ended). What a step leaves
-behind for a later `state_dict()` is a `StepSnapshot`: immutable, one per delivered batch.
+It holds the step machine (`plan/stepper.py`: the mixer's carries and schedule, step and epoch
+counters, which ranks hold data of each source, the head windows' sizes), the epoch's deal of
+every source's shards (`state.py`'s `EpochLayout`), each source's progress through it (which
+items were delivered and which are pending, with their ages: `SourceTracker`), the epoch turns
+and resumption, and turns it into the resumable `LoaderState`.
+
+    job = JobModel.build(config, sources, mixture, world, states_in_flight, data)
+    job.listed(shard_names)              # the sources' listings (the deal needs the counts)
+    job.load(state)                      # optional: a saved state, checked by `check_resume`
+    job.start()                          # the resume applied, the first epoch dealt
+    job.window_tokens()                  # [R, S]: every rank's head window for the next step
+    step = job.begin(candidates, exhausted)   # outcome and quota
+    plan = job.assign(step)              # the planner
+    job.commit(step, take, length, ids)  # what the step took: carries, holding, progress
+    job.end_epoch()                      # after an "end_epoch" outcome; True: the run is done
+    job.state(job.snapshot())            # the resumable state after the last commit
+
+What drives it supplies the windows: the Runtime from buffers its fetchers fill, the dry run
+and the benchmarks from lengths (`plan/windows.py`'s `ItemQueue`, fed from the same layouts
+through `layout_feed`). The head-window rule is `plan.windows.head_window` in both.
+
+What a step leaves behind for a later `state_dict()` is a `StepSnapshot`: immutable, one per
+delivered batch.
 """
 from __future__ import annotations
 
 import zlib
 from dataclasses import dataclass
-from typing import Optional, Sequence
+from typing import Callable, Iterable, Optional, Sequence
 
 import numpy as np
 
 from .config import LoaderConfig, Source
 from .errors import ConfigError
 from .plan.quota_mixer import MixtureState
-from .plan.stepper import Stepper
-from .plan.types import Candidates
+from .plan.stepper import Step, Stepper
+from .plan.types import Assignment, Candidates
+from .plan.windows import Block, Feed
 from .state import (STATE_VERSION, DataOptions, EpochLayout, LoaderState, RankProgress,
-                    SourceData, SourceTracker, fresh_layout, layout_from_progress)
+                    ReadUnit, SourceData, SourceTracker, fresh_layout,
+                    layout_from_progress)
 from .tokenizer import TextTokenizer, identity
 
 
@@ -74,7 +97,7 @@ def data_mismatches(saved: DataOptions, now: DataOptions) -> list[tuple[str, str
 def check_resume(state: LoaderState, seed: int, data: DataOptions) -> None:
     """Refuse a saved state that this job would resume into other data: another seed, or
     other `DataOptions`; one ConfigError names every mismatch (its key: the first one's). The
-    shards are checked once listed (`JobProgress.apply_resume`)."""
+    shards are checked once listed (`JobModel.start`)."""
     problems = []
     if state.seed != seed:
         problems.append(("seed", f"seed: saved with {state.seed}, this loader has {seed}"))
@@ -86,14 +109,18 @@ def check_resume(state: LoaderState, seed: int, data: DataOptions) -> None:
             + ". Resume with the saved values, or start without the state", key=problems[0][0])
 
 
-class JobProgress:
-    def __init__(self, sources: Sequence[Source], seed: int, world: int, states_in_flight: int,
-                 data: Optional[DataOptions] = None):
+class JobModel:
+    def __init__(self, stepper: Stepper, sources: Sequence[Source], seed: int, world: int,
+                 states_in_flight: int = 0, data=None, track: bool = True):
         """`data`: the options that decide the data, recorded in the state and checked on a
         resume (`data_options`); a DataOptions, or a function giving it (a Hugging Face
-        tokenizer's digest is worked out when a state is first saved or loaded)."""
+        tokenizer's digest is worked out when a state is first saved or loaded). `track`:
+        follow each source's progress (False: the dry run over lengths alone, which has no
+        state to save)."""
+        self.stepper = stepper
         self.sources, self.seed, self.world = list(sources), seed, world
         self._data = data
+        self.track = track
         self.states_in_flight = states_in_flight
         self.num_shards = [0] * len(self.sources)   # listed shards per source (`listed`)
         self.listing_crcs = [0] * len(self.sources)
@@ -101,7 +128,40 @@ class JobProgress:
         self.resume: Optional[LoaderState] = None       # `load`; kept for `state` until a step
         self.resumed_layouts: list[EpochLayout] = []
         self.resume_ages: list[dict] = [{} for _ in self.sources]   # (shard, record, chunk) -> age
+        self._fresh: dict[tuple[int, int], EpochLayout] = {}   # (source, epoch): fresh deals
 
+    @classmethod
+    def build(cls, config: LoaderConfig, sources: Sequence[Source], mixture, world: int,
+              states_in_flight: int = 0, data=None, track: bool = True) -> "JobModel":
+        return cls(Stepper.build(config, sources, mixture, world), sources, config.seed, world,
+                   states_in_flight, data, track)
+
+    # -- what the stepper says -------------------------------------------------------------------
+    @property
+    def epoch(self) -> int:
+        return self.stepper.epoch
+
+    @property
+    def step(self) -> int:
+        return self.stepper.step
+
+    @property
+    def holding(self) -> np.ndarray:
+        return self.stepper.holding
+
+    @property
+    def finished(self) -> bool:
+        return self.stepper.finished
+
+    def window_tokens(self) -> np.ndarray:
+        """int64 [R, S]: every rank's head window for the next step."""
+        return self.stepper.window_tokens()
+
+    def budgets(self, rank: int):
+        """Rank `rank`'s buffers for the next step (`Stepper.budgets`)."""
+        return self.stepper.budgets(rank)
+
+    # -- listing -----------------------------------------------------------------------------------
     def listed(self, shard_names: Sequence[Sequence[str]]) -> None:
         self.num_shards = [len(names) for names in shard_names]
         self.listing_crcs = [listing_crc(names) for names in shard_names]
@@ -125,16 +185,26 @@ class JobProgress:
         """Take a saved state, checked already (`check_resume`)."""
         self.resume = state
 
-    def apply_resume(self, stepper: Stepper) -> None:
-        """Check the saved state against this job's shards (after listing) and set the stepper,
-        the layouts and the pending items' ages from it."""
+    def start(self, holding: Optional[np.ndarray] = None) -> None:
+        """After listing: apply a loaded state (checked against this job's shards), then deal
+        the first epoch. `holding` [R, S]: which ranks hold data of each source, where the
+        driver knows better than the deal (the dry run's sampled sources); None: the deal's."""
+        if self.resume is not None:
+            self._apply_resume()
+        dealt = self._start_epoch(self.stepper.epoch)
+        if not self.resumed() or self.resume.holding is None \
+                or self.resume.world_size != self.world:
+            self.stepper.start_epoch(dealt if holding is None else holding)
+        # else: the windows the saved run had
+
+    def _apply_resume(self) -> None:
         state = self.resume
         R, S = self.world, len(self.sources)
         holding = None
         if state.holding is not None and state.world_size == R and state.sources:
             holding = np.unpackbits(np.frombuffer(state.holding, np.uint8),
                                     count=R * S).astype(bool).reshape(R, S)
-        stepper.restore(state.epoch, state.step, state.mixture, holding)
+        self.stepper.restore(state.epoch, state.step, state.mixture, holding)
         if not state.sources:   # saved before the first step: a fresh start
             self.resume = None
             return
@@ -166,13 +236,22 @@ class JobProgress:
         endless = self.endless(source)
         if self.resumed() and (endless or epoch == self.resume.epoch):
             return self.resumed_layouts[source]
-        return fresh_layout(self.virtual_shards(source), seed=self.seed,
-                            epoch=0 if endless else epoch, source_index=source,
-                            world=self.world, endless=endless)
+        key = (source, 0 if endless else epoch)
+        if key not in self._fresh:   # every rank's fetcher (or queue) asks for the same one
+            self._fresh = {k: v for k, v in self._fresh.items() if k[1] >= key[1]}
+            self._fresh[key] = fresh_layout(self.virtual_shards(source), seed=self.seed,
+                                            epoch=key[1], source_index=source,
+                                            world=self.world, endless=endless)
+        return self._fresh[key]
 
-    def start_epoch(self, epoch: int) -> np.ndarray:
+    def _start_epoch(self, epoch: int) -> np.ndarray:
         """New trackers for the finite sources (endless sources keep theirs). Returns [R, S]:
         the ranks whose layout has units of each source (every rank, for an endless source)."""
+        if not self.track:
+            layouts = [self.layout_for(s, epoch) for s in range(len(self.sources))]
+            return np.array([[self.endless(s) or bool(layout.rank_units(q))
+                              for s, layout in enumerate(layouts)] for q in range(self.world)],
+                            dtype=bool).reshape(self.world, len(self.sources))
         previous = self.trackers
         self.trackers = [previous[s] if previous and self.endless(s)
                          else SourceTracker(self.layout_for(s, epoch),
@@ -182,9 +261,40 @@ class JobProgress:
                           for s, t in enumerate(self.trackers)] for q in range(self.world)],
                         dtype=bool).reshape(self.world, len(self.sources))
 
-    # -- every step ----------------------------------------------------------------------------------
-    def observe(self, candidates: Candidates, ids: np.ndarray, take: np.ndarray,
-                length: np.ndarray) -> None:
+    def end_epoch(self) -> bool:
+        """After an "end_epoch" outcome: the next epoch, dealt. Returns True when the run has
+        done its epochs (then nothing is dealt)."""
+        self.stepper.end_epoch()
+        if self.stepper.finished:
+            return True
+        self.stepper.start_epoch(self._start_epoch(self.stepper.epoch))
+        return False
+
+    def set_holding(self, holding: np.ndarray) -> None:
+        """[R, S]: which ranks hold data of each source at an epoch's start, where the driver
+        knows better than the deal (the dry run: a sampled source, an empty shard)."""
+        self.stepper.start_epoch(holding)
+
+    # -- every step --------------------------------------------------------------------------------
+    def begin(self, candidates: Candidates, exhausted: np.ndarray) -> Step:
+        """Every rank's windows gathered: the outcome and the quota (`Stepper.begin`)."""
+        return self.stepper.begin(candidates, exhausted)
+
+    def assign(self, step: Step) -> Assignment:
+        """The planner's plan for a "continue" step (`Stepper.assign`)."""
+        return self.stepper.assign(step)
+
+    def commit(self, step: Step, take: np.ndarray, length: np.ndarray,
+               ids: Optional[np.ndarray] = None) -> np.ndarray:
+        """The step took candidates `take`, `length` tokens of each; `ids` [n, 3] line up with
+        the candidates (needed when tracking). Returns the realized units per source."""
+        units = self.stepper.commit(step, take, length)
+        if self.track:
+            self._observe(step.candidates, ids, take, length)
+        return units
+
+    def _observe(self, candidates: Candidates, ids: np.ndarray, take: np.ndarray,
+                 length: np.ndarray) -> None:
         """The step offered `candidates` (with their `ids`, shard/record/chunk) and took `take`,
         `length` tokens of each: what every rank's window delivered and what stays pending."""
         taken = np.zeros(len(candidates), dtype=bool)
@@ -198,8 +308,9 @@ class JobProgress:
             self.trackers[s].observe(q, ids[window], candidates.age[window].astype(np.int64),
                                      taken[window])
 
-    def snapshot(self, stepper: Stepper) -> StepSnapshot:
+    def snapshot(self) -> StepSnapshot:
         """Cheap, per step: the trackers' progress objects are replaced, never mutated."""
+        stepper = self.stepper
         return StepSnapshot(stepper.epoch, stepper.step, stepper.mixer.to_state(),
                             tuple(t.snapshot() for t in self.trackers), stepper.holding.copy())
 
@@ -218,5 +329,38 @@ class JobProgress:
             sources.append(progress)
             ages += [(s, *a) for a in pending]
         return LoaderState(STATE_VERSION, self.seed, self.world, snapshot.epoch, snapshot.step,
-                           snapshot.mixture, tuple(sources), tuple(ages),
+                           snapshot.mixture, tuple(sources), tuple(sorted(ages)),
                            np.packbits(snapshot.holding).tobytes(), self.data)
+
+
+def layout_feed(units: Iterable[ReadUnit], shard_block: Callable[[int], Block],
+                ages: Optional[dict] = None) -> Feed:
+    """A rank's items of a source, as `plan.windows.ItemQueue` takes them: the read units in
+    order (`EpochLayout.rank_units` for an epoch, `.stream` for an endless source), each
+    shard's items (`shard_block(shard)`, ids with that shard id) kept by the unit's filter as
+    the fetcher keeps them (`pipeline.transform`): the rest of a cut piece from its offset, and
+    with its age from a resumed state (`ages`: (shard, record, chunk) -> age, `resume_ages`)."""
+    units = iter(units)
+
+    def feed() -> Optional[Block]:
+        unit = next(units, None)
+        if unit is None:
+            return None
+        block = shard_block(unit.shard)
+        keep = unit.keep_filter()
+        if keep is not None:
+            rows, starts = [], []
+            for i, (record, chunk) in enumerate(block.ids[:, 1:].tolist()):
+                start = keep(record, chunk)
+                if start is not None:
+                    rows.append(i)
+                    starts.append(start)
+            rows, starts = np.asarray(rows, np.int64), np.asarray(starts, np.int64)
+            ids = block.ids[rows].copy()
+            ids[:, 2] |= starts
+            block = Block(block.lengths[rows] - starts, ids, block.divisible[rows])
+        if ages:
+            block = Block(block.lengths, block.ids, block.divisible, np.array(
+                [ages.get(tuple(i), 0) for i in block.ids.tolist()], np.int64))
+        return block
+    return feed

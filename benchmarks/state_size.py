@@ -1,0 +1,131 @@
+"""The resumable state's size against the world size and the number of sources, on the job
+model alone (`streamload.job.JobModel`, the object every rank of the loader and the dry run
+drive; no processes, no data: lengths only).
+
+    python benchmarks/state_size.py          # S = 30 at R = 2, 4, 8, 16; S = 300 at R = 2, 16
+    python benchmarks/state_size.py --steps 10 --ranks 2,16
+
+The corpus is benchmarks/scale.py's as lengths: S token sources, 20k to 400k tokens each
+(geometric), 2 to 31 shards, lognormal documents (median 60 to 600 tokens), weights by size;
+M = 2 rows of C = 2048 tokens per rank, planner balanced (scale.py's loader options). After
+--steps steps the state is saved twice: in this tree's format (`encode_state`, version 5) and
+as the version-4 format wrote the same state (every rank's position and units per source, the
+pending items as (source, shard, record, chunk, age) tuples: `msgspec.json.encode` of the
+in-memory `LoaderState`). Prints a table on stderr, JSON last line on stdout.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+import msgspec
+import numpy as np
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+from streamload import pieces  # noqa: E402
+from streamload.config import LoaderConfig, Source  # noqa: E402
+from streamload.job import JobModel, data_options, layout_feed  # noqa: E402
+from streamload.plan.windows import Block, ItemQueue, Windows  # noqa: E402
+from streamload.state import decode_state, encode_state  # noqa: E402
+
+C, M = 2048, 2
+
+
+def lengths_corpus(num_sources: int, seed: int = 0) -> list[tuple[str, float, list]]:
+    """(name, weight, per shard document lengths), scale.py's recipe (shards 2 + i mod 30)."""
+    rng = np.random.default_rng(seed)
+    out = []
+    for i in range(num_sources):
+        tokens = int(20_000 * 20 ** ((i % 30) / 29))
+        shards, median = 2 + i % 30, 60 * 10 ** ((i * 7 % 30) / 29)
+        per_shard = []
+        for _ in range(shards):
+            docs = np.maximum(rng.lognormal(np.log(median), 0.8,
+                                            int(2 * tokens / shards / median) + 8), 8)
+            docs = docs.astype(np.int64)
+            per_shard.append(docs[np.cumsum(docs) <= tokens // shards] if docs.sum() else docs)
+        out.append((f"s{i:03d}", float(tokens), per_shard))
+    return out
+
+
+def blocks_of(per_shard: list):
+    cuts = [pieces.cut_documents(d, C, "split") for d in per_shard]
+
+    def block(shard: int) -> Block:
+        c = cuts[shard % len(cuts)]
+        return Block(c.lengths, np.stack([np.full(c.lengths.size, shard, np.int64), c.document,
+                                          c.chunks()], 1), c.divisible)
+    return block
+
+
+def measure(num_sources: int, ranks: int, steps: int) -> dict:
+    corpus = lengths_corpus(num_sources)
+    sources = [Source(f"/bench/{name}/", weight=w, name=name) for name, w, _ in corpus]
+    config = LoaderConfig(micro_batch_tokens=C, micro_batches=M, seed=0, planner="balanced",
+                          epochs=1)
+    job = JobModel.build(config, sources, None, ranks, data=data_options(config, sources, None))
+    job.listed([[f"part-{k:03d}" for k in range(len(p))] for _, _, p in corpus])
+    job.start()
+    blocks = [blocks_of(p) for _, _, p in corpus]
+    windows = Windows([[ItemQueue(layout_feed(job.layout_for(s, 0).rank_units(r), blocks[s]))
+                        for s in range(num_sources)] for r in range(ranks)])
+    started = time.process_time()
+    for _ in range(steps):
+        offer = windows.offer(job.window_tokens())
+        step = job.begin(offer.candidates, offer.exhausted)
+        if step.outcome != "continue":
+            break
+        plan = job.assign(step)
+        job.commit(step, plan.take, plan.length, offer.ids)
+        windows.commit(offer, plan.take, plan.length, step.index)
+    run_s = time.process_time() - started
+    state = job.state(job.snapshot())
+    t0 = time.process_time()
+    saved = encode_state(state)
+    save_ms = (time.process_time() - t0) * 1e3
+    t0 = time.process_time()
+    decoded = decode_state(saved)
+    load_ms = (time.process_time() - t0) * 1e3
+    assert decoded.sources == state.sources and decoded.ages == state.ages, "round trip"
+    old = msgspec.json.encode(msgspec.structs.replace(state, version=4))
+    units = sum(len(u) for p in state.sources for u in p.units)
+    return {"sources": num_sources, "ranks": ranks, "steps": job.step,
+            "state_bytes": len(saved), "state_bytes_v4": len(old),
+            "units_in_progress": units, "pending_items": len(state.ages),
+            "save_ms": round(save_ms, 2), "load_ms": round(load_ms, 2),
+            "run_cpu_s": round(run_s, 2)}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--ranks", default="2,4,8,16")
+    p.add_argument("--many-ranks", default="2,16", help="ranks for the S = 300 runs")
+    p.add_argument("--sources", type=int, default=30)
+    p.add_argument("--many-sources", type=int, default=300)
+    p.add_argument("--steps", type=int, default=25)
+    args = p.parse_args()
+    rows = [measure(args.sources, int(r), args.steps) for r in args.ranks.split(",")]
+    rows += [measure(args.many_sources, int(r), args.steps) for r in args.many_ranks.split(",")
+             if args.many_sources]
+    print(f"{'S':>4} {'R':>3} {'steps':>5} {'state v5':>9} {'state v4':>9} {'units':>6} "
+          f"{'pending':>7} {'save ms':>8} {'load ms':>8}", file=sys.stderr)
+    for r in rows:
+        print(f"{r['sources']:>4} {r['ranks']:>3} {r['steps']:>5} {r['state_bytes']:>9,} "
+              f"{r['state_bytes_v4']:>9,} {r['units_in_progress']:>6} {r['pending_items']:>7} "
+              f"{r['save_ms']:>8} {r['load_ms']:>8}", file=sys.stderr)
+    by = {(r["sources"], r["ranks"]): r["state_bytes"] for r in rows}
+    ratio = {}
+    for S in {r["sources"] for r in rows}:
+        rs = sorted(R for s, R in by if s == S)
+        if len(rs) > 1:
+            ratio[str(S)] = round(by[(S, rs[-1])] / by[(S, rs[0])], 3)
+    print(json.dumps({"benchmark": "state_size", "rows": rows,
+                      "ratio_largest_to_smallest_R": ratio}))
+
+
+if __name__ == "__main__":
+    main()
