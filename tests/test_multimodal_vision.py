@@ -121,9 +121,9 @@ def test_interleave_places_images_by_placeholder_list_or_first():
 def test_the_image_message_round_trips():
     refs = (ImageRef("shard/000001.0.jpg", b"\xff\xd8abc", Placement(28, 56, (1, 2, 4), 2)),
             ImageRef("ünï.png", b"", Placement(14, 14, (1, 1, 1), 1)))
-    message = encode_images([(7, refs), (9, ()), (3, refs[:1])])
-    assert decode_images(message) == {7: refs, 9: (), 3: refs[:1]}
-    assert decode_images(np.zeros(0, np.uint8)) == {}
+    message = encode_images([refs, (), refs[:1]])
+    assert decode_images(message) == [refs, (), refs[:1]]
+    assert decode_images(np.zeros(0, np.uint8)) == []
 
 
 def test_no_label_targets_or_leaves_an_image_position():

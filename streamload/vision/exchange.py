@@ -4,9 +4,12 @@ rank that read it to the rank the plan sends it to, beside the token exchange
 
 Two all-to-alls on the loader's group (`Comm.all_to_all`): the size of each rank's message
 (one int64 per pair of ranks), then the messages, one uint8 array per destination. A message
-is a header of int64s, per outgoing item (plan order) its plan entry and its images' count,
-and per image its member name's and its data's byte counts and its placement (height, width,
-grid t, h, w, visual tokens), then the names' and the data's bytes. Images stay encoded
+is a header of int64s, per outgoing item (in plan order) its images' count, and per image its
+member name's and its data's byte counts and its placement (height, width, grid t, h, w,
+visual tokens), then the names' and the data's bytes. Items are matched by their order, as
+the token exchange matches them: what rank r sends here, in plan order, are the plan entries
+held by r and destined here, in plan order; plan entry numbers are not sent (under
+control_plane="gather" each rank numbers its own part of the plan). Images stay encoded
 (JPEG is ~10x smaller than its pixels); the receiving rank decodes them. Items without images
 send nothing but their entry.
 """
@@ -30,11 +33,11 @@ class ImageRef(NamedTuple):
     placement: Placement
 
 
-def encode_images(items: list[tuple[int, tuple]]) -> np.ndarray:
-    """One message (uint8) of (plan entry, ImageRefs) pairs."""
+def encode_images(items: list[tuple]) -> np.ndarray:
+    """One message (uint8) of the ImageRefs of items, in order."""
     header, blobs = [], []
-    for entry, refs in items:
-        header += [entry, len(refs)]
+    for refs in items:
+        header.append(len(refs))
         for ref in refs:
             name = ref.member.encode("utf-8", "surrogateescape")
             p = ref.placement
@@ -44,17 +47,17 @@ def encode_images(items: list[tuple[int, tuple]]) -> np.ndarray:
     return np.frombuffer(head.tobytes() + b"".join(blobs), dtype=np.uint8)
 
 
-def decode_images(message: np.ndarray) -> dict[int, tuple]:
-    """The (plan entry -> ImageRefs) of one message (`encode_images`)."""
+def decode_images(message: np.ndarray) -> list[tuple]:
+    """The items' ImageRefs of one message (`encode_images`), in order."""
     if message.size == 0:
-        return {}
+        return []
     raw = message.tobytes()
     count = int(np.frombuffer(raw[:8], dtype=np.int64)[0])
     header = np.frombuffer(raw[8:8 + 8 * count], dtype=np.int64).tolist()
-    at, pos, out = 0, 8 + 8 * count, {}
+    at, pos, out = 0, 8 + 8 * count, []
     while at < len(header):
-        entry, n = header[at], header[at + 1]
-        at += 2
+        n = header[at]
+        at += 1
         refs = []
         for _ in range(n):
             name_len, data_len, h, w, gt, gh, gw, tokens = header[at:at + _PER_IMAGE]
@@ -64,7 +67,7 @@ def decode_images(message: np.ndarray) -> dict[int, tuple]:
             refs.append(ImageRef(name, raw[pos:pos + data_len],
                                  Placement(h, w, (gt, gh, gw), tokens)))
             pos += data_len
-        out[entry] = tuple(refs)
+        out.append(tuple(refs))
     return out
 
 
@@ -79,12 +82,17 @@ def exchange_images(comm: "Comm", holder: np.ndarray, dest: np.ndarray,
     sends = []
     for r in range(world):
         outgoing = np.flatnonzero((holder == me) & (dest == r)).tolist()
-        sends.append(encode_images([(e, mine[e]) for e in outgoing]) if outgoing
+        sends.append(encode_images([mine[e] for e in outgoing]) if outgoing
                      else np.zeros(0, np.uint8))
     sizes = comm.all_to_all([np.array([s.size], np.int64) for s in sends], np.int64,
                             [1] * world)
     received = comm.all_to_all(sends, np.uint8, [int(s[0]) for s in sizes])
     out: dict[int, tuple] = {}
-    for message in received:
-        out.update(decode_images(message))
+    for r, message in enumerate(received):
+        incoming = np.flatnonzero((holder == r) & (dest == me)).tolist()
+        items = decode_images(message)
+        if len(items) != len(incoming):
+            raise RuntimeError(f"rank {r} sent the images of {len(items)} items, the plan "
+                               f"says {len(incoming)}")
+        out.update(zip(incoming, items))
     return out
