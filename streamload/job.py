@@ -345,7 +345,7 @@ def layout_feed(units: Iterable[ReadUnit], shard_block: Callable[[int], Block],
     with its age from a resumed state (`ages`: (shard, record, chunk) -> age, `resume_ages`)."""
     units = iter(units)
 
-    def feed() -> Optional[Block]:
+    def feed(_tokens: int) -> Optional[Block]:   # a whole shard, whatever the window needs
         unit = next(units, None)
         if unit is None:
             return None
