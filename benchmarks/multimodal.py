@@ -4,6 +4,8 @@ Megatron-Energon reading the same WebDataset in the same run.
     python benchmarks/multimodal.py            # 240 samples (~1,000 JPEGs), 2 workers
     python benchmarks/multimodal.py --quick    # 60 samples, smoke run
     python benchmarks/multimodal.py --corpus /tmp/mm --reps 3   # keep the corpus; 3 runs each
+    python benchmarks/multimodal.py --balance --no-loader      # hybrid balancing: see
+                                                   # benchmarks/multimodal_balance.py
 
 Corpus (generated once per run, seeded, in a temporary folder): --samples image-text samples in
 4 WebDataset tars, 0-8 JPEGs per sample (uniform), each of a resolution drawn from 320x240 up to
@@ -399,4 +401,10 @@ def main() -> None:
 
 
 if __name__ == "__main__":
+    # --balance [options]: the balancing half of the benchmark (hybrid vs backbone-only vs
+    # token packing), benchmarks/multimodal_balance.py with the options after the flag
+    if "--balance" in sys.argv[1:]:
+        sys.path.insert(0, str(Path(__file__).resolve().parent))
+        import multimodal_balance
+        sys.exit(multimodal_balance.main(sys.argv[sys.argv.index("--balance") + 1:]))
     main()

@@ -179,6 +179,15 @@ class LoaderConfig(msgspec.Struct, kw_only=True):
     # threads, "threads": Pillow releases the GIL in its decoder and resampler).
     image_workers: int = 2
     decode_images_in: Literal["processes", "threads"] = "processes"
+    # Image sources' cost (issue 23): "hybrid" (the default) plans each image sample at
+    # encoder(its images) + backbone(its fused length), the encoder's part from its patches per
+    # image (known from the headers) as encoder_cost_a*P^2 + encoder_cost_b*P per image, in the
+    # units of cost_a/cost_b; "backbone": the fused length only, as a text sample.
+    # The default coefficients: a ViT-600M-like encoder (32 layers, width 1280, bidirectional)
+    # against a 7B-like backbone at cost_b = 1 (`vision.cost.EncoderCost.relative_to`).
+    image_cost: Literal["hybrid", "backbone"] = "hybrid"
+    encoder_cost_a: float = 12.0 * 32 * 1280 / 42e9
+    encoder_cost_b: float = 3.6e9 / 42e9
 
     def __post_init__(self):
         """The one validation of the loader's options, whether the config comes from keyword
@@ -217,7 +226,7 @@ class LoaderConfig(msgspec.Struct, kw_only=True):
             fail("collective_timeout_s", f"must be > 0, got {self.collective_timeout_s!r}")
         if not 0 <= self.pad_token_id < 2**31:
             fail("pad_token_id", f"must be a token id in 0..2**31-1, got {self.pad_token_id!r}")
-        for key in ("cost_a", "cost_b"):
+        for key in ("cost_a", "cost_b", "encoder_cost_a", "encoder_cost_b"):
             if not (math.isfinite(getattr(self, key)) and getattr(self, key) >= 0):
                 fail(key, f"must be a finite number >= 0, got {getattr(self, key)!r}")
 

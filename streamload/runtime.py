@@ -48,6 +48,7 @@ from .plan.cost import CostModel
 from .plan.memory import SourceBudget
 from .plan.mix_spec import Mixture
 from .peers import encode_end, encode_step
+from .vision.hybrid import encoder_model, window_costs
 from .job import JobModel, StepSnapshot, data_options, listing_crc
 from .watch import RunWatch
 from .stage_view import needs_view, stage_view
@@ -86,6 +87,10 @@ class Runtime:
         self.sources, self.config, self.tokenizer, self.comm = sources, config, tokenizer, comm
         self.topology, self.peers = topology, peers
         self.sample_costs = dict(sample_costs or {})   # source name -> SampleCostHook
+        # Image sources under image_cost="hybrid": each item's encoder cost from its patches
+        # per image, added to its extra cost (vision/hybrid.py); None: lengths only.
+        encoder = encoder_model(config)
+        self._encoders = [encoder if s.images is not None else None for s in sources]
         unknown = sorted(set(self.sample_costs) - {s.name for s in sources})
         if unknown:
             raise ConfigError(f"sample_costs: no source named {unknown}; sources are "
@@ -261,9 +266,10 @@ class Runtime:
                                for i in items], dtype=np.int64).reshape(-1, 5)
             lengths = fields[:, 0]
             self._window_sizes[s] = int(lengths.shape[0])
-            windows.append(SourceWindow(
-                lengths, fields[:, 1], fields[:, 2:], done,
-                CostModel.extra_cost(self.sample_costs.get(self.sources[s].name), lengths)))
+            extra = CostModel.extra_cost(self.sample_costs.get(self.sources[s].name), lengths)
+            if self._encoders[s] is not None:   # an image source under hybrid balancing
+                extra = extra + window_costs(items, self._encoders[s])
+            windows.append(SourceWindow(lengths, fields[:, 1], fields[:, 2:], done, extra))
         return encode_summary(windows)
 
     async def _wait_ready(self, s: int) -> None:

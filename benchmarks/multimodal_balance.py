@@ -1,0 +1,414 @@
+"""Hybrid balancing of image-text samples (issue 23, items 4 and 6): epoch efficiency when the
+planner sees the vision encoder's cost, against backbone-only balancing and against a baseline
+that packs by token count only (as Megatron-Energon's packing does).
+
+    python benchmarks/multimodal_balance.py                    # R=2,4 on gloo + R=64 simulated
+    python benchmarks/multimodal_balance.py --no-loader        # the R=64 simulation only
+    python benchmarks/multimodal_balance.py --sim-ranks 64,256 --loader-ranks 2
+
+Cost (a sample = encoder(images) + backbone(fused length), the schedule: within a rank the
+encoder over its images, then the backbone over its rows, so a rank's step time is the sum of
+both over its samples):
+  * backbone, 7B-like: cost_a*L^2 + cost_b*L over each document's fused length L (text plus
+    visual tokens plus image markers), cost_a = 1/49152, cost_b = 1 (the loader's default);
+  * encoder, ViT-600M-like (32 layers, width 1280, bidirectional within each image):
+    a_e*P^2 + b_e*P per image over its P patches, a_e = 12*32*1280 / (6*7e9),
+    b_e = 6*600e6 / (6*7e9) (FLOPs relative to the 7B backbone's b; the loader's default
+    `encoder_cost_a` / `encoder_cost_b`).
+
+Corpus (seeded): image-text samples with 0-8 images each (a quarter with none, the rest
+uniform 1-8), each of a resolution drawn from 320x240 to 1920x1080 plus portrait and panorama
+shapes, placed by the Qwen2-VL rule (`vision.qwen2_vl()`: patch 14, merge 2, at most 1024 x 28^2
+pixels: up to 4096 patches, 1024 visual tokens per image); text of 10 to 6,000 tokens
+(log-uniform), cut so a sample fits one row of C tokens. The encoder's share of the compute and
+the images' share (encoder plus their visual tokens in the backbone) are reported.
+
+Geometry: rows of C = 16384 tokens, M = 2 micro-batches per rank, one epoch.
+
+Modes:
+  * hybrid:   the loader's default for image sources (`image_cost="hybrid"`): the encoder's
+              cost from each image's patches reaches the planner as the sample's extra cost;
+  * backbone: `image_cost="backbone"`: the planner balances the fused length's cost only;
+  * token_baseline: the samples shuffled, packed in order into rows of at most C tokens (a
+              sample that does not fit starts the next row), rows dealt round-robin, M per
+              rank per step (what a per-worker packer by token count gives; no cost model);
+              full steps only (the remainder is dropped, as long_context.py's baseline does).
+
+Efficiency = the perfectly balanced time for the same work / the actual time, summed over the
+epoch's steps: a step's bound is its work (encoder + backbone) over R ranks, its time the
+slowest rank's encoder + backbone (benchmarks/long_context.py's definition at P = 1).
+encoder_efficiency / backbone_efficiency: the same for each part alone (how evenly each part
+is spread), encoder_imbalance / backbone_imbalance: max/mean over ranks, averaged over steps.
+
+R=64 ("sim"): the loader's job model (`job.JobModel`: the planner, the head windows of
+`plan.windows`, the deal) driven on item lengths as the dry run drives it
+(`commands.dryrun.simulate`; the dry run itself reads no image corpus), each item's encoder
+cost handed to the planner through `Candidates.extra_cost` exactly as the loader's runtime does
+(`vision.hybrid.encoder_model` / `EncoderCost.sample_costs`). R=2, 4 ("loader"): real gloo ranks
+running `streamload.Loader` over a WebDataset of real JPEGs (flat colours, so decoding stays
+cheap on a loaded machine) of the same kind of corpus; costs measured from the delivered
+micro-batches (`cu_seqlens`, `image_grid`, `image_document`).
+
+The last line is the JSON of everything.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import datetime
+import io
+import json
+import os
+import sys
+import tarfile
+import time
+import traceback
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+C, M = 16384, 2
+MAX_PIXELS = 1024 * 28 * 28   # Qwen2-VL's processor default here; --max-pixels (sim only)
+COST_A, COST_B = 1.0 / 49152, 1.0
+ENC_A, ENC_B = 12.0 * 32 * 1280 / 42e9, 3.6e9 / 42e9
+SIZES = [(320, 240), (640, 480), (800, 600), (1024, 768), (1280, 720), (1920, 1080),
+         (480, 640), (768, 1024), (1080, 1920), (1600, 400), (2048, 512)]
+IMAGE_ID, BEGIN_ID, END_ID = 300, 301, 302
+
+
+def images_options():
+    from streamload.vision import qwen2_vl
+    return qwen2_vl(IMAGE_ID, BEGIN_ID, END_ID, max_pixels=MAX_PIXELS)
+
+
+# -- the corpus ------------------------------------------------------------------------------
+@dataclasses.dataclass
+class Corpus:
+    text: np.ndarray            # int64 [n] text tokens
+    sizes: list                 # per sample: [(w, h), ...]
+    patches: list               # per sample: [P, ...]
+    fused: np.ndarray           # int64 [n] fused length (text + visual tokens + markers)
+
+
+def make_corpus(n: int, seed: int = 0, text_max: int = 6000) -> Corpus:
+    rng = np.random.default_rng(seed)
+    opts = images_options()
+    text, sizes, patches, fused = [], [], [], []
+    for _ in range(n):
+        k = 0 if rng.random() < 0.25 else int(rng.integers(1, 9))
+        wh = [SIZES[int(rng.integers(len(SIZES)))] for _ in range(k)]
+        placed = [opts.place(h, w) for w, h in wh]
+        visual = sum(p.tokens + 2 for p in placed)   # + the begin and end markers
+        t = int(np.exp(rng.uniform(np.log(10), np.log(text_max))))
+        t = max(1, min(t, C - visual))
+        text.append(t)
+        sizes.append(wh)
+        patches.append([p.grid[0] * p.grid[1] * p.grid[2] for p in placed])
+        fused.append(t + visual)
+    return Corpus(np.array(text, np.int64), sizes, patches, np.array(fused, np.int64))
+
+
+def sample_costs(corpus: Corpus) -> tuple[np.ndarray, np.ndarray]:
+    from streamload.plan.cost import CostModel
+    from streamload.vision.cost import EncoderCost
+    backbone = CostModel(COST_A, COST_B).doc_cost(corpus.fused).astype(np.float64)
+    encoder = EncoderCost(ENC_A, ENC_B).sample_costs(corpus.patches)
+    return backbone, encoder
+
+
+def shares(corpus: Corpus) -> dict:
+    backbone, encoder = sample_costs(corpus)
+    visual = corpus.fused - corpus.text
+    # the images' part of the backbone: their tokens' share of each document's cost
+    image_backbone = backbone * visual / np.maximum(corpus.fused, 1)
+    total = backbone.sum() + encoder.sum()
+    return {"samples": int(corpus.fused.size),
+            "images": int(sum(len(p) for p in corpus.patches)),
+            "encoder_share": round(float(encoder.sum() / total), 4),
+            "image_share": round(float((encoder.sum() + image_backbone.sum()) / total), 4),
+            "mean_fused_tokens": round(float(corpus.fused.mean()), 1)}
+
+
+# -- scoring ---------------------------------------------------------------------------------
+def score(enc: np.ndarray, bb: np.ndarray) -> dict:
+    """enc, bb: [steps, R] each rank's encoder and backbone cost per step."""
+    total = enc + bb
+    R = total.shape[1]
+
+    def eff(x):
+        t = x.max(axis=1).sum()
+        return float(x.sum() / R / t) if t > 0 else 1.0
+
+    def imb(x):
+        mean = x.mean(axis=1)
+        ok = mean > 0
+        return float((x.max(axis=1)[ok] / mean[ok]).mean()) if ok.any() else 1.0
+    return {"steps": int(total.shape[0]), "efficiency": round(eff(total), 4),
+            # the epoch's last step holds what is left (the baseline drops it)
+            "efficiency_but_last": round(eff(total[:-1]), 4) if total.shape[0] > 1 else None,
+            "encoder_efficiency": round(eff(enc), 4), "backbone_efficiency": round(eff(bb), 4),
+            "imbalance": round(imb(total), 4), "encoder_imbalance": round(imb(enc), 4),
+            "backbone_imbalance": round(imb(bb), 4),
+            "time": float(total.max(axis=1).sum()), "work": float(total.sum())}
+
+
+def token_baseline(corpus: Corpus, R: int, seed: int) -> dict:
+    """Shuffled, packed in order into rows of <= C tokens, rows dealt round-robin."""
+    backbone, encoder = sample_costs(corpus)
+    order = np.random.default_rng(seed + 1).permutation(corpus.fused.size)
+    rows, used, row = [], 0, -1
+    for i in order:
+        if row < 0 or used + corpus.fused[i] > C:
+            row, used = row + 1, 0
+        rows.append(row)
+        used += int(corpus.fused[i])
+    rows = np.array(rows)
+    n_rows = row + 1
+    # full steps only (the remainder, under a step, is dropped as benchmarks/long_context.py's
+    # baseline drops it: a part-empty last step would count against the baseline)
+    steps = max(n_rows // (R * M), 1)
+    keep = rows < steps * R * M
+    enc_rows = np.bincount(rows[keep], weights=encoder[order][keep], minlength=steps * R * M)
+    bb_rows = np.bincount(rows[keep], weights=backbone[order][keep], minlength=steps * R * M)
+    # round-robin: consecutive rows to ranks 0..R-1, then the next micro-batch
+    enc = enc_rows.reshape(steps, M, R).sum(axis=1)
+    bb = bb_rows.reshape(steps, M, R).sum(axis=1)
+    fill = float(corpus.fused[order][keep].sum()) / (steps * R * M * C)
+    return {**score(enc, bb), "fill": round(fill, 4), "samples": int(keep.sum())}
+
+
+# -- R=64: the job model on item lengths, with the encoder cost as the loader hands it ------
+def loader_options(mode: str, seed: int = 0) -> dict:
+    return dict(micro_batch_tokens=C, micro_batches=M, cost_a=COST_A, cost_b=COST_B,
+                encoder_cost_a=ENC_A, encoder_cost_b=ENC_B, image_cost=mode, epochs=1,
+                seed=seed)
+
+
+def simulate(corpus: Corpus, R: int, mode: str, seed: int = 0) -> dict:
+    import streamload as sl
+    from streamload.configfile import LoaderSpec
+    from streamload.job import JobModel
+    from streamload.plan.windows import Block, ItemQueue, Windows
+    from streamload.vision.hybrid import encoder_model
+    spec = LoaderSpec("multimodal", [sl.Source("/bench/mm/", name="mm")],
+                      loader_options(mode, seed))
+    config = spec.config()
+    backbone, encoder = sample_costs(corpus)
+    model = encoder_model(config)   # what the runtime adds for an image source (None: backbone)
+    extra = (model.sample_costs(corpus.patches) if model is not None
+             else np.zeros(corpus.fused.size))
+    order = np.random.default_rng(seed + 1).permutation(corpus.fused.size)
+    dealt = [order[r::R] for r in range(R)]
+    job = JobModel.build(config, spec.sources, None, R, track=False)
+    job.listed([[""] * R])
+
+    def feed(r):
+        done = [False]
+
+        def f():
+            if done[0]:
+                return None
+            done[0] = True
+            idx = dealt[r]
+            ids = np.stack([np.zeros(idx.size, np.int64), idx.astype(np.int64),
+                            np.full(idx.size, -1, np.int64)], axis=1)
+            return Block.of(corpus.fused[idx], ids)
+        return f
+    windows = Windows([[ItemQueue(feed(r))] for r in range(R)])
+    job.start(windows.holding())
+    enc_steps, bb_steps, fills, plan_s = [], [], [], []
+    taken_total = 0
+    while True:
+        offer = windows.offer(job.window_tokens())
+        sample = offer.ids[:, 1]
+        c = dataclasses.replace(offer.candidates, extra_cost=extra[sample].astype(np.float64))
+        step = job.begin(c, offer.exhausted)
+        if step.outcome != "continue" or len(c) == 0:
+            break
+        started = time.process_time()
+        a = job.assign(step)
+        plan_s.append(time.process_time() - started)
+        take = np.asarray(a.take, np.int64)
+        if take.size == 0:
+            break
+        job.commit(step, take, a.length, offer.ids)
+        windows.commit(offer, take, a.length, step.index)
+        items = sample[take]
+        if not np.array_equal(np.asarray(a.length), corpus.fused[items]):
+            raise AssertionError("an image sample was cut")
+        rank = np.asarray(a.rank, np.int64)
+        enc_steps.append(np.bincount(rank, weights=encoder[items], minlength=R))
+        bb_steps.append(np.bincount(rank, weights=backbone[items], minlength=R))
+        fills.append(float(corpus.fused[items].sum()) / (R * M * C))
+        taken_total += take.size
+    res = score(np.array(enc_steps), np.array(bb_steps))
+    res.update({"fill": round(float(np.mean(fills)), 4), "samples": int(taken_total),
+                "all_samples_once": bool(taken_total == corpus.fused.size),
+                "plan_ms_mean": round(1e3 * float(np.mean(plan_s)), 2)})
+    return res
+
+
+# -- R=2, 4: the Loader on gloo over real JPEGs ----------------------------------------------
+def jpeg(w: int, h: int, color) -> bytes:
+    from PIL import Image
+    out = io.BytesIO()
+    Image.new("RGB", (w, h), color).save(out, "JPEG", quality=85)
+    return out.getvalue()
+
+
+def write_tars(root: Path, corpus: Corpus, shards: int = 4) -> None:
+    """WebDataset tars: `KEY.txt` (text tokens as bytes: the loader's byte tokenizer) and
+    `KEY.{k}.jpg` (images first, then the text)."""
+    root.mkdir(parents=True, exist_ok=True)
+    bounds = np.linspace(0, corpus.fused.size, shards + 1).round().astype(int)
+    for s in range(shards):
+        with tarfile.open(root / f"part-{s:05d}.tar", "w") as tar:
+            for i in range(bounds[s], bounds[s + 1]):
+                key = f"{i:06d}"
+                members = [(f"{key}.txt", b"a" * int(corpus.text[i]))]
+                members += [(f"{key}.{k}.jpg", jpeg(w, h, (40 + 20 * k, 90, 160)))
+                            for k, (w, h) in enumerate(corpus.sizes[i])]
+                for name, data in members:
+                    info = tarfile.TarInfo(name)
+                    info.size = len(data)
+                    tar.addfile(info, io.BytesIO(data))
+
+
+def run_rank(rank: int, world: int, port: int, root: str, options: dict, queue) -> None:
+    try:
+        import torch
+        torch.set_num_threads(1)
+        if world > 1:
+            import torch.distributed as dist
+            dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                                    world_size=world, timeout=datetime.timedelta(seconds=600))
+        import streamload as sl
+        from streamload.plan.cost import CostModel
+        from streamload.vision.cost import EncoderCost
+        backbone, encoder = CostModel(COST_A, COST_B), EncoderCost(ENC_A, ENC_B)
+        steps, enc, bb, ids, planned, tokens = [], [], [], [], [], 0
+        with sl.Loader([sl.Source(root, name="mm", images=images_options())],
+                       decode_images_in="threads", image_workers=1, **options) as loader:
+            for batch in loader:
+                e = b = 0.0
+                for mb in batch.micro_batches:
+                    seg = np.diff(mb.cu_seqlens.numpy()).astype(np.int64)
+                    b += float(backbone.doc_cost(seg).sum())
+                    tokens += int(seg.sum())
+                    if mb.num_images:
+                        grid = mb.image_grid.numpy().astype(np.int64)
+                        e += float(encoder.image_costs(grid.prod(axis=1)).sum())
+                    ids += list(mb.sample_ids)
+                steps.append(int(batch.step))
+                enc.append(e)
+                bb.append(b)
+                planned.append(float(batch.rank_cost[rank]))
+        queue.put({"rank": rank, "steps": steps, "enc": enc, "bb": bb, "ids": ids,
+                   "planned": planned, "tokens": tokens})
+        if world > 1:
+            import torch.distributed as dist
+            dist.destroy_process_group()
+    except BaseException:
+        queue.put({"rank": rank, "error": traceback.format_exc()})
+        raise
+
+
+def loader_run(root: Path, corpus: Corpus, R: int, mode: str, seed: int = 0) -> dict:
+    from epoch import spawn_ranks
+    ranks = spawn_ranks(run_rank, R, 1800.0, str(root), loader_options(mode, seed))
+    T = max(len(r["steps"]) for r in ranks)
+    enc, bb = np.zeros((T, R)), np.zeros((T, R))
+    for q, r in enumerate(ranks):
+        enc[:len(r["enc"]), q] = r["enc"]
+        bb[:len(r["bb"]), q] = r["bb"]
+    ids = [i for r in ranks for i in r["ids"]]
+    res = score(enc, bb)
+    # what the planner predicted per rank against the measured parts (hybrid: equal)
+    planned = np.array([sum(r["planned"]) for r in ranks])
+    res.update({"samples": len(ids), "exactly_once": len(ids) == len(set(ids)) == corpus.fused.size,
+                "same_steps_all_ranks": all(r["steps"] == ranks[0]["steps"] for r in ranks),
+                "fill": round(sum(r["tokens"] for r in ranks) / (T * R * M * C), 4),
+                "planned_over_measured": round(float(planned.sum() / (enc.sum() + bb.sum())), 4)})
+    return res
+
+
+def row(mode: str, where: str, R: int, res: dict, base: dict | None) -> dict:
+    out = {"mode": where, "ranks": R, "balancing": mode, **res}
+    out["speedup_vs_token_baseline"] = round(res["efficiency"] / base["efficiency"], 4) \
+        if base else 1.0
+    out.pop("time", None)
+    out.pop("work", None)
+    return out
+
+
+def print_row(r: dict) -> None:
+    keys = ("efficiency", "speedup_vs_token_baseline", "encoder_efficiency",
+            "backbone_efficiency", "encoder_imbalance", "backbone_imbalance", "fill", "steps")
+    print(f"{r['mode']:>6} R={r['ranks']:<4} {r['balancing']:>14} " +
+          " ".join(f"{k}={r.get(k)}" for k in keys), file=sys.stderr, flush=True)
+
+
+def main(argv=None) -> int:
+    global C, MAX_PIXELS
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--sim-ranks", default="64")
+    ap.add_argument("--sim-steps", type=int, default=32,
+                    help="epoch length of the simulated corpus, in full steps (about)")
+    ap.add_argument("--loader-ranks", default="2,4")
+    ap.add_argument("--loader-samples", type=int, default=160)
+    ap.add_argument("--no-loader", action="store_true")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--workdir", default="/tmp/streamload-mm-balance")
+    ap.add_argument("--capacity", type=int, default=C, help="C, tokens per row (sim only)")
+    ap.add_argument("--max-pixels", type=int, default=MAX_PIXELS,
+                    help="the resizing rule's pixel budget per image (sim only)")
+    args = ap.parse_args(argv)
+    if (args.capacity, args.max_pixels) != (C, MAX_PIXELS):
+        if not args.no_loader:
+            ap.error("--capacity and --max-pixels change the simulation only: add --no-loader")
+        C, MAX_PIXELS = args.capacity, args.max_pixels
+    results, corpora = [], {}
+    modes = ("hybrid", "backbone")
+    for R in [int(x) for x in args.sim_ranks.split(",") if x]:
+        mean_fused = make_corpus(2000, args.seed).fused.mean()
+        n = int(args.sim_steps * R * M * C / mean_fused)
+        corpus = make_corpus(n, args.seed)
+        corpora[f"sim_R{R}"] = shares(corpus)
+        base = token_baseline(corpus, R, args.seed)
+        results.append(row("token_baseline", "sim", R, base, None))
+        print_row(results[-1])
+        for mode in modes:
+            started = time.process_time()
+            res = simulate(corpus, R, mode, args.seed)
+            res["cpu_s"] = round(time.process_time() - started, 1)
+            results.append(row(mode, "sim", R, res, base))
+            print_row(results[-1])
+    if not args.no_loader:
+        corpus = make_corpus(args.loader_samples, args.seed + 7)
+        root = Path(args.workdir) / f"n{args.loader_samples}_s{args.seed + 7}"
+        if not (root / "done").exists():
+            write_tars(root, corpus)
+            (root / "done").write_text("ok")
+        corpora["loader"] = shares(corpus)
+        for R in [int(x) for x in args.loader_ranks.split(",") if x]:
+            base = token_baseline(corpus, R, args.seed)
+            results.append(row("token_baseline", "loader", R, base, None))
+            print_row(results[-1])
+            for mode in modes:
+                started = time.perf_counter()
+                res = loader_run(root, corpus, R, mode, args.seed)
+                res["wall_s"] = round(time.perf_counter() - started, 1)
+                results.append(row(mode, "loader", R, res, base))
+                print_row(results[-1])
+    print(json.dumps({"corpora": corpora, "results": results,
+                      "cost": {"cost_a": COST_A, "cost_b": COST_B, "encoder_cost_a": ENC_A,
+                               "encoder_cost_b": ENC_B}, "C": C, "M": M,
+                      "max_pixels": MAX_PIXELS}))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
