@@ -81,12 +81,10 @@ class GlooComm:
         import torch
         import torch.distributed as dist
         array = np.ascontiguousarray(array, dtype=np.int64)
-        n, cap = array.shape[0], self.gather_capacity
+        cap = self.gather_capacity
 
         def gather():
-            message = np.zeros(1 + cap, dtype=np.int64)
-            message[0] = n
-            message[1:1 + min(n, cap)] = array[:cap]
+            message = _head_message(array, cap)
             out = [torch.empty(1 + cap, dtype=torch.int64) for _ in range(self.world)]
             dist.all_gather(out, torch.from_numpy(message), group=self.group)
             sizes = [int(o[0]) for o in out]
@@ -113,9 +111,7 @@ class GlooComm:
         n, cap = array.shape[0], self.gather_capacity
 
         def gather():
-            message = np.zeros(1 + cap, dtype=np.int64)
-            message[0] = n
-            message[1:1 + min(n, cap)] = array[:cap]
+            message = _head_message(array, cap)
             out = ([torch.empty(1 + cap, dtype=torch.int64) for _ in range(self.world)]
                    if self.rank == 0 else None)
             dist.gather(torch.from_numpy(message), out, group=self.group, group_dst=0)
@@ -270,3 +266,11 @@ def collective_thread() -> DaemonExecutor:
     """One daemon thread that runs blocking collectives in order, awaitable from the loop
     (`await thread.run(fn)`). Gloo's own timeout bounds a wait on a dead peer."""
     return DaemonExecutor(1, "streamload-collectives")
+
+
+def _head_message(array: np.ndarray, cap: int) -> np.ndarray:
+    """A gather's fixed-size message: the array's length, then its first `cap` values."""
+    message = np.zeros(1 + cap, dtype=np.int64)
+    message[0] = array.shape[0]
+    message[1:1 + min(array.shape[0], cap)] = array[:cap]
+    return message

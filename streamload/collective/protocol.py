@@ -102,30 +102,10 @@ class Agreement:
         gathers again: a busy trainer or a slow source never trips the timeout. If `local()`
         raised anywhere, every rank raises. A closing rank sends CLOSING and stops
         (StopStepping) once the gather returns."""
-        task = asyncio.ensure_future(local())
-        try:
-            while True:
-                closing_wait = asyncio.ensure_future(self.closing.wait())
-                await asyncio.wait({task, closing_wait}, timeout=self.heartbeat_s,
-                                   return_when=asyncio.FIRST_COMPLETED)
-                closing_wait.cancel()
-                error, closing = None, self.closing.is_set()
-                if closing:
-                    array = encode_closing()
-                elif not task.done():
-                    array = encode_waiting()
-                elif task.exception() is not None:   # told to every rank, then re-raised here
-                    error = task.exception()
-                    array = encode_failure(error)
-                else:
-                    array = task.result()
-                gathered = await self.run(lambda: self.comm.all_gather(array))
-                if check_statuses(gathered, self.comm.rank, error, closing):
-                    return gathered
-        finally:
-            if not task.done():
-                task.cancel()
-                await asyncio.gather(task, return_exceptions=True)
+        async def exchange(array, error, closing):
+            gathered = await self.run(lambda: self.comm.all_gather(array))
+            return gathered if check_statuses(gathered, self.comm.rank, error, closing) else None
+        return await self._rounds(local, exchange)
 
     # -- control_plane="gather": windows to rank 0, each rank's own reply back ------------------
     async def gather_step(self, local: Callable[[], Awaitable[np.ndarray]],
@@ -139,6 +119,21 @@ class Agreement:
         before anything else: gather again (a rank waiting, or a summary that outgrew the
         gather's capacity), stop (a rank failed: every rank raises, naming it; a rank closed),
         or the plan."""
+        async def exchange(array, error, closing):
+            gathered = await self.run(lambda: self.comm.gather(array))
+            replies = None
+            if self.comm.rank == 0:
+                replies = _control_replies(gathered, self.comm.world)
+                if replies is None:
+                    replies = plan(gathered)
+            mine = await self.run(lambda: self.comm.scatter(replies))
+            return mine if _check_reply(mine, self.comm.rank, error, closing) else None
+        return await self._rounds(local, exchange)
+
+    async def _rounds(self, local: Callable[[], Awaitable[np.ndarray]], exchange):
+        """Rounds of `exchange(array, error, closing)` until one returns a result: each round this
+        rank sends CLOSING, WAITING (`local()` not ready within the heartbeat), FAILED (it
+        raised: told to every rank, then re-raised here) or `local()`'s array."""
         task = asyncio.ensure_future(local())
         try:
             while True:
@@ -151,20 +146,14 @@ class Agreement:
                     array = encode_closing()
                 elif not task.done():
                     array = encode_waiting()
-                elif task.exception() is not None:   # told to every rank, then re-raised here
+                elif task.exception() is not None:
                     error = task.exception()
                     array = encode_failure(error)
                 else:
                     array = task.result()
-                gathered = await self.run(lambda: self.comm.gather(array))
-                replies = None
-                if self.comm.rank == 0:
-                    replies = _control_replies(gathered, self.comm.world)
-                    if replies is None:
-                        replies = plan(gathered)
-                mine = await self.run(lambda: self.comm.scatter(replies))
-                if _check_reply(mine, self.comm.rank, error, closing):
-                    return mine
+                result = await exchange(array, error, closing)
+                if result is not None:
+                    return result
         finally:
             if not task.done():
                 task.cancel()
