@@ -215,19 +215,21 @@ class _Rows:
             found = index.best(self, item, length)
             if found is not None:
                 return found
-        fits = self.room >= length
+        # Only the rows it fits are looked at (often few: the others are full).
+        fits = np.flatnonzero(self.room >= length)
         extra = float(self.c.extra_cost[item])
         if cost.document_masking:
             marginal = float(cost.doc_cost(length)) + extra
         else:   # a row's cost is convex in its tokens: what this row would add
-            f = self.fill.astype(np.float64)
+            f = self.fill[fits].astype(np.float64)
             marginal = cost.a * ((f + length) ** 2 - f * f) + cost.b * length + extra
-        row_load = self.load if self.geometry.pipelined else self.load[self.row_rank]
-        ends = np.where(fits, row_load + marginal, np.inf)
+        row_load = self.load[fits] if self.geometry.pipelined else \
+            self.load[self.row_rank[fits]]
+        ends = row_load + marginal
         tied = np.flatnonzero(ends == ends.min())
-        pick = int(tied[np.argmin(self.room[tied])])
-        work = marginal if cost.document_masking else float(marginal[pick])
-        return pick, work, max(float(ends[pick] - self.load.max()), 0.0)
+        at = int(tied[np.argmin(self.room[fits[tied]])])
+        work = marginal if cost.document_masking else float(marginal[at])
+        return int(fits[at]), work, max(float(ends[at] - self.load.max()), 0.0)
 
     def fill_pass(self, pool: np.ndarray, *, cost_aware: bool, overhead: float,
                   stop_at: float, budget: int, refuse: bool = True) -> np.ndarray:
