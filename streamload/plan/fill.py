@@ -229,7 +229,8 @@ class _Rows:
         tied = np.flatnonzero(ends == ends.min())
         at = int(tied[np.argmin(self.room[fits[tied]])])
         work = marginal if cost.document_masking else float(marginal[at])
-        return int(fits[at]), work, max(float(ends[at] - self.load.max()), 0.0)
+        top = index.top if index is not None else float(self.load.max())   # the same max
+        return int(fits[at]), work, max(float(ends[at] - top), 0.0)
 
     def fill_pass(self, pool: np.ndarray, *, cost_aware: bool, overhead: float,
                   stop_at: float, budget: int, refuse: bool = True) -> np.ndarray:
