@@ -88,3 +88,47 @@ def test_the_top_up_places_the_same_with_a_lazy_pool(seed):
                    cost_aware=cost_aware)
         for x, y in zip(a, b):
             np.testing.assert_array_equal(x, y)
+
+
+@pytest.mark.parametrize("seed", range(30))
+def test_rows_by_load_choose_the_row_the_full_pass_chooses(seed):
+    """`fill._ByLoad` (the rows in a heap by load) finds the row `_Rows.best`'s pass over every
+    row finds, ties included: whole-number costs make many rows tie on load, and rows at
+    different loads tie once the item's cost is added in floating point."""
+    from streamload.plan.fill import _ByLoad, _Rows
+    rng = np.random.default_rng(seed)
+    R, M, C = int(rng.integers(2, 12)), int(rng.choice([1, 2, 4])), 256
+    geometry = Geometry(R, M, C, pipeline_stages=int(rng.choice([1, 4])))
+    big = seed % 3 == 0       # costs of 2**53 and more: adding one to a small load rounds
+    cost = CostModel(a=0.0, b=1.0 if not big else 2.0 ** 52)
+    c = _windows(rng, R, 2, C // 2, depth=60)
+    n = len(c)
+    take = np.flatnonzero(rng.random(n) < 0.3)
+    rank = rng.integers(0, R, take.size).astype(np.int32)
+    row = rng.integers(0, M, take.size).astype(np.int32)
+    # Keep rows within capacity: drop what overflows.
+    cells = rank.astype(np.int64) * M + row
+    csum = np.zeros(R * M, dtype=np.int64)
+    keep = np.zeros(take.size, dtype=bool)
+    for k, (cell, length) in enumerate(zip(cells.tolist(), c.length[take].tolist())):
+        if csum[cell] + length <= C:
+            csum[cell] += length
+            keep[k] = True
+    take, rank, row = take[keep], rank[keep], row[keep]
+    rows = _Rows(c, take, rank, row, geometry, cost)
+    if big:   # small loads against costs of 2**53 and more: load + cost rounds, loads 0-3 tie
+        rows.load[:] = rng.integers(0, 4, rows.load.size).astype(np.float64)
+    index = _ByLoad(rows)
+    rest = np.setdiff1d(np.arange(n), take)
+    checked = 0
+    for item in rng.permutation(rest).tolist():
+        if int(c.length[item]) > int(rows.room.max()):
+            continue
+        expect = rows.best(item)
+        got = index.best(rows, item, int(c.length[item]))
+        if got is not None:
+            assert got == expect
+            checked += 1
+        rows.place(item, expect[0], expect[1])
+        index.placed(rows, expect[0])
+    assert checked > 0

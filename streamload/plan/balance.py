@@ -244,15 +244,17 @@ def _lpt(bins: _Bins, queue: np.ndarray, *, cap: float | None, home_first: bool 
         keys = projected[open_bins]
         near = keys < keys.min() + max(w[head], _EPS)
         eligible, keys = open_bins[near], keys[near]
-        order = np.argsort(keys, kind="stable")
-        eligible, keys = eligible[order], keys[order]
+        if eligible.size > 1:
+            order = np.argsort(keys, kind="stable")
+            eligible, keys = eligible[order], keys[order]
         if front.size >= eligible.size:
             chunk, front = front[:eligible.size], front[eligible.size:]
         else:
             take = min(eligible.size - front.size, queue.size - at)
             chunk, front, at = np.concatenate([front, queue[at:at + take]]), front[:0], at + take
+        # One bin in the round: the item goes there, home or not (what `_pair_home` gives).
         targets = (_pair_home(chunk, eligible, keys, w, bins.home_bin, slot_of_bin, home_slack)
-                   if home_first else eligible[:chunk.size])
+                   if home_first and eligible.size > 1 else eligible[:chunk.size])
         if limit is not None:
             allowed = bins.load[targets] + w[chunk] <= limit
             if forced is not None:

@@ -26,6 +26,7 @@ exact over any window of steps.
 from __future__ import annotations
 
 import bisect
+import heapq
 
 import numpy as np
 
@@ -204,23 +205,32 @@ class _Rows:
             waiting -= np.bincount(placed_len, minlength=waiting.size)
         return left[alive], left.size
 
-    def best(self, item: int) -> tuple[int, float, float]:
+    def best(self, item: int, index: "_ByLoad | None" = None) -> tuple[int, float, float]:
         """(row, the item's cost there, what the step's slowest rank gains): the row whose
-        rank ends cheapest, then the tightest (then the first). The item must fit somewhere."""
+        rank ends cheapest, then the tightest (then the first). The item must fit somewhere.
+        `index`: the rows by load (`_ByLoad`, document masking only), which finds the same row
+        without a pass over all rows when one of the least loaded fits."""
         cost, length = self.cost, int(self.c.length[item])
-        fits = self.room >= length
+        if index is not None:
+            found = index.best(self, item, length)
+            if found is not None:
+                return found
+        # Only the rows it fits are looked at (often few: the others are full).
+        fits = np.flatnonzero(self.room >= length)
         extra = float(self.c.extra_cost[item])
         if cost.document_masking:
             marginal = float(cost.doc_cost(length)) + extra
         else:   # a row's cost is convex in its tokens: what this row would add
-            f = self.fill.astype(np.float64)
+            f = self.fill[fits].astype(np.float64)
             marginal = cost.a * ((f + length) ** 2 - f * f) + cost.b * length + extra
-        row_load = self.load if self.geometry.pipelined else self.load[self.row_rank]
-        ends = np.where(fits, row_load + marginal, np.inf)
+        row_load = self.load[fits] if self.geometry.pipelined else \
+            self.load[self.row_rank[fits]]
+        ends = row_load + marginal
         tied = np.flatnonzero(ends == ends.min())
-        pick = int(tied[np.argmin(self.room[tied])])
-        work = marginal if cost.document_masking else float(marginal[pick])
-        return pick, work, max(float(ends[pick] - self.load.max()), 0.0)
+        at = int(tied[np.argmin(self.room[fits[tied]])])
+        work = marginal if cost.document_masking else float(marginal[at])
+        top = index.top if index is not None else float(self.load.max())   # the same max
+        return int(fits[at]), work, max(float(ends[at] - top), 0.0)
 
     def fill_pass(self, pool: np.ndarray, *, cost_aware: bool, overhead: float,
                   stop_at: float, budget: int, refuse: bool = True) -> np.ndarray:
@@ -233,6 +243,7 @@ class _Rows:
         pool = np.asarray(pool, dtype=np.int64)
         left, lengths = [], self.c.length
         max_room = int(self.room.max())
+        index, by_load = None, cost_aware and self.cost.document_masking
         total, attempts = int(self.fill.sum()), 0
         for first in range(0, pool.size, _CHUNK):
             part = pool[first:first + _CHUNK]
@@ -245,20 +256,91 @@ class _Rows:
                     continue
                 attempts += 1
                 if not cost_aware:
-                    self.place(item, int(np.argmax(self.room >= length)), 0.0)
+                    cell = int(np.argmax(self.room >= length))
+                    self.place(item, cell, 0.0)
                 else:
-                    cell, work, raised = self.best(item)
+                    if by_load and index is None:   # built once a pass places an item
+                        index = _ByLoad(self)
+                    cell, work, raised = self.best(item, index)
                     if refuse and deferral_gain(raised, work, length, self.geometry,
                                                 overhead) > 0:
                         left.append(item)
                         continue
                     self.place(item, cell, work)
+                    if index is not None:
+                        index.placed(self, cell)
                 total += length
-                max_room = int(self.room.max())
+                if int(self.room[cell]) + length == max_room:   # rooms only shrink
+                    max_room = int(self.room.max())
         return np.asarray(left, dtype=np.int64)
 
 
 _CHUNK = 4096   # items a fill pass turns into Python ints at a time
+_BY_LOAD_SCAN = 64   # rows `_ByLoad` looks at before it leaves the choice to a full pass
+
+
+class _ByLoad:
+    """The rows of a `_Rows` ordered by (load, room, row), for `_Rows.best` under document
+    masking, where an item costs the same in every row: the row whose rank ends cheapest is
+    the least loaded one that fits (then the tightest, then the first). A heap with stale
+    entries skipped (each row's entry carries a version); loads only grow during a pass.
+
+    Ties are taken as `best` takes them: rows whose load plus the item's cost rounds to the
+    same float are tied, even at different loads. If the first `_BY_LOAD_SCAN` rows looked
+    at leave the choice open (few rows fit), `best` makes it with its pass over all rows."""
+
+    def __init__(self, rows: _Rows):
+        self.pipelined = rows.geometry.pipelined
+        self.M = rows.geometry.micro_batches
+        row_load = rows.load if self.pipelined else rows.load[rows.row_rank]
+        self.version = [0] * rows.room.size
+        self.heap = [(float(load), int(room), cell, 0) for cell, (load, room) in
+                     enumerate(zip(row_load.tolist(), rows.room.tolist()))]
+        heapq.heapify(self.heap)
+        self.top = float(rows.load.max(initial=0.0))
+        self.work: dict[int, float] = {}     # doc_cost by length
+        self.misses_from = rows.geometry.capacity + 1   # items from this long skip the heap
+
+    def placed(self, rows: _Rows, cell: int) -> None:
+        """Row `cell` took an item (its rank's load grew: all of that rank's rows move)."""
+        cells = [cell] if self.pipelined else \
+            range((cell // self.M) * self.M, (cell // self.M + 1) * self.M)
+        load = float(rows.load[rows.row_rank[cell]])
+        self.top = max(self.top, load)
+        for c in cells:
+            self.version[c] += 1
+            heapq.heappush(self.heap, (load, int(rows.room[c]), c, self.version[c]))
+
+    def best(self, rows: _Rows, item: int, length: int) -> tuple[int, float, float] | None:
+        work = self.work.get(length)
+        if work is None:
+            work = self.work[length] = float(rows.cost.doc_cost(length))
+        marginal = work + float(rows.c.extra_cost[item])
+        if length >= self.misses_from:
+            return None
+        heap, version = self.heap, self.version
+        popped, choice, end = [], None, None
+        while heap and len(popped) < _BY_LOAD_SCAN:
+            entry = heapq.heappop(heap)
+            load, room, cell, v = entry
+            if v != version[cell]:
+                continue                      # stale: the row has a newer entry
+            popped.append(entry)
+            if end is not None and load + marginal != end:
+                break                         # past the tied rows
+            if room >= length and (choice is None or (room, cell) < choice[:2]):
+                choice, end = (room, cell), load + marginal
+        else:
+            if heap or choice is None:        # looked at too many rows: the full pass decides
+                choice = None
+        for entry in popped:
+            heapq.heappush(heap, entry)
+        if choice is None:
+            # Rooms only shrink: items this long will likely not fit the least loaded rows
+            # either, so they go straight to the full pass.
+            self.misses_from = min(self.misses_from, length)
+            return None
+        return choice[1], marginal, max(end - self.top, 0.0)
 
 
 def _first_reaching(lengths: np.ndarray, items: np.ndarray, tokens: float) -> int:

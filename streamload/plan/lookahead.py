@@ -202,12 +202,19 @@ def straggler_limit(attention: np.ndarray, length: np.ndarray, pool: np.ndarray,
 
     A fixed share of a slot's cost (the rule before) left documents just under it as the lone
     stragglers of light steps: at C = 128k over CP, R = 64, such steps ran at 0.90-0.93."""
-    x, l = attention[pool], length[pool].astype(np.float64)
+    x, l = (attention, length) if pool.all() else (attention[pool], length[pool])
     limit = float(x.max(initial=0.0))
+    # Every item is light in the first round; later rounds only drop items above the limit,
+    # never below LIGHT_TOLERANCE · linear (the mean is not negative). So the sums are the
+    # first round's less those of the few items above the limit, found among the items above
+    # that floor (looked up once). Token sums are whole numbers, so exact.
+    total_x, total_l = float(x.sum()), float(l.sum(dtype=np.float64))
+    high = np.flatnonzero(x > LIGHT_TOLERANCE * linear * (1 - 1e-9))
+    above, above_l = x[high], l[high].astype(np.float64)
     for _ in range(LIGHT_ROUNDS):
-        light = x <= limit
-        tokens = float(l[light].sum())
-        mean = slot_tokens * float(x[light].sum()) / tokens if tokens > 0 else 0.0
+        out = above > limit
+        tokens = total_l - float(above_l[out].sum())
+        mean = slot_tokens * (total_x - float(above[out].sum())) / tokens if tokens > 0 else 0.0
         lower = mean + LIGHT_TOLERANCE * (linear + mean)
         if lower >= limit:
             break
