@@ -206,3 +206,29 @@ def test_gloo_resume_from_four_ranks_to_three_with_readers(sized_corpus):
     assert set(base_ids(ids)) == expected
     readers = {name: sum(r[1][name][0] for r in second) for name in second[0][1]}
     assert readers["small"] == 1 and readers["tiny"] == 1
+
+
+@pytest.mark.core
+def test_job_model_resumes_a_state_dealt_to_every_rank_into_readers(monkeypatch):
+    """At the same world size, a state whose deal had every rank reading (a state saved before
+    readers existed reads as such: `readers` 0) resumes into a job with fewer readers: what is
+    left is dealt again over the readers, and the epoch is delivered exactly once."""
+    from streamload.state import decode_state, encode_state
+    ranks = 4
+    everyone = [Source(s.uri, weight=s.weight, name=s.name, on_exhausted=s.on_exhausted,
+                       readers=ranks) for s in SIZED]
+    docs = [[np.full(12, 30 + 7 * k) for k in range(8)], [np.full(20, 60) for _ in range(4)],
+            [np.full(6, 200) for _ in range(4)]]
+    monkeypatch.setattr(model, "SOURCES", everyone)
+    job, blocks = model.make_job(ranks, docs)
+    job.start()
+    before = model.run(job, model.windows_for(job, blocks), stop_at=6)
+    state = decode_state(encode_state(job.state(job.snapshot())))
+    assert {p.readers for p in state.sources} == {0}
+    monkeypatch.setattr(model, "SOURCES", SIZED)
+    resumed, blocks = model.make_job(ranks, docs)
+    resumed.load(state)
+    resumed.start()
+    assert (resumed.readers < ranks).any() and resumed._redealt
+    after = model.run(resumed, model.windows_for(resumed, blocks))
+    model.assert_exactly_once(before + after, docs)
