@@ -37,8 +37,8 @@ class StreamWindows:
         self.offer: Offer | None = None
 
     def _feed(self, s: int):
-        def feed():
-            lengths = self.streams[s].take(max(float(self.depth[s]), 1.0))
+        def feed(tokens: int):   # what the window lacks, one item over (as FifoWindows drew)
+            lengths = self.streams[s].take(float(tokens))
             return Block.of(lengths) if lengths.size else None
         return feed
 
@@ -65,4 +65,7 @@ class StreamWindows:
         return out
 
     def has_items(self) -> bool:
-        return bool(self.windows.holding().any())
+        """Items left in the windows or the streams (without drawing any: a queue asked
+        whether it holds items draws one, which would deal the streams' tails differently)."""
+        return bool(self.held().sum() > 0 or any(getattr(st, "left", 1) > 0
+                                                 for st in self.streams))

@@ -13,6 +13,7 @@ import msgspec
 from .errors import ConfigError, did_you_mean
 from .plan.planner import PlannerMethod
 from .storage.retry import RetryPolicy
+from .vision.options import Images
 
 OnError = Literal["raise", "skip"]
 LongDocuments = Literal["split", "truncate", "drop"]
@@ -99,6 +100,9 @@ class Source(msgspec.Struct):
     readers: Optional[int] = None
     read_cost: float = 1.0                # relative cost per token of reading it (decoding,
                                           # tokenizing): a costlier source gets more readers
+    # Image-text samples (`vision.Images`: which members or column hold images, the resizing
+    # rule, the placeholder ids); None: text only.
+    images: Optional[Images] = None
 
     def __post_init__(self):
         """Every field converted to its type and checked; a ConfigError's `key` is the field."""
@@ -183,6 +187,10 @@ class LoaderConfig(msgspec.Struct, kw_only=True):
     document_masking: bool = True
     pad_to: Optional[Literal["capacity"]] = None   # "capacity": every row exactly C tokens
     pad_token_id: int = 0                   # the padding's token id (with pad_to)
+    # Image sources: decode and resize a step's images in this many worker processes (or daemon
+    # threads, "threads": Pillow releases the GIL in its decoder and resampler).
+    image_workers: int = 2
+    decode_images_in: Literal["processes", "threads"] = "processes"
 
     def __post_init__(self):
         """The one validation of the loader's options, whether the config comes from keyword
@@ -202,7 +210,7 @@ class LoaderConfig(msgspec.Struct, kw_only=True):
         for key in ("micro_batch_tokens", "micro_batches", "prefetch_steps", "shard_prefetch",
                     "range_readahead", "chunk_bytes", "max_concurrency", "transform_workers",
                     "lookahead", "max_shard_prefetch", "max_range_readahead",
-                    "tokenizer_processes"):
+                    "tokenizer_processes", "image_workers"):
             positive_int(key)
         for key in ("epochs", "max_deferral", "memory_budget", "buffer_tokens",
                     "pipeline_stages", "state_every"):

@@ -2,7 +2,9 @@
 
 Pop the planned items from this rank's buffers, exchange them so each goes to the rank the plan
 names (all-to-all), pack them into M rows of at most C tokens (exactly C, padded, with
-`pad_to="capacity"`), with their labels and loss masks, and count what was delivered.
+`pad_to="capacity"`), with their labels and loss masks, and count what was delivered. A job
+with an image source (`use_images`) moves each item's encoded images with it and attaches the
+decoded patches to its row (`pipeline/image_batches.py`).
 Loop-owned, like the buffers it takes from.
 """
 from __future__ import annotations
@@ -20,10 +22,12 @@ from .collective.messages import PlanMessage, StepTotals, Summaries, step_totals
 from .metrics import SourceMetrics, StepMetrics
 from .mixreport import StepMix
 from .pipeline.buffer import SourceBuffer
+from .pipeline.image_batches import ImageBatches
 from .pipeline.recycle import ArrayRecycler
 from .plan.cost import CostModel
 from .plan.packing import pack_rows, row_memory_words, split_row_memory
 from .plan.types import Geometry
+from .vision.exchange import exchange_images
 
 T = TypeVar("T")
 
@@ -45,6 +49,15 @@ class Delivery:
         self._step_size = geometry.micro_batches * geometry.capacity
         self._row_memory = ArrayRecycler(row_memory_words(self._step_size), np.int64,
                                          batches_held)
+        self.images: Optional[ImageBatches] = None   # `use_images`
+
+    def use_images(self, images: ImageBatches) -> None:
+        """Steps carry images: every rank of the job calls this before the first step."""
+        self.images = images
+
+    def close(self) -> None:
+        if self.images is not None:
+            self.images.close()
 
     def listed(self, shard_names: Sequence[Sequence[str]]) -> None:
         self.shard_names = [list(names) for names in shard_names]
@@ -62,6 +75,7 @@ class Delivery:
         holder = c.rank[plan.take]
         lengths = plan.length
         mine: dict[int, np.ndarray] = {}
+        refs: dict[int, tuple] = {}   # plan entry -> its images (a job with images)
         for s, buffer in enumerate(buffers):
             entries = np.flatnonzero((holder == me) & (c.source[plan.take] == s))
             positions = c.position[plan.take[entries]]
@@ -70,8 +84,14 @@ class Delivery:
             cut = dict(zip(positions[short].tolist(), lengths[entries][short].tolist()))
             items = buffer.take(positions[order], window_sizes[s], cut)
             mine.update(zip(entries[order].tolist(), (i.tokens for i in items)))
+            if self.images is not None:
+                refs.update(zip(entries[order].tolist(),
+                                (getattr(i, "images", ()) for i in items)))
         entries, tokens = await collective(
             lambda: exchange_tokens(self.comm, holder, plan.rank, lengths, mine))
+        if self.images is not None:
+            refs_here = await collective(
+                lambda: exchange_images(self.comm, holder, plan.rank, refs))
         sources = c.source[plan.take[entries]]
         rows = pack_rows(tokens, plan.row[entries], M, self.geometry.capacity,
                          out=split_row_memory(self._row_memory.take(), self._step_size),
@@ -85,6 +105,13 @@ class Delivery:
                 position_ids=torch.from_numpy(row.position_ids),
                 labels=torch.from_numpy(row.labels), loss_mask=torch.from_numpy(row.loss_mask),
                 sample_ids=ids, max_seqlen=row.max_seqlen, padding=row.padding))
+        if self.images is not None:
+            def name_of(k: int) -> tuple:
+                source, (shard, record, _) = source_list[k], id_list[k]
+                names = self.shard_names[source]
+                return self.source_names[source], names[shard % len(names)], record
+            micro_batches = await self.images.attach(micro_batches, rows, entries, refs_here,
+                                                     name_of)
         if totals is None:
             totals = step_totals(c, plan, self.cost, self.geometry)
         self._count(totals, sources, lengths[entries])

@@ -32,6 +32,7 @@ import zlib
 from dataclasses import dataclass
 from typing import Callable, Iterable, Optional, Sequence
 
+import msgspec
 import numpy as np
 
 from .config import LoaderConfig, Source
@@ -71,7 +72,9 @@ def data_options(config: LoaderConfig, sources: Sequence[Source],
         micro_batch_tokens=config.micro_batch_tokens, long_documents=config.long_documents,
         tokenizer=identity(tokenizer),
         sources=tuple(SourceData(name=s.name, text_field=s.text_field, tokens_field=s.tokens_field,
-                                 format=s.format, on_exhausted=s.on_exhausted, repeat=s.repeat)
+                                 format=s.format, on_exhausted=s.on_exhausted, repeat=s.repeat,
+                                 images=None if s.images is None
+                                 else msgspec.json.encode(s.images).decode())
                       for s in sources))
 
 
@@ -88,7 +91,7 @@ def data_mismatches(saved: DataOptions, now: DataOptions) -> list[tuple[str, str
     for old in saved.sources:
         new = current.get(old.name)
         for key in () if new is None else ("text_field", "tokens_field", "format",
-                                           "on_exhausted", "repeat"):
+                                           "on_exhausted", "repeat", "images"):
             if getattr(old, key) != getattr(new, key):
                 out.append((key, f"source {old.name!r} {key}: saved with {getattr(old, key)!r}, "
                                  f"this loader has {getattr(new, key)!r}"))
@@ -369,7 +372,7 @@ def layout_feed(units: Iterable[ReadUnit], shard_block: Callable[[int], Block],
     with its age from a resumed state (`ages`: (shard, record, chunk) -> age, `resume_ages`)."""
     units = iter(units)
 
-    def feed() -> Optional[Block]:
+    def feed(_tokens: int) -> Optional[Block]:   # a whole shard, whatever the window needs
         unit = next(units, None)
         if unit is None:
             return None

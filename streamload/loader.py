@@ -41,6 +41,7 @@ from .errors import ConfigError, UsageError
 from .peers import Follower
 from .job import StepSnapshot, check_resume, data_options
 from .runtime import Runtime
+from .pipeline.image_batches import ImageBatches, shared_geometry
 from .state import decode_state, encode_state
 from .tokenizer import as_tokenizer
 
@@ -218,6 +219,7 @@ class Loader:
         else:
             self._runtime = Runtime(self.sources, row_config, tokenizer, comm, storage_options,
                                     mixture, sample_costs, self.topology, peers)
+        self._use_images(row_config)
         self._runtime_step_tokens = row_config.micro_batches * row_config.micro_batch_tokens * \
             self.world_size
         self._source_names = [src.name for src in self.sources]
@@ -381,6 +383,22 @@ class Loader:
         self._finished = self._closed = True
         if self._finalizer is not None:
             self._finalizer()
+        if isinstance(self._runtime, Runtime):
+            self._runtime.delivery.close()
+
+    def _use_images(self, config: LoaderConfig) -> None:
+        """A job with an image source: every step moves and decodes images
+        (`pipeline/image_batches.py`). Its batches are built on each DP rank alone."""
+        options = [s.images for s in self.sources]
+        if all(o is None for o in options):
+            return
+        if self.topology is not None and (self.topology.broadcast or self.topology.cp > 1
+                                          or self.topology.pp > 1):
+            raise ConfigError.at("images", "image sources are not supported yet with "
+                                           "broadcast delivery, context or pipeline parallelism")
+        geometry = shared_geometry([s.name for s in self.sources], options)
+        self._runtime.delivery.use_images(
+            ImageBatches(geometry, config.image_workers, config.decode_images_in))
 
     def __enter__(self) -> "Loader":
         return self

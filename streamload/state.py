@@ -109,6 +109,9 @@ class SourceData(msgspec.Struct, frozen=True, kw_only=True, array_like=True):
     format: Optional[str]                # None: detected from the file names
     on_exhausted: str                    # "restart" reads the state's positions as passes
     repeat: int
+    # An image source's options (`vision.Images`, as JSON): the resizing rule decides how many
+    # tokens each sample takes. None: a text source (and states saved before this field).
+    images: Optional[str] = None
 
 
 class DataOptions(msgspec.Struct, frozen=True, kw_only=True):

@@ -173,7 +173,7 @@ def test_window_matches_source_buffer():
         await buffer.end_epoch(0)
         blocks = iter([Block.of(lengths[:150]), Block.of(lengths[150:], np.stack(
             [np.zeros(250, np.int64), np.arange(150, 400), np.full(250, -1)], axis=1))])
-        window = ItemQueue(lambda: next(blocks, None))
+        window = ItemQueue(lambda _tokens: next(blocks, None))
         for _ in range(200):
             items, done = buffer.window()
             sim, ages, ids, sim_done = window.window(W)

@@ -2,7 +2,8 @@
 
 Layers, bottom up; a module imports from its own layer or below, never above:
   0  errors, pieces, plan/ (pure NumPy), storage/
-  1  tokenizer, formats/, config, configfile, state, batch, metrics, mixreport, job
+  1  tokenizer, formats/, config, configfile, state, batch, metrics, mixreport, job,
+     vision/
   2  collective/, pipeline/
   3  delivery, stage_view, peers, watch, runtime
   4  loader, observe (metrics records, logs, TensorBoard), the package's __init__
@@ -24,7 +25,7 @@ pytestmark = pytest.mark.core
 PACKAGE = Path(streamload.__file__).parent
 LAYERS = [("errors", "pieces", "plan", "storage"),
           ("tokenizer", "formats", "config", "configfile", "state", "batch", "metrics",
-           "mixreport", "job"),
+           "mixreport", "job", "vision"),
           ("collective", "pipeline"),
           ("delivery", "stage_view", "peers", "watch", "runtime"),
           ("loader", "observe", "__init__"),

@@ -102,3 +102,92 @@ def test_the_loader_logs_its_cost_model_and_planner_at_start(tmp_path, caplog):
     text = "\n".join(r.getMessage() for r in caplog.records)
     assert "planner lookahead" in text and "a=2.035e-05, b=1" in text
     assert "CostModel.transformer" in text and "2 pipeline stage(s)" in text
+
+
+def test_items_due_next_step_are_taken_early_where_they_would_overflow_half_a_step():
+    """`balance` can place overdue items of at most half the step (first-fit decreasing); of
+    more, the youngest of them waited one step past the bound (ages of 17 against 16 in the
+    loader). Items due next step that hold more than half a step are taken a step early,
+    first in arrival order, until the rest fit in half a step."""
+    from streamload.plan.lookahead import bounded_forced
+    force_age = 8
+    lengths = np.array([600, 500, 400, 300, 200, 100])
+    c = Candidates.from_windows([[lengths]], [[np.array([8, 7, 7, 7, 7, 2])]])
+    forced = bounded_forced(c, force_age, limit=1200)
+    # Overdue: item 0. Due next step: items 1-4, 1,400 tokens, 200 over the limit: item 1
+    # (500) goes now, 900 tokens stay due (<= 1200); item 5 is young.
+    assert forced.tolist() == [True, True, False, False, False, False]
+    assert bounded_forced(c, force_age, limit=1400).tolist() == [True] + [False] * 5
+    # Never past the limit in all: with the overdue item's 600 of 1000, a 500 does not fit.
+    assert bounded_forced(c, force_age, limit=1000).tolist() == [True] + [False] * 5
+
+
+def test_a_document_a_light_step_cannot_even_out_waits_for_its_layer():
+    """Two ranks of one 128k row. A step of light documents gives each slot about the same
+    attention; a document whose attention passes that mean by more than 3% of the slot's
+    linear cost would be its slot's lone straggler: it is heavy and waits (alone in the window,
+    it has no layer), while a document under the limit is taken with the light ones. (The rule
+    before, a quarter of a slot's fair cost, took the 20k document: at 128k it let documents
+    up to about 28k into light steps.)"""
+    from streamload.plan.lookahead import LIGHT_TOLERANCE, straggler_limit
+    from streamload.plan.balance import item_costs
+    C = 131072
+    cost = CostModel(a=1 / 49152, b=1.0)
+    geometry = Geometry(2, 1, C)
+    light = [400] * 1500
+    windows = [[np.array([20000] + light)], [np.array([6000] + light)]]
+    c = Candidates.from_windows(windows)
+    attention = item_costs(c, np.arange(len(c)), cost) - c.length
+    pool = np.ones(len(c), dtype=bool)
+    limit = straggler_limit(attention, c.length, pool, C, float(C))
+    below = attention <= limit
+    mean = C * attention[below].sum() / c.length[below].sum()
+    assert limit <= mean + LIGHT_TOLERANCE * (C + mean)      # no light one past the tolerance
+    assert attention[c.length == 20000][0] > limit >= attention[c.length == 6000][0]
+    planner = Planner(geometry, cost, method="lookahead", lookahead=4)
+    a = planner.assign(c, np.array([float(geometry.step_tokens)]), 0)
+    taken = set(c.length[a.take].tolist())
+    assert 20000 not in taken and 6000 in taken
+    assert a.length.sum() >= 0.98 * geometry.step_tokens
+
+
+def test_the_top_up_puts_what_it_must_add_where_its_rank_ends_cheapest():
+    """A step short of FULL takes what fits even when leaving it out would gain the epoch; the
+    item then goes to the rank that ends cheapest (it went to the first row with room, and
+    became the step's straggler)."""
+    from streamload.plan.fill import top_up
+    cost = CostModel(a=0.01, b=1.0)
+    geometry = Geometry(2, 1, 100)
+    # Rank 0: one document of 60 (cost 96); rank 1: two of 30 (78). Then one of 40 (56).
+    c = Candidates.from_windows([[np.array([60, 40])], [np.array([30, 30])]])
+    take, rank, row = np.array([0, 2, 3]), np.array([0, 1, 1], np.int32), np.zeros(3, np.int32)
+    take, rank, row, length = top_up(c, take, rank, row, np.array([1]), geometry, cost,
+                                     overhead=0.0, cost_aware=True)
+    assert take.tolist() == [0, 2, 3, 1] and rank[-1] == 1      # 134 on rank 1, not 152 on 0
+    rows = cost.row_costs(length, rank.astype(np.int64), 2)
+    assert rows.max() == pytest.approx(134.0)
+
+
+def test_the_balancer_places_a_light_step_with_a_thousand_documents_a_row():
+    """Light documents that do not fit at home go out in waves, at most one per row per wave:
+    64 waves left most of a row of 128k (about 100 documents of the web's median length)
+    unplaced, for the top-up to place without regard to cost. Here: a thousand a row."""
+    from streamload.plan.balance import assign_balanced
+    cost = CostModel(a=1 / 49152, b=1.0)
+    geometry = Geometry(2, 1, 40000)
+    c = Candidates.from_windows([[np.full(2000, 20)], [np.zeros(0, np.int64)]])  # rank 0 holds all
+    take, rank, row = assign_balanced(c, np.arange(len(c)), geometry, cost)
+    assert take.size == 2000
+    assert np.bincount(rank, minlength=2).tolist() == [1000, 1000]
+
+
+def test_forced_items_past_half_a_step_keep_the_short_ones_that_still_fit():
+    """More overdue items than half a step (the most first-fit-decreasing always places): the
+    oldest go first, then the shortest of the rest while they fit. A prefix of the oldest left
+    out items of a hundred tokens behind one that did not fit (ages of 17 against 16)."""
+    from streamload.plan.balance import _oldest_that_fit
+    geometry = Geometry(2, 1, 1000)                           # half a step: 1000 tokens
+    lengths = np.array([600, 500, 100, 90])
+    c = Candidates.from_windows([[lengths]], [[np.array([17, 16, 16, 16])]])
+    keep = _oldest_that_fit(c, np.arange(4), np.ones(4, dtype=bool), geometry)
+    assert keep.tolist() == [True, False, True, True]         # 600 + 100 + 90 <= 1000

@@ -152,7 +152,9 @@ def test_lookahead_keeps_each_source_within_one_item_of_its_quota():
             lengths = np.clip(rng.lognormal(np.log(300 * (s + 1)), 1.0, 200).astype(np.int64), 1, C)
             row.append(lengths[:int(np.searchsorted(np.cumsum(lengths), depth[s])) + 1])
         windows.append(row)
-    ages = [[rng.integers(0, W, w.size) for w in row] for row in windows]
+    # Ages below W - 1: none overdue, none due next step (those are taken early where they
+    # hold more than half a step, `lookahead.bounded_forced`, past their quotas).
+    ages = [[rng.integers(0, W - 1, w.size) for w in row] for row in windows]
     c = Candidates.from_windows(windows, ages)
     selected, forced = select_lookahead(c, targets, geometry, CostModel(a=1 / 4096), window=W, force_age=W)
     assert not forced.any()

@@ -278,3 +278,22 @@ def test_a_resumed_shard_tokenizes_only_what_it_still_delivers(tmp_path):
                  for step in run.head for mb in step for i in mb[0]}
     again = set(seen) & delivered   # at most the record the stop fell in (a later piece)
     assert len(delivered) > 100 and len(again) <= 1, sorted(again)
+
+
+@pytest.mark.core
+def test_a_resume_with_another_image_rule_is_refused_naming_the_source():
+    """An image source's resizing rule decides each sample's tokens: a state saved with one
+    rule resumed with another would name other items (the vision helper's open point)."""
+    from streamload.job import data_mismatches, data_options
+    from streamload.vision import Images
+
+    def options(**rule):
+        source = sl.Source("/data/pairs", images=Images(image_token_id=7, **rule))
+        return data_options(sl.LoaderConfig(micro_batch_tokens=4096), [source], None)
+
+    saved = msgspec.json.decode(msgspec.json.encode(options()), type=type(options()))
+    assert data_mismatches(saved, options()) == []
+    problems = data_mismatches(saved, options(max_pixels=256 * 28 * 28))
+    assert [key for key, _ in problems] == ["images"]
+    assert "source 'pairs' images: saved with" in problems[0][1]
+    assert "200704" in problems[0][1] and "802816" in problems[0][1]

@@ -5,7 +5,9 @@ listed object, or returns None for objects that are no shard (companion index fi
 names), which the fetcher leaves out.
 
 Every format class is built as `Format(text_field, tokens_field, named)`: `text_field` None
-means the format's own default; `named` is True when the user chose the format by name.
+means the format's own default; `named` is True when the user chose the format by name. A
+source with `images` (`vision.Images`) gets the formats that read images (`IMAGE_FORMATS`),
+built with `images=` too; the others are not considered for it.
 """
 from __future__ import annotations
 
@@ -29,17 +31,22 @@ FORMATS: dict[str, str] = {
     "litdata": "litdata:LitdataFormat",
     "webdataset": "webdataset:WebdatasetFormat",
 }
+# Formats that read image-text samples (`formats/images.py`).
+IMAGE_FORMATS = ("parquet", "webdataset")
 
 
 @lru_cache(maxsize=None)
 def _instance(name: str, text_field: str | None, tokens_field: str | None,
-              named: bool) -> ShardFormat:
+              named: bool, images=None) -> ShardFormat:
     module, cls = FORMATS[name].split(":")
-    return getattr(import_module(f"{__name__}.{module}"), cls)(text_field, tokens_field, named)
+    fmt = getattr(import_module(f"{__name__}.{module}"), cls)
+    if images is None:
+        return fmt(text_field, tokens_field, named)
+    return fmt(text_field, tokens_field, named, images=images)
 
 
 def format_for(uri: str, *, format_name: str | None = None, text_field: str | None = None,
-               tokens_field: str | None = None) -> ShardFormat | None:
+               tokens_field: str | None = None, images=None) -> ShardFormat | None:
     """The format that reads `uri`, or None when `uri` is not a shard.
 
     With `format_name` None the format comes from the file name (`.jsonl[.gz|.zst]`,
@@ -50,10 +57,13 @@ def format_for(uri: str, *, format_name: str | None = None, text_field: str | No
         if format_name not in FORMATS:
             raise ConfigError(f"format: unknown format {format_name!r}; "
                               f"known formats are {', '.join(sorted(FORMATS))}")
-        fmt = _instance(format_name, text_field, tokens_field, True)
+        if images is not None and format_name not in IMAGE_FORMATS:
+            raise ConfigError(f"format: {format_name!r} holds no images; a source with images "
+                              f"reads {' or '.join(IMAGE_FORMATS)}")
+        fmt = _instance(format_name, text_field, tokens_field, True, images)
         return fmt if fmt.matches(uri) else None
-    for name in FORMATS:
-        fmt = _instance(name, text_field, tokens_field, False)
+    for name in (FORMATS if images is None else IMAGE_FORMATS):
+        fmt = _instance(name, text_field, tokens_field, False, images)
         if fmt.matches(uri):
             return fmt
     return None

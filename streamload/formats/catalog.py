@@ -198,7 +198,7 @@ async def catalog(source: Source, store: ObjectStore) -> Catalog:
     undecided = []   # `.json` objects to sniff (auto-detection only)
     for k, info in enumerate(objects):
         fmt = format_for(info.uri, format_name=source.format, text_field=source.text_field,
-                         tokens_field=source.tokens_field)
+                         tokens_field=source.tokens_field, images=source.images)
         formats.append(fmt)
         if fmt is None and source.format is None and _JSON.search(info.uri) \
                 and not _COMPANIONS.search(info.uri):

@@ -17,6 +17,7 @@ from ..errors import ConfigError, DataError
 from ..storage.base import ObjectInfo, ObjectStore
 from ..tokenizer import TextTokenizer, TokenizerError
 from .base import DocumentLengths, Problems, RawRecord
+from .images import measure_image_records
 
 
 async def encode_records(records: list[RawRecord],
@@ -86,6 +87,7 @@ async def stream_lengths(fmt, store: ObjectStore, shard: ObjectInfo, *, problems
         return DocumentLengths(np.zeros(0, np.int64), "scan")
     stream = await fmt.open(store, shard, problems=problems, chunk_bytes=chunk_bytes,
                             **open_options)
+    images = getattr(fmt, "images", None)   # image-text records: text plus visual tokens
 
     async def add(records: list[RawRecord]) -> bool:
         """Measure `records` (no more than the limit needs); True once the limit is reached."""
@@ -93,7 +95,10 @@ async def stream_lengths(fmt, store: ObjectStore, shard: ObjectInfo, *, problems
         while at < len(records) and (limit is None or len(out) < limit):
             # The records the limit still needs (a bad one, left out, calls for one more).
             end = len(records) if limit is None else at + limit - len(out)
-            out.extend(await measure_records(records[at:end], tokenizer, problems=problems))
+            if images is not None:
+                out.extend(measure_image_records(records[at:end], tokenizer, images, problems))
+            else:
+                out.extend(await measure_records(records[at:end], tokenizer, problems=problems))
             at = end
         return limit is not None and len(out) >= limit
 

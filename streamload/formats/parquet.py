@@ -147,14 +147,15 @@ def _is_token_list(pa, type_) -> bool:
             and pa.types.is_integer(type_.value_type))
 
 
-def _plan(metadata, field: str, footer_start: int, size: int
+def _plan(metadata, field, footer_start: int, size: int
           ) -> tuple[list[tuple[int, int]], list[int], list[int]]:
     """(ranges, row groups, first row of each): one range per non-empty row group, covering the
     column chunk(s) of `field` (the leaves whose path is `field` or below it, as pyarrow
-    selects a column by name)."""
+    selects a column by name; a tuple of names: all of theirs, one range spanning them)."""
     schema = metadata.schema
-    leaves = [i for i in range(metadata.num_columns)
-              if schema.column(i).path == field or schema.column(i).path.startswith(field + ".")]
+    names = (field,) if isinstance(field, str) else tuple(field)
+    leaves = [i for i in range(metadata.num_columns) for name in names
+              if schema.column(i).path == name or schema.column(i).path.startswith(name + ".")]
     ranges, groups, first_rows = [], [], []
     row = 0
     for k in range(metadata.num_row_groups):
@@ -284,7 +285,11 @@ class ParquetFormat:
     name = "parquet"
 
     def __init__(self, text_field: str | None = None, tokens_field: str | None = None,
-                 named: bool = False):
+                 named: bool = False, images=None):
+        self.images = images   # vision.Images: rows of text and an image column
+        if images is not None and tokens_field is not None:
+            raise ConfigError.at("images", "an image source reads text (text_field), not "
+                                           "token ids (tokens_field)")
         if tokens_field is not None:
             if not tokens_field:
                 raise ConfigError.at("tokens_field", "must be a non-empty string")
@@ -308,6 +313,10 @@ class ParquetFormat:
         pa = _pyarrow()
         try:
             metadata, footer_start = await _read_footer(store, shard)
+            if self.images is not None:
+                from .parquet_images import image_stream
+                return image_stream(pa, shard, problems, metadata, footer_start, self.field,
+                                    self.images)
             self._check_column(pa, metadata)
             return ParquetStream(shard, problems=problems, metadata=metadata,
                                  footer_start=footer_start, field=self.field, tokens=self.tokens)

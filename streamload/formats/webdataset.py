@@ -15,6 +15,12 @@ The text of a sample (`text_field`, default "txt"):
   field name (`json.text`, `meta.json.body`), the member with that extension is parsed as a JSON
   object and its string field (the part after the dot, a top-level key) is the text.
 
+With `images` (a source's `vision.Images`) a sample is an image-text record
+(`formats/images.py`): its image members (extensions ending in one of `Images.fields`, "jpg",
+"0.jpg", "left.png", ...) are kept too, in the natural order of their names, and interleaved
+with the text (placeholders, or a JSON field's list of strings and nulls). A sample without
+image members is text alone.
+
 With `tokens_field` (an extension, e.g. "ids.npy") a sample's record is token ids instead: that
 member holds a 1-D integer array in NumPy's `.npy` format (`np.save`), as WebDataset's own `.npy`
 decoder reads it; negative ids are record errors.
@@ -46,6 +52,7 @@ from ..errors import ConfigError
 from ..storage.base import ObjectInfo, ObjectStore
 from ..tokenizer import TextTokenizer
 from .base import LENGTHS_CHUNK_BYTES, BadShard, DocumentLengths, Problems, RawRecord, field_hint
+from .images import ImageBlob, interleave, member_text, natural_key
 from .lengths import stream_lengths
 from .tar import (BLOCK, REGULAR, SUPPORTED, ZERO_BLOCK, checksum_ok, member_name, pax_fields,
                   tar_number)
@@ -90,13 +97,14 @@ def _json_problem(error: msgspec.MsgspecError, field: str, data: bytes, member: 
 
 
 class _Sample:
-    __slots__ = ("key", "index", "extensions", "text", "problem")
+    __slots__ = ("key", "index", "extensions", "text", "problem", "images")
 
     def __init__(self, key: str, index: int):
         self.key, self.index = key, index
         self.extensions: list[str] = []
         self.text: Optional[bytes] = None
         self.problem: Optional[str] = None
+        self.images: list[ImageBlob] = []
 
 
 class _Gunzip:
@@ -128,8 +136,10 @@ class WebdatasetStream:
 
     def __init__(self, shard: ObjectInfo, *, problems: Problems, chunk_bytes: int,
                  compression: Optional[str], member: str, field: Optional[str],
-                 tokens: bool = False):
+                 tokens: bool = False, images=None):
         self.problems = problems
+        self._images = images            # vision.Images: keep image members too
+        self._image_member: Optional[str] = None
         step, size = chunk_bytes, shard.size
         self._ranges = [(start, min(start + step, size)) for start in range(0, size, step)]
         self._next_range = 0
@@ -286,6 +296,8 @@ class WebdatasetStream:
         what, self._collecting = self._collecting, None
         if what == "text":
             self._sample.text = data
+        elif what == "image":
+            self._sample.images.append(ImageBlob(self._image_member, data))
         elif what == "pax":
             self._pax.update(pax_fields(data))
         elif what == "global":
@@ -308,6 +320,9 @@ class WebdatasetStream:
         sample.extensions.append(extension)
         if extension == self._member and sample.text is None:
             self._start_kept("text", size)
+        elif self._images is not None and self._images.is_image(extension):
+            self._image_member = name
+            self._start_kept("image", size)
         else:
             self._start_skip(size)
 
@@ -324,7 +339,12 @@ class WebdatasetStream:
             problem = (f"no member with the extension {self._member!r} (the sample has "
                        f"{', '.join(repr(e) for e in sample.extensions)})"
                        f"{field_hint(option, self._member, sample.extensions)}")
-        if problem is None:
+        if problem is None and self._images is not None:
+            text, problem = member_text(sample.text, self._member, self._field)
+            if problem is None:
+                images = sorted(sample.images, key=lambda b: natural_key(b.member))
+                text, problem = interleave(sample.key, text, images, self._images.placeholder)
+        elif problem is None:
             text, problem = (self._ids if self._tokens else self._text)(sample.text)
         if problem is not None:
             self.problems.record(sample.index, f"sample {sample.key!r}: {problem}")
@@ -384,7 +404,11 @@ class WebdatasetFormat:
     name = "webdataset"
 
     def __init__(self, text_field: str | None = None, tokens_field: str | None = None,
-                 named: bool = False):
+                 named: bool = False, images=None):
+        if images is not None and tokens_field is not None:
+            raise ConfigError.at("images", "an image source reads text (text_field), not "
+                                           "token ids (tokens_field)")
+        self.images = images
         text_field = "txt" if text_field is None else text_field
         if not text_field:
             raise ConfigError.at("text_field", "must be a non-empty string")
@@ -409,7 +433,8 @@ class WebdatasetFormat:
         compression = compression_of(shard.uri)
         return WebdatasetStream(shard, problems=problems, chunk_bytes=chunk_bytes,
                                 compression=compression if compression is not False else None,
-                                member=self.member, field=self.field, tokens=self.tokens)
+                                member=self.member, field=self.field, tokens=self.tokens,
+                                images=self.images)
 
     async def document_lengths(self, store: ObjectStore, shard: ObjectInfo, *,
                                problems: Problems, tokenizer: TextTokenizer | None = None,

@@ -26,6 +26,7 @@ from ..state import EpochLayout, ReadUnit
 from ..tokenizer import TextTokenizer
 from .autoscale import ITEM_OVERHEAD_BYTES, Knobs, MemoryGate
 from .buffer import SourceBuffer
+from .images import ImageItems, image_bytes
 from .prefetch import ordered_prefetch
 from .skips import SkipLedger
 from .supervisor import Supervisor
@@ -48,6 +49,9 @@ class SourceFetcher:
         self.tokenizer_processes = tokenizer_processes
         self.store = CountedStore(store)   # this source's requests, even on a shared store
         self.skips = SkipLedger(source.name, source.uri, config.max_skip_fraction, metrics)
+        # An image source's records become items here, text and headers (`images.py`).
+        self.image_items = None if source.images is None else ImageItems(
+            source.images, tokenizer, config.micro_batch_tokens, config.long_documents)
 
     async def run(self, start_epoch: int = 0) -> None:
         epoch = start_epoch
@@ -114,6 +118,8 @@ class SourceFetcher:
             return reserved, size, await self.store.read_range(shard.info.uri, *byte_range)
 
         def to_items(records):
+            if self.image_items is not None:
+                return self.image_items(records, virtual, keep, self.ages, problems=problems)
             return records_to_items(records, virtual, self.config.micro_batch_tokens,
                                     self.config.long_documents, keep, self.ages,
                                     problems=problems)
@@ -126,7 +132,7 @@ class SourceFetcher:
 
         async def transform(reserved: int, raw_bytes: int, decode, *args):
             started = time.perf_counter()
-            if self.tokenizer is None:   # UTF-8 bytes: decode and tokenize in one hop
+            if self.tokenizer is None or self.image_items is not None:   # one hop
                 items, counts = await loop.run_in_executor(self.executor, decode_and_tokenize,
                                                            decode, *args)
             else:   # one tokenizer call for the range, on a thread or in a process
@@ -136,7 +142,8 @@ class SourceFetcher:
             counts.add_to(self.metrics)
             self.metrics.transform_s += time.perf_counter() - started
             self.skips.add(shard.name, problems.take(), counts.records)   # raises past the limit
-            held = sum(item.tokens.nbytes for item in items) + ITEM_OVERHEAD_BYTES * len(items)
+            held = sum(item.tokens.nbytes + image_bytes(item) for item in items) \
+                + ITEM_OVERHEAD_BYTES * len(items)
             held = held if items else 0
             self.gate.settle(reserved, raw_bytes, held, virtual)
             if items:

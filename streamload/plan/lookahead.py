@@ -6,6 +6,10 @@ does help is *which step* takes it: a step whose every slot carries a document l
 even again. So the planner looks at W steps' worth of candidates (the coordinator keeps the
 windows that deep) and plans the step as the first of W:
 
+- **Light or heavy.** A step of light documents gives each of its slots (of T tokens) about the
+  same attention work, T times the light documents' work per token. A document whose own
+  attention passes that by more than `LIGHT_TOLERANCE` of a slot's linear cost would be the
+  lone straggler of its slot in such a step: it is heavy (`straggler_limit`).
 - **Layers.** A heavy document's *excess* is what it costs above the light documents' rate per
   token. The step takes heavy documents only at one *level* of excess for all its slots
   (`heavy_layer`): the largest level that the window's alike documents can give every slot
@@ -13,7 +17,10 @@ windows that deep) and plans the step as the first of W:
   wait for a step of their own level, so none is the lone straggler of a step.
 - **Bounded deferral.** Every item that has waited `force_age` steps or more (2W by default:
   `planner.DEFERRAL_WINDOWS`) is taken now, whatever it costs; the heaviest forced one sets the
-  level, and any heavy document no heavier joins it for free.
+  level, and any heavy document no heavier joins it for free. Items due in the next steps are
+  taken early where they would leave a step with more than half a step overdue
+  (`bounded_forced`): the balancer can always place that much, so no item waits past the
+  bound.
 - **The mix over the window.** A source owed tokens this step may give its heavy documents
   past its step quota: the mixer's carried deficit takes the overshoot back over the next
   steps, so the mix is exact over windows of steps (not step by step). Light documents then
@@ -33,7 +40,11 @@ from .cost import CostModel
 from .length_buckets import water_fill
 from .types import Candidates, Geometry
 
-HEAVY_SHARE = 0.25   # a document is heavy from this fraction of a slot's fair cost per step
+LIGHT_TOLERANCE = 0.03   # a light document's attention may pass a light slot's mean by this
+                         # share of a slot's linear cost (b·T)
+FORCE_HORIZON = 4        # steps ahead (at most a quarter of the bound) whose overdue items
+                         # `bounded_forced` keeps within half a step
+LIGHT_ROUNDS = 8         # rounds of `straggler_limit`'s fixed point (it converges in 2-4)
 LEVEL_CANDIDATES = 64   # distinct excesses tried as a step's level (spread over the range)
 ALIKE = 0.75         # an item fits a level when a slot of it reaches this share of the level
 
@@ -95,7 +106,7 @@ def select_lookahead(c: Candidates, targets: np.ndarray, geometry: Geometry, cos
     length, source, age = c.length, c.source, c.age
     # The lookahead pool: `window` steps' worth per source, overdue items first, then arrival
     # order (what `select` does with window * targets). Masks over all candidates from here on.
-    forced = age >= force_age
+    forced = bounded_forced(c, force_age, geometry.step_tokens // 2)
     window_quota = step_quotas(targets * window, np.bincount(source, weights=length, minlength=S))
     overdue = np.flatnonzero(forced)
     forced_tokens = np.bincount(source[overdue], weights=length[overdue],
@@ -105,13 +116,16 @@ def select_lookahead(c: Candidates, targets: np.ndarray, geometry: Geometry, cos
     weight = item_costs(c, None, cost)
     pool_by_source = np.bincount(source, weights=np.where(pool, length, 0), minlength=S)
     quota = step_quotas(targets, pool_by_source)
-    step_tokens = float(quota.sum())
     pool_tokens = float(pool_by_source.sum())   # whole numbers: the float sum is exact
     if pool_tokens <= 0:
         return np.zeros(0, dtype=np.int64), np.zeros(0, dtype=bool)
-    pool_weight = weight.sum() if pool.all() else weight[pool].sum()   # the same sum either way
-    fair = float(pool_weight) / pool_tokens * step_tokens / slots   # a slot's fair cost
-    heavy = pool & (weight >= HEAVY_SHARE * fair) & (length <= geometry.capacity)
+    slot_tokens = geometry.capacity if slots == geometry.rows else \
+        geometry.micro_batches * geometry.capacity
+    # Heavy: what a step of light documents cannot even out (`straggler_limit`).
+    attention = np.maximum(weight - float(cost.b) * length, 0.0)
+    linear = float(cost.b) * slot_tokens if cost.b > 0 else float(cost.a) * slot_tokens ** 2
+    heavy = pool & (attention > straggler_limit(attention, length, pool, slot_tokens, linear)) \
+        & (length <= geometry.capacity)
     # What a heavy item costs above the light documents' rate per token: what its slot
     # carries more than a slot of light documents of the same tokens.
     light_pool = pool & ~heavy
@@ -128,8 +142,6 @@ def select_lookahead(c: Candidates, targets: np.ndarray, geometry: Geometry, cos
     # mixer's carry takes the overshoot back over the next steps (the mix stays exact over the
     # window). A source with nothing owed waits.
     free = np.flatnonzero(heavy & ~forced & (quota > used)[source])
-    slot_tokens = geometry.capacity if slots == geometry.rows else \
-        geometry.micro_batches * geometry.capacity
     picked = heavy_layer(excess, np.flatnonzero(forced & heavy), free, age, length, slots,
                          slot_tokens, room)
     used += np.bincount(source[picked], weights=length[picked], minlength=S)
@@ -149,6 +161,58 @@ def select_lookahead(c: Candidates, targets: np.ndarray, geometry: Geometry, cos
     taken |= _take_arrival(c, light, used, light_quota, key)
     selected = np.flatnonzero(taken)
     return selected, forced[selected]
+
+
+def bounded_forced(c: Candidates, force_age: int, limit: int) -> np.ndarray:
+    """The items this step must take, at most `limit` tokens of them where the bound allows: the
+    overdue ones (age >= `force_age`), and as many of those due in the next steps as those
+    steps could not take at `limit` each (earliest deadline first: the oldest, then in arrival
+    order).
+
+    The balancer places any set of forced items of at most half the step (first-fit
+    decreasing); of more, `balance._oldest_that_fit` keeps the oldest half and the rest wait
+    one step past the bound (the loader saw ages of 17 against a bound of 16, when pieces of a
+    row each came due together). With the tokens due within k + 1 steps D_k (those of age
+    >= `force_age` - k), this step takes max over k of D_k - k·`limit`, so no later step has
+    more than `limit` overdue."""
+    age, length = c.age, c.length
+    forced = age >= force_age
+    horizon = max(min(force_age // 4, FORCE_HORIZON), 1)
+    due_in = np.maximum(force_age - age.astype(np.int64), 0)              # steps left
+    near = due_in <= horizon
+    by_deadline = np.bincount(due_in[near], weights=length[near], minlength=horizon + 1)
+    k = np.arange(horizon + 1)
+    need = float((np.cumsum(by_deadline) - k * limit).max())
+    have = float(length[forced].sum())
+    if need > have:
+        soon = np.flatnonzero(~forced)
+        soon = soon[np.lexsort((c.rank[soon], c.position[soon], -age[soon]))]
+        ahead = have + np.cumsum(length[soon])
+        forced[soon[(ahead - length[soon] < need) & (ahead <= limit)]] = True
+    return forced
+
+
+def straggler_limit(attention: np.ndarray, length: np.ndarray, pool: np.ndarray,
+                    slot_tokens: int, linear: float) -> float:
+    """The most attention work a light document may have: a step of light documents gives
+    every slot (of `slot_tokens` tokens, `linear` of linear cost when full) about X = T x their
+    attention per token, and the balancer evens that out only when no document alone passes X
+    by much. Documents above X + LIGHT_TOLERANCE · (linear + X) are heavy, and X itself is over
+    the light ones: the fixed point, approached from above (each round only lowers it).
+
+    A fixed share of a slot's cost (the rule before) left documents just under it as the lone
+    stragglers of light steps: at C = 128k over CP, R = 64, such steps ran at 0.90-0.93."""
+    x, l = attention[pool], length[pool].astype(np.float64)
+    limit = float(x.max(initial=0.0))
+    for _ in range(LIGHT_ROUNDS):
+        light = x <= limit
+        tokens = float(l[light].sum())
+        mean = slot_tokens * float(x[light].sum()) / tokens if tokens > 0 else 0.0
+        lower = mean + LIGHT_TOLERANCE * (linear + mean)
+        if lower >= limit:
+            break
+        limit = lower
+    return limit
 
 
 def heavy_layer(excess: np.ndarray, must: np.ndarray, free: np.ndarray, age: np.ndarray,

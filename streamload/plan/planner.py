@@ -124,6 +124,7 @@ class Planner:
             raise ValueError("the lookahead method plans token targets only")
         method = self.effective_method
         eligible = None if eligible is None else np.asarray(eligible, dtype=bool)
+        forced = None
         if method == "naive":
             selected = select(c, targets, max_age=self.force_age, counts=counts)
             take, rank, row = assign_naive(c, overdue_first(c, selected, self.force_age),
@@ -158,8 +159,11 @@ class Planner:
             largest_first = selected[np.argsort(-c.length[selected], kind="stable")]
             packed = self._fill(c, selected, *assign_naive(c, largest_first, self.geometry),
                                 eligible)
-            overdue = selected[c.age[selected] >= self.force_age] \
-                if self.force_age is not None else selected[:0]
+            # Every item the method must take stays: the overdue ones, and those the lookahead
+            # takes a step early to keep the next steps' overdue items placeable.
+            overdue = selected[forced] if forced is not None else \
+                selected[c.age[selected] >= self.force_age] if self.force_age is not None \
+                else selected[:0]
             if np.isin(overdue, packed[0]).all() and \
                     self._epoch_cost(c, *packed) < self._epoch_cost(c, take, rank, row, length):
                 take, rank, row, length = packed

@@ -64,7 +64,9 @@ class Block:
         return Block(lengths, np.asarray(ids, np.int64).reshape(n, ID_FIELDS), divisible)
 
 
-Feed = Callable[[], Optional[Block]]   # the next block of a pass; None: the pass (epoch) ends
+# The next block of a pass, given how many more tokens the window needs (a hint: a shard's feed
+# gives the whole shard, a stream's just that, one item over); None: the pass (epoch) ends.
+Feed = Callable[[int], Optional[Block]]
 
 
 def _empty_ids() -> np.ndarray:
@@ -74,8 +76,9 @@ def _empty_ids() -> np.ndarray:
 class ItemQueue:
     """One (rank, source) buffer as arrays: the items offered before and left (the *head*, with
     their ages), then the items fed but not yet offered. Items are kept *coded*,
-    `length * 2 + divisible`. `feed()` gives the next block, or None where the epoch ends (the
-    marker); `next_epoch(feed)` goes on with the next epoch's items after what is still there."""
+    `length * 2 + divisible`. `feed(tokens)` gives the next block, or None where the epoch ends
+    (the marker); `next_epoch(feed)` goes on with the next epoch's items after what is still
+    there."""
 
     def __init__(self, feed: Optional[Feed]):
         self.head = np.zeros(0, np.int64)
@@ -96,9 +99,10 @@ class ItemQueue:
         """The next epoch's items, after what is still queued (the marker is dropped)."""
         self._feed, self.ended = feed, feed is None
 
-    def _pull(self) -> bool:
-        """One more block from the feed; False at the marker."""
-        block = None if self.ended else self._feed()
+    def _pull(self, need: int = 1) -> bool:
+        """One more block from the feed (`need`: the tokens the window still lacks); False at
+        the marker."""
+        block = None if self.ended else self._feed(max(int(need), 1))
         if block is None:
             self.ended = True
             return False
@@ -120,7 +124,8 @@ class ItemQueue:
             while self.ptr == self.codes.shape[0] and self._pull():   # its feed says it ended
                 pass
         if need > 0:   # the head is short: fed items, as many as start before `tokens`
-            while self.prefix[-1] - self.prefix[self.ptr] < need and self._pull():
+            while self.prefix[-1] - self.prefix[self.ptr] < need and \
+                    self._pull(need - (self.prefix[-1] - self.prefix[self.ptr])):
                 pass
             start = self.prefix[self.ptr]
             fresh = int(np.searchsorted(self.prefix[self.ptr:-1], start + need, side="left"))

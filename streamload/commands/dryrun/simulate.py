@@ -152,10 +152,10 @@ class _SourceFeed:
             return layout_feed(units, self.shard_block)
         if self.sampled:   # this rank's items come round again
             first = self.rank_items(0)[rank]
-            return (lambda: self._block(first)) if first.size else None
+            return (lambda _tokens: self._block(first)) if first.size else None
         passes = iter([job.epoch] if not endless else range(0, 2**62))
-        return lambda: next((self._block(self.rank_items(p, endless)[rank]) for p in passes),
-                            None)
+        return lambda _tokens: next((self._block(self.rank_items(p, endless)[rank])
+                                     for p in passes), None)
 
 
 def simulate(spec: LoaderSpec, lengths: Sequence[Union[SourceScan, np.ndarray]], steps: int,
