@@ -210,15 +210,17 @@ def thread_cpu_ms() -> dict:
 
 
 def run_rank(rank: int, world: int, port: int, root: str, sources: list, warmup: int,
-             steps: int, results, path: str) -> None:
+             steps: int, results, path: str, readers: str, full_epoch: bool) -> None:
     try:
-        results.put((rank, measure_rank(rank, world, port, root, sources, warmup, steps, path)))
+        results.put((rank, measure_rank(rank, world, port, root, sources, warmup, steps, path,
+                                        readers, full_epoch)))
     except BaseException as exc:   # reported to the parent
         import traceback
         results.put((rank, {"error": f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"}))
 
 
-def measure_rank(rank, world, port, root, sources, warmup, steps, path) -> dict:
+def measure_rank(rank, world, port, root, sources, warmup, steps, path, readers="auto",
+                 full_epoch=False) -> dict:
     if os.environ.get("SCALE_DEBUG"):   # seconds: then dump every thread's stack and exit
         import faulthandler
         faulthandler.dump_traceback_later(float(os.environ["SCALE_DEBUG"]), exit=True)
@@ -231,18 +233,27 @@ def measure_rank(rank, world, port, root, sources, warmup, steps, path) -> dict:
     counters, timer = Counters(), LoopTimer()
     instrument_collectives(counters, world)
     try:
-        with sl.Loader([sl.Source(f"{root}/{name}", weight=w, name=name) for name, w in sources],
+        # readers="all": every rank reads every source (as before issue 22's item 4)
+        count = world if readers == "all" else None
+        with sl.Loader([sl.Source(f"{root}/{name}", weight=w, name=name, readers=count)
+                        for name, w in sources],
                        micro_batch_tokens=C, micro_batches=M, seed=0, planner="balanced",
                        epochs=1, collective_timeout_s=600, control_plane=path) as loader:
             instrument_loop(timer, loader._runtime)
             it = iter(loader)
+            ids, source_tokens = [], np.zeros(len(sources), np.int64)
+
+            def take():
+                batch = next(it)
+                source_tokens[:] += np.asarray(batch.source_tokens, np.int64)
+                ids.extend(i for mb in batch.micro_batches for i in mb.sample_ids)
             for _ in range(warmup):
-                next(it)
+                take()
             marks = []
             for point in range(2):
                 if point:
                     for _ in range(steps):
-                        next(it)
+                        take()
                 planned = loader.stats()["steps_planned"]
                 marks.append((planned, counters.snapshot(), thread_cpu_ms(), dict(timer.ms)))
             stats = loader.stats()
@@ -251,9 +262,19 @@ def measure_rank(rank, world, port, root, sources, warmup, steps, path) -> dict:
                 if rank == 0 or path == "all_gather" else None
             runtime = loader._runtime
             held = loader._on_loop(lambda: [
-                (sum(e.tokens.nbytes for e in b._entries if hasattr(e, "tokens")), b.tokens)
-                for b in runtime.buffers])
-            fetchers = len(runtime.fetchers)
+                (sum(e.tokens.nbytes for e in getattr(b, "_entries", ()) if hasattr(e, "tokens")),
+                 b.tokens, b.capacity_tokens) for b in runtime.buffers])
+            fetchers = sum(f is not None for f in runtime.fetchers)
+            # open streams: shards this rank's fetchers have started and not finished
+            streams = sum(s["shards_started"] - s["shards_read"]
+                          for s in stats["sources"].values())
+            if full_epoch:   # the rest of the epoch: exactly once, the mix (rank 0's tally)
+                while True:
+                    try:
+                        take()
+                    except StopIteration:
+                        break
+            mix = loader.stats()["mix_steps"]
             dist.barrier()   # every rank measured before any closes its loader
     finally:
         dist.destroy_process_group()
@@ -270,14 +291,20 @@ def measure_rank(rank, world, port, root, sources, warmup, steps, path) -> dict:
         "bytes": {k: round(v) for k, v in per.items()},
         "cpu_ms": cpu, "loop_ms": {k: round(v, 3) for k, v in loop_ms.items()},
         "plan_ms_median": stats["plan_ms_median"],
-        "state_bytes": state_bytes, "fetchers": fetchers,
+        "state_bytes": state_bytes, "fetchers": fetchers, "open_streams": streams,
+        "readers": readers, "mix_deviation": mix["deviation"],
+        "mix_steps_all_active": mix["steps_all_active"],
+        **({"ids": ids, "source_tokens": source_tokens.tolist()} if full_epoch else {}),
         "sources_read": sum(1 for s in stats["sources"].values() if s["shards_started"] > 0),
-        "buffer_bytes": sum(b for b, _ in held), "buffer_tokens": sum(t for _, t in held),
+        "buffer_bytes": sum(b for b, _, _ in held), "buffer_tokens": sum(t for _, t, _ in held),
+        # what the buffers may hold (MemoryPlan: capacity x 4 bytes a token, at most)
+        "buffer_capacity_bytes": 4 * sum(c for _, _, c in held),
     }
 
 
 def run_world(world: int, root: Path, sources: list, warmup: int, steps: int,
-              timeout: float, path: str) -> list[dict]:
+              timeout: float, path: str, readers: str = "auto",
+              full_epoch: bool = False) -> list[dict]:
     ctx = mp.get_context("forkserver")
     ctx.set_forkserver_preload(["torch", "torch.distributed", "numpy", "streamload",
                                 "streamload.loader"])
@@ -286,7 +313,8 @@ def run_world(world: int, root: Path, sources: list, warmup: int, steps: int,
         port = s.getsockname()[1]
     results = ctx.Queue()
     procs = [ctx.Process(target=run_rank, args=(r, world, port, str(root), sources, warmup,
-                                                steps, results, path), daemon=True)
+                                                steps, results, path, readers, full_epoch),
+                         daemon=True)
              for r in range(world)]
     for p in procs:
         p.start()
@@ -303,7 +331,20 @@ def run_world(world: int, root: Path, sources: list, warmup: int, steps: int,
             p.join(timeout=30)
             if p.is_alive():
                 p.kill()
-    return [out[r] for r in range(world)]
+    rows = [out[r] for r in range(world)]
+    if full_epoch:   # exactly once: no id twice, every source's every token (rank 0's tally)
+        ids = [i for r in rows for i in r.pop("ids")]
+        expected = [int(w) // (2 + i) * (2 + i) for i, (_, w) in enumerate(sources)]
+        delivered = rows[0]["source_tokens"]
+        for r in rows:
+            r.pop("source_tokens")
+        rows[0]["exactly_once"] = len(ids) == len(set(ids)) and delivered == expected
+        if not rows[0]["exactly_once"]:
+            bad = [i for i, (d, e) in enumerate(zip(delivered, expected)) if d != e]
+            raise RuntimeError(f"R={world}: not exactly once: {len(ids) - len(set(ids))} ids "
+                               f"twice; sources {bad} delivered {[delivered[i] for i in bad]} "
+                               f"tokens of {[expected[i] for i in bad]}")
+    return rows
 
 
 # --- fits ---------------------------------------------------------------------------------------
@@ -344,6 +385,21 @@ def summarize(results: list[dict]) -> dict:
     # Measured only: buffers are sized per rank by the configuration, not by R.
     fits["buffer_bytes_per_rank"] = {"measured": {
         str(w): round(mean(by[w], lambda r: r["buffer_bytes"])) for w in worlds}}
+    fits["buffer_bytes_max_rank"] = {"measured": {
+        str(w): max(r["buffer_bytes"] for r in by[w]) for w in worlds}}
+    fits["buffer_capacity_bytes_per_rank"] = {"measured": {
+        str(w): {"mean": round(mean(by[w], lambda r: r["buffer_capacity_bytes"])),
+                 "max": max(r["buffer_capacity_bytes"] for r in by[w])} for w in worlds}}
+    # Readers (plan/readers.py): fetchers and open shard streams per rank, the mix
+    fits["fetchers_per_rank"] = {"measured": {
+        str(w): {"mean": round(mean(by[w], lambda r: r["fetchers"]), 2),
+                 "max": max(r["fetchers"] for r in by[w])} for w in worlds}}
+    fits["open_streams_per_rank"] = {"measured": {
+        str(w): {"mean": round(mean(by[w], lambda r: r["open_streams"]), 2),
+                 "max": max(r["open_streams"] for r in by[w])} for w in worlds}}
+    fits["mix_deviation"] = {"measured": {str(w): by[w][0]["mix_deviation"] for w in worlds}}
+    if "exactly_once" in by[worlds[0]][0]:
+        fits["exactly_once"] = {"measured": {str(w): by[w][0]["exactly_once"] for w in worlds}}
     return fits
 
 
@@ -351,7 +407,7 @@ def table(results: list[dict]) -> str:
     head = (f"{'path':>10} {'R':>3} {'rank':>4} {'recv B/step':>12} {'sent B/step':>12} "
             f"{'loop ms':>8} "
             f"{'plan':>6} {'bookk':>6} {'enc/dec':>7} {'rest':>6} {'coll ms':>7} "
-            f"{'state B':>8} {'fetch':>5} {'read':>4} {'buffer B':>9}")
+            f"{'state B':>8} {'fetch':>5} {'read':>4} {'open':>4} {'buffer B':>9} {'rd':>4}")
     lines = [head]
     for r in results:
         lm = r["loop_ms"]
@@ -359,7 +415,8 @@ def table(results: list[dict]) -> str:
                      f"{r['sent_bytes']:>12,} {r['cpu_ms']['loop']:>8.2f} {lm['plan']:>6.2f} "
                      f"{lm['bookkeeping']:>6.2f} {lm['encode_decode']:>7.2f} {lm['rest']:>6.2f} "
                      f"{r['cpu_ms']['collectives']:>7.2f} {r['state_bytes'] or 0:>8,} "
-                     f"{r['fetchers']:>5} {r['sources_read']:>4} {r['buffer_bytes']:>9,}")
+                     f"{r['fetchers']:>5} {r['sources_read']:>4} {r['open_streams']:>4} "
+                     f"{r['buffer_bytes']:>9,} {r['readers']:>4}")
     return "\n".join(lines)
 
 
@@ -372,20 +429,34 @@ def main(argv=None) -> int:
     ap.add_argument("--timeout", type=float, default=240, help="per world size, seconds")
     ap.add_argument("--paths", default="all_gather,gather",
                     help="control planes to compare (LoaderConfig.control_plane)")
+    ap.add_argument("--readers", default="auto",
+                    help="comma list: auto (plan/readers.py), all (every rank reads every "
+                         "source, as before readers)")
+    ap.add_argument("--full-epoch", action="store_true",
+                    help="after measuring, run the epoch out: check exactly once (no id twice, "
+                         "every token of every source) and report the mix deviation")
     args = ap.parse_args(argv)
     workdir = Path(args.workdir)
     workdir.mkdir(parents=True, exist_ok=True)
     root, sources = corpus(workdir)
     results, started = [], time.perf_counter()
     paths = args.paths.split(",")
-    for path in paths:
-        for world in (int(w) for w in args.ranks.split(",")):
-            t = time.perf_counter()
-            rows = run_world(world, root, sources, args.warmup, args.steps, args.timeout, path)
-            results += rows
-            print(f"{path} R={world}: {time.perf_counter() - t:.1f} s", file=sys.stderr)
+    for readers in args.readers.split(","):
+        for path in paths:
+            for world in (int(w) for w in args.ranks.split(",")):
+                t = time.perf_counter()
+                rows = run_world(world, root, sources, args.warmup, args.steps, args.timeout,
+                                 path, readers, args.full_epoch)
+                results += rows
+                print(f"{path} readers={readers} R={world}: {time.perf_counter() - t:.1f} s",
+                      file=sys.stderr)
     print(table(results), file=sys.stderr)
-    fits = {path: summarize([r for r in results if r["path"] == path]) for path in paths}
+    # one group per (control plane, readers): "gather", "gather readers=all", ...
+    groups = {(p if rd == "auto" else f"{p} readers={rd}"): (p, rd)
+              for rd in args.readers.split(",") for p in paths}
+    fits = {key: summarize([r for r in results if (r["path"], r["readers"]) == group])
+            for key, group in groups.items()}
+    paths = list(groups)
     for path in paths:
         for name, f in fits[path].items():
             if "formula" not in f:

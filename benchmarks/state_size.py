@@ -62,9 +62,13 @@ def blocks_of(per_shard: list):
     return block
 
 
-def measure(num_sources: int, ranks: int, steps: int) -> dict:
+def measure(num_sources: int, ranks: int, steps: int, readers: str = "auto") -> dict:
+    """`readers`: "auto" (`plan/readers.py`), or "all" (every rank reads every source it has
+    shards enough for, as before readers)."""
     corpus = lengths_corpus(num_sources)
-    sources = [Source(f"/bench/{name}/", weight=w, name=name) for name, w, _ in corpus]
+    count = ranks if readers == "all" else None
+    sources = [Source(f"/bench/{name}/", weight=w, name=name, readers=count)
+               for name, w, _ in corpus]
     config = LoaderConfig(micro_batch_tokens=C, micro_batches=M, seed=0, planner="balanced",
                           epochs=1)
     job = JobModel.build(config, sources, None, ranks, data=data_options(config, sources, None))
@@ -93,7 +97,8 @@ def measure(num_sources: int, ranks: int, steps: int) -> dict:
     assert decoded.sources == state.sources and decoded.ages == state.ages, "round trip"
     old = msgspec.json.encode(msgspec.structs.replace(state, version=4))
     units = sum(len(u) for p in state.sources for u in p.units)
-    return {"sources": num_sources, "ranks": ranks, "steps": job.step,
+    return {"sources": num_sources, "ranks": ranks, "readers": readers, "steps": job.step,
+            "sources_read_max_per_rank": int(job.reads.sum(axis=1).max()),
             "state_bytes": len(saved), "state_bytes_v4": len(old),
             "units_in_progress": units, "pending_items": len(state.ages),
             "save_ms": round(save_ms, 2), "load_ms": round(load_ms, 2),
@@ -107,22 +112,27 @@ def main() -> None:
     p.add_argument("--sources", type=int, default=30)
     p.add_argument("--many-sources", type=int, default=300)
     p.add_argument("--steps", type=int, default=25)
+    p.add_argument("--readers", default="auto",
+                   help="comma list: auto (plan/readers.py), all (every rank reads)")
     args = p.parse_args()
-    rows = [measure(args.sources, int(r), args.steps) for r in args.ranks.split(",")]
-    rows += [measure(args.many_sources, int(r), args.steps) for r in args.many_ranks.split(",")
-             if args.many_sources]
-    print(f"{'S':>4} {'R':>3} {'steps':>5} {'state v5':>9} {'state v4':>9} {'units':>6} "
-          f"{'pending':>7} {'save ms':>8} {'load ms':>8}", file=sys.stderr)
+    rows = []
+    for readers in args.readers.split(","):
+        rows += [measure(args.sources, int(r), args.steps, readers) for r in args.ranks.split(",")]
+        rows += [measure(args.many_sources, int(r), args.steps, readers)
+                 for r in args.many_ranks.split(",") if args.many_sources]
+    print(f"{'S':>4} {'R':>3} {'rd':>4} {'steps':>5} {'state v5':>9} {'state v4':>9} {'units':>6} "
+          f"{'pending':>7} {'read/rank':>9} {'save ms':>8} {'load ms':>8}", file=sys.stderr)
     for r in rows:
-        print(f"{r['sources']:>4} {r['ranks']:>3} {r['steps']:>5} {r['state_bytes']:>9,} "
-              f"{r['state_bytes_v4']:>9,} {r['units_in_progress']:>6} {r['pending_items']:>7} "
+        print(f"{r['sources']:>4} {r['ranks']:>3} {r['readers']:>4} {r['steps']:>5} "
+              f"{r['state_bytes']:>9,} {r['state_bytes_v4']:>9,} {r['units_in_progress']:>6} "
+              f"{r['pending_items']:>7} {r['sources_read_max_per_rank']:>9} "
               f"{r['save_ms']:>8} {r['load_ms']:>8}", file=sys.stderr)
-    by = {(r["sources"], r["ranks"]): r["state_bytes"] for r in rows}
+    by = {(r["sources"], r["ranks"], r["readers"]): r["state_bytes"] for r in rows}
     ratio = {}
-    for S in {r["sources"] for r in rows}:
-        rs = sorted(R for s, R in by if s == S)
+    for S, rd in {(r["sources"], r["readers"]) for r in rows}:
+        rs = sorted(R for s, R, d in by if (s, d) == (S, rd))
         if len(rs) > 1:
-            ratio[str(S)] = round(by[(S, rs[-1])] / by[(S, rs[0])], 3)
+            ratio[f"S={S} readers={rd}"] = round(by[(S, rs[-1], rd)] / by[(S, rs[0], rd)], 3)
     print(json.dumps({"benchmark": "state_size", "rows": rows,
                       "ratio_largest_to_smallest_R": ratio}))
 

@@ -94,6 +94,12 @@ class Source(msgspec.Struct):
     # keeps its weight, while the other sources end the epoch ("restart").
     on_exhausted: OnExhausted = "renormalize"
     repeat: int = 1                       # passes over this source per epoch (upsampling)
+    # DP ranks that read this source's shards (the others get its items through the step's
+    # exchange). None: chosen from its share, read_cost and shard count (`plan/readers.py`);
+    # more than the ranks or the shards reads on all of them (clamped).
+    readers: Optional[int] = None
+    read_cost: float = 1.0                # relative cost per token of reading it (decoding,
+                                          # tokenizing): a costlier source gets more readers
     # Image-text samples (`vision.Images`: which members or column hold images, the resizing
     # rule, the placeholder ids); None: text only.
     images: Optional[Images] = None
@@ -118,6 +124,12 @@ class Source(msgspec.Struct):
         if self.repeat < 1:
             raise ConfigError.at("repeat", f"must be an integer >= 1, got {self.repeat!r}",
                                  where=where)
+        if self.readers is not None and self.readers < 1:
+            raise ConfigError.at("readers", f"must be an integer >= 1 (or None: chosen for it), "
+                                 f"got {self.readers!r}", where=where)
+        if not (math.isfinite(self.read_cost) and self.read_cost > 0):
+            raise ConfigError.at("read_cost", f"must be a finite number > 0, got "
+                                 f"{self.read_cost!r}", where=where)
 
 
 class LoaderConfig(msgspec.Struct, kw_only=True):

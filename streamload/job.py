@@ -38,6 +38,7 @@ import numpy as np
 from .config import LoaderConfig, Source
 from .errors import ConfigError
 from .plan.quota_mixer import MixtureState
+from .plan.readers import choose_readers, reader_mask, reader_offsets
 from .plan.stepper import Step, Stepper
 from .plan.types import Assignment, Candidates
 from .plan.windows import Block, Feed
@@ -132,6 +133,13 @@ class JobModel:
         self.resumed_layouts: list[EpochLayout] = []
         self.resume_ages: list[dict] = [{} for _ in self.sources]   # (shard, record, chunk) -> age
         self._fresh: dict[tuple[int, int], EpochLayout] = {}   # (source, epoch): fresh deals
+        # Which ranks read each source (`plan/readers.py`), once listed: how many, the first
+        # one, and [R, S] whether rank r reads source s. Every rank until then.
+        S = len(self.sources)
+        self.readers = np.full(S, world, dtype=np.int64)
+        self.offsets = reader_offsets(self.readers, world)
+        self.reads = np.ones((world, S), dtype=bool)
+        self._redealt = False    # a resumed layout was dealt again (another world or readers)
 
     @classmethod
     def build(cls, config: LoaderConfig, sources: Sequence[Source], mixture, world: int,
@@ -168,6 +176,18 @@ class JobModel:
     def listed(self, shard_names: Sequence[Sequence[str]]) -> None:
         self.num_shards = [len(names) for names in shard_names]
         self.listing_crcs = [listing_crc(names) for names in shard_names]
+        S = len(self.sources)
+        self.readers = choose_readers(
+            self.stepper.mixer.max_shares(), [self.virtual_shards(s) for s in range(S)],
+            self.world, [getattr(src, "read_cost", 1.0) for src in self.sources],
+            [getattr(src, "readers", None) for src in self.sources])
+        self.offsets = reader_offsets(self.readers, self.world)
+        self.reads = reader_mask(self.readers, self.offsets, self.world)
+        self.stepper.set_readers(self.reads)
+
+    def reads_source(self, rank: int, source: int) -> bool:
+        """Whether `rank` reads `source` (runs its fetcher, buffer and head window)."""
+        return bool(self.reads[rank, source])
 
     def endless(self, source: int) -> bool:
         """A source with on_exhausted="restart": one stream of passes, across epochs."""
@@ -196,7 +216,7 @@ class JobModel:
             self._apply_resume()
         dealt = self._start_epoch(self.stepper.epoch)
         if not self.resumed() or self.resume.holding is None \
-                or self.resume.world_size != self.world:
+                or self.resume.world_size != self.world or self._redealt:
             self.stepper.start_epoch(dealt if holding is None else holding)
         # else: the windows the saved run had
 
@@ -225,8 +245,12 @@ class JobModel:
                     f"cannot resume exactly", key="sources")
         self.resumed_layouts = [
             layout_from_progress(p, seed=self.seed, epoch=state.epoch, source_index=s,
-                                 world=R, endless=self.endless(s))
+                                 world=R, endless=self.endless(s),
+                                 rotation=int(self.offsets[s]), readers=int(self.readers[s]))
             for s, p in enumerate(state.sources)]
+        self._redealt = any(layout.base_world != p.base_world or layout.readers != p.readers
+                            or layout.rotation != p.rotation
+                            for layout, p in zip(self.resumed_layouts, state.sources))
         for source, shard, record, chunk, age in state.ages:
             self.resume_ages[source][(shard, record, chunk)] = age
 
@@ -244,7 +268,9 @@ class JobModel:
             self._fresh = {k: v for k, v in self._fresh.items() if k[1] >= key[1]}
             self._fresh[key] = fresh_layout(self.virtual_shards(source), seed=self.seed,
                                             epoch=key[1], source_index=source,
-                                            world=self.world, endless=endless)
+                                            world=self.world, endless=endless,
+                                            rotation=int(self.offsets[source]),
+                                            readers=int(self.readers[source]))
         return self._fresh[key]
 
     def _start_epoch(self, epoch: int) -> np.ndarray:
@@ -252,7 +278,7 @@ class JobModel:
         the ranks whose layout has units of each source (every rank, for an endless source)."""
         if not self.track:
             layouts = [self.layout_for(s, epoch) for s in range(len(self.sources))]
-            return np.array([[self.endless(s) or bool(layout.rank_units(q))
+            return np.array([[layout.reads(q) and (self.endless(s) or bool(layout.rank_units(q)))
                               for s, layout in enumerate(layouts)] for q in range(self.world)],
                             dtype=bool).reshape(self.world, len(self.sources))
         previous = self.trackers
@@ -260,7 +286,8 @@ class JobModel:
                          else SourceTracker(self.layout_for(s, epoch),
                                             states_in_flight=self.states_in_flight)
                          for s in range(len(self.sources))]
-        return np.array([[self.endless(s) or bool(t.layout.rank_units(q))
+        return np.array([[t.layout.reads(q) and (self.endless(s)
+                                                 or bool(t.layout.rank_units(q)))
                           for s, t in enumerate(self.trackers)] for q in range(self.world)],
                         dtype=bool).reshape(self.world, len(self.sources))
 

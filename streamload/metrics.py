@@ -148,7 +148,8 @@ def rank_stats(runtime) -> dict:
     sources = {}
     for s, source in enumerate(runtime.sources):
         metrics = runtime.source_metrics[s]
-        counters = runtime.fetchers[s].store.counters if runtime.fetchers else None
+        fetcher = runtime.fetchers[s] if runtime.fetchers else None   # None: not read here
+        counters = fetcher.store.counters if fetcher is not None else None
         buffer = runtime.buffers[s] if runtime.buffers else None
         gate = runtime.gates[s] if runtime.gates else None
         knobs = runtime.knobs[s]
@@ -166,6 +167,7 @@ def rank_stats(runtime) -> dict:
         out["autoscale_changes"] = [{"step": step, "shard_concurrency": shards,
                                      "range_readahead": ranges}
                                     for step, shards, ranges in knobs.history[-8:]]
+        out["reads"] = fetcher is not None or not runtime.fetchers   # this rank reads it
         sources[source.name] = out
     steps = runtime.step_metrics
     mix = steps.mix.summary()

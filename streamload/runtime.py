@@ -39,7 +39,7 @@ from .formats.catalog import Shard, catalog
 from .metrics import SourceMetrics, StepMetrics, rank_stats
 from .mixreport import MixTally, MixTracker, StepMix
 from .pipeline.autoscale import Autoscaler, Knobs, MemoryGate
-from .pipeline.buffer import SourceBuffer
+from .pipeline.buffer import SourceBuffer, UnreadBuffer
 from .pipeline.fetch import SourceFetcher
 from .pipeline.supervisor import Supervisor
 from .pipeline.transform import tokenizer_pool
@@ -126,7 +126,7 @@ class Runtime:
         self.shards: list[list[Shard]] = []
         self.buffers: list[SourceBuffer] = []
         self.gates: list[MemoryGate] = []
-        self.fetchers: list[SourceFetcher] = []
+        self.fetchers: list[Optional[SourceFetcher]] = []   # None: a source this rank does not read
         self.source_waits = np.zeros(len(sources))   # this step's wait for each head window
         self.started: Optional[float] = None          # when run() began (for rates)
         self._scale_mark: Optional[tuple] = None      # (time, buffers' blocked_s) at last step
@@ -179,9 +179,16 @@ class Runtime:
             self.job.start()
             self.watch.started(self.shards)
             self.budgets = self.job.budgets(self.comm.rank)
-            self.buffers = [SourceBuffer(b.capacity_tokens, b.window_tokens) for b in self.budgets]
+            # A source this rank does not read (`plan/readers.py`): no fetcher, and a buffer
+            # that is always empty and at its epoch's end; its items come by the exchange.
+            reads = [self.job.reads_source(self.comm.rank, s) for s in range(len(self.sources))]
+            self.buffers = [SourceBuffer(b.capacity_tokens, b.window_tokens) if read
+                            else UnreadBuffer() for b, read in zip(self.budgets, reads)]
             self.gates = [MemoryGate(b.inflight_bytes) for b in self.budgets]
             for s, source in enumerate(self.sources):
+                if not reads[s]:
+                    self.fetchers.append(None)
+                    continue
                 fetcher = SourceFetcher(
                     source_index=s, source=source, shards=self.shards[s], store=self.stores[s],
                     buffer=self.buffers[s], metrics=self.source_metrics[s], config=self.config,

@@ -96,6 +96,8 @@ class SourceProgress(msgspec.Struct, frozen=True):
     passes: tuple[int, ...] = ()         # endless sources: per base rank, its base's pass
     rotation: int = 0                    # the deal starts at rank `rotation` (0: states saved
                                          # before sources were rotated)
+    readers: int = 0                     # the base was dealt over this many ranks from
+                                         # `rotation` on (0: every rank; `plan/readers.py`)
 
 
 class SourceData(msgspec.Struct, frozen=True, kw_only=True, array_like=True):
@@ -156,6 +158,7 @@ class SavedSource(msgspec.Struct, array_like=True, frozen=True):
     first_pass: int
     base_shards: Optional[bytes]     # bitmap of the base's shards; None: all of them
     started: Optional[bytes]         # finite: bitmap of the base's shards started; None: none
+    readers: int = 0                 # ranks the base was dealt over (0: all; `plan/readers.py`)
 
 
 class SavedState(msgspec.Struct, frozen=True):
@@ -219,7 +222,8 @@ def _base(progress: SourceProgress, seed: int, epoch: int, source_index: int,
     return deal_epoch(progress.num_shards, seed=seed,
                       epoch=progress.first_pass if endless else epoch,
                       source_index=source_index, world=progress.base_world,
-                      endless=endless, base_shards=bits, rotation=progress.rotation)
+                      endless=endless, base_shards=bits, rotation=progress.rotation,
+                      readers=progress.readers)
 
 
 def encode_state(state: LoaderState) -> bytes:
@@ -246,7 +250,7 @@ def encode_state(state: LoaderState) -> bytes:
                            if (s, u.shard, *e) not in pending_ids]   # those: from `pending`
                 units.append((s, q, u.shard, *skip))
         sources.append(SavedSource(p.num_shards, p.listing_crc, p.base_world, p.rotation,
-                                   p.first_pass, p.base_shards, started))
+                                   p.first_pass, p.base_shards, started, p.readers))
     pending = sorted(state.ages)
     saved = SavedState(state.version, state.seed, state.world_size, state.epoch, state.step,
                        state.mixture, tuple(sources), _pack(units, 5, _UNIT_DELTA),
@@ -261,7 +265,7 @@ def _progress(saved: SavedState, s: int, units: list, positions: dict) -> Source
     W = source.base_world
     progress = SourceProgress(saved.data.sources[s].name, source.num_shards, source.listing_crc,
                               W, source.base_shards, (0,) * W, ((),) * W, source.first_pass,
-                              (), source.rotation)
+                              (), source.rotation, source.readers)
     if endless:
         rows = [positions.get((s, q), (source.first_pass, 0)) for q in range(W)]
         base_position, passes = tuple(r[1] for r in rows), tuple(r[0] for r in rows)
@@ -360,6 +364,24 @@ def deal(order: np.ndarray, world: int, rank: int, offset: int = 0) -> np.ndarra
     return order[(rank + offset) % world::world]
 
 
+def reads(world: int, rank: int, rotation: int, readers: int) -> bool:
+    """Whether `rank` is one of the `readers` ranks from `rotation` on (0: every rank reads)."""
+    return not 0 < readers < world or (rank - rotation) % world < readers
+
+
+def deal_readers(order: np.ndarray, world: int, rank: int, rotation: int, shift: int,
+                 readers: int) -> np.ndarray:
+    """Rank `rank`'s share of `order` when only `readers` ranks from `rotation` on read it (0:
+    all `world`): reader j ((rank - rotation) mod world) takes every k-th shard from (j + shift)
+    mod k; other ranks none. With every rank reading this is `deal(order, world, rank,
+    shift - rotation)`: the deal before readers existed."""
+    k = readers if 0 < readers < world else world
+    j = (rank - rotation) % world
+    if j >= k:
+        return order[:0]
+    return order[(j + shift) % k::k]
+
+
 @dataclass
 class EpochLayout:
     """How one source's epoch is dealt to ranks: per rank, filtered units then base shards
@@ -376,6 +398,11 @@ class EpochLayout:
     passes: Optional[list[int]] = None         # endless: per base rank, the pass of its base
     first_pass: int = 0                        # endless: the pass `base_shards` refers to
     rotation: int = 0                          # the deal's first rank (`deal_epoch`)
+    readers: int = 0                           # ranks dealt shards, from `rotation` (0: all)
+
+    def reads(self, rank: int) -> bool:
+        """Whether `rank` is one of the source's readers (is dealt its shards at all)."""
+        return reads(self.base_world, rank, self.rotation, self.readers)
 
     def rank_units(self, rank: int) -> list[ReadUnit]:
         """The filtered units and the rest of the base: the whole epoch of a finite source."""
@@ -385,13 +412,13 @@ class EpochLayout:
     def pass_shards(self, rank: int, pass_index: int) -> np.ndarray:
         """An endless source's pass `pass_index` for one rank, as pass-wide shard ids."""
         order = shard_permutation(self.num_shards, self.seed, pass_index, self.source_index)
-        return deal(order, self.base_world, rank, pass_index - self.rotation) \
-            + pass_index * self.num_shards   # `deal_epoch`'s, for one rank
+        return deal_readers(order, self.base_world, rank, self.rotation, pass_index,
+                            self.readers) + pass_index * self.num_shards   # `deal_epoch`'s
 
     def later_passes(self, rank: int) -> Iterator[tuple[int, list[ReadUnit]]]:
         """(pass, units) for each pass after the base, without end; nothing if finite."""
         pass_index = self.passes[rank] if self.endless else 0
-        while self.endless:
+        while self.endless and self.reads(rank):   # a non-reader: no pass has shards for it
             pass_index += 1
             yield pass_index, [ReadUnit(int(s)) for s in self.pass_shards(rank, pass_index)]
 
@@ -404,37 +431,58 @@ class EpochLayout:
 
 def deal_epoch(num_shards: int, *, seed: int, epoch: int, source_index: int, world: int,
                endless: bool, base_shards: Optional[np.ndarray] = None,
-               rotation: int = 0) -> list[np.ndarray]:
+               rotation: int = 0, readers: int = 0) -> list[np.ndarray]:
     """Every rank's shards of an epoch in order: the seeded permutation (of `base_shards` only,
     when given), strided by rank, the first shard to rank `rotation`. For an endless source
     `epoch` is a pass: pass-wide shard ids, and the deal rotated by the pass too.
 
     Fresh layouts rotate by the source's index, so sources with fewer shards than ranks start
-    on different ranks: five one-shard sources on two ranks are read 3 and 2, not 5 and 0."""
+    on different ranks: five one-shard sources on two ranks are read 3 and 2, not 5 and 0.
+    `readers` (0: all): only that many ranks from `rotation` on are dealt shards."""
     order = shard_permutation(num_shards, seed, epoch, source_index)
     if base_shards is not None:
         order = order[base_shards[order]]
     if not endless:
-        return [deal(order, world, q, -rotation) for q in range(world)]
-    return [deal(order, world, q, epoch - rotation) + epoch * num_shards for q in range(world)]
+        return [deal_readers(order, world, q, rotation, 0, readers) for q in range(world)]
+    return [deal_readers(order, world, q, rotation, epoch, readers) + epoch * num_shards
+            for q in range(world)]
 
 
 def fresh_layout(num_shards: int, *, seed: int, epoch: int, source_index: int,
                  world: int, base_shards: Optional[np.ndarray] = None,
-                 endless: bool = False, rotation: Optional[int] = None) -> EpochLayout:
+                 endless: bool = False, rotation: Optional[int] = None,
+                 readers: int = 0) -> EpochLayout:
     """A fresh epoch; for an endless source, `epoch` is the pass its base deals. `rotation`:
-    the deal's first rank (default: the source's index, modulo the world)."""
+    the deal's first rank (default: the source's index, modulo the world); `readers`: the
+    ranks dealt shards, from `rotation` on (0 or >= world: all)."""
     rotation = source_index % world if rotation is None else rotation
+    readers = 0 if readers >= world else readers
     base = deal_epoch(num_shards, seed=seed, epoch=epoch, source_index=source_index, world=world,
-                      endless=endless, base_shards=base_shards, rotation=rotation)
+                      endless=endless, base_shards=base_shards, rotation=rotation,
+                      readers=readers)
     return EpochLayout(world, base_shards, base, [0] * world, [[] for _ in range(world)],
                        num_shards, seed, source_index, endless,
-                       [epoch] * world if endless else None, epoch if endless else 0, rotation)
+                       [epoch] * world if endless else None, epoch if endless else 0, rotation,
+                       readers)
+
+
+def _deal_units(pooled: list, layout: EpochLayout) -> list[list]:
+    """Units pooled from an earlier deal, dealt again over `layout`'s readers (round-robin;
+    every rank, when every rank reads)."""
+    world = layout.base_world
+    if not layout.readers:
+        return [pooled[r::world] for r in range(world)]
+    k = layout.readers
+    return [pooled[(r - layout.rotation) % world::k] if layout.reads(r) else []
+            for r in range(world)]
 
 
 def layout_from_progress(progress: SourceProgress, *, seed: int, epoch: int, source_index: int,
-                         world: int, endless: bool = False) -> EpochLayout:
-    """The rest of an epoch (an endless source: the rest of its stream), dealt to `world` ranks."""
+                         world: int, endless: bool = False, rotation: Optional[int] = None,
+                         readers: Optional[int] = None) -> EpochLayout:
+    """The rest of an epoch (an endless source: the rest of its stream), dealt to `world` ranks
+    (to `readers` of them from `rotation` on, when given). At the saved world size with the
+    saved readers, every rank's exact stream; else what is left, pooled and dealt again."""
     bits = None
     if progress.base_shards is not None:
         bits = np.unpackbits(np.frombuffer(progress.base_shards, np.uint8),
@@ -442,7 +490,8 @@ def layout_from_progress(progress: SourceProgress, *, seed: int, epoch: int, sou
     saved = fresh_layout(progress.num_shards, seed=seed,
                          epoch=progress.first_pass if endless else epoch,
                          source_index=source_index, world=progress.base_world, base_shards=bits,
-                         endless=endless, rotation=progress.rotation)
+                         endless=endless, rotation=progress.rotation,
+                         readers=progress.readers)
     saved.base_position = list(progress.base_position)
     saved.units = [list(u) for u in progress.units]
     if endless:
@@ -450,8 +499,11 @@ def layout_from_progress(progress: SourceProgress, *, seed: int, epoch: int, sou
         for q, pass_index in enumerate(saved.passes):
             if pass_index != progress.first_pass:
                 saved.base[q] = saved.pass_shards(q, pass_index)
-    if world == progress.base_world:
+    readers = None if readers is None else (0 if readers >= world else readers)
+    if world == progress.base_world and rotation in (None, saved.rotation) \
+            and readers in (None, saved.readers):
         return saved
+    readers = readers or 0
     if endless:
         # Elastic: what each rank has left of every pass up to the furthest one becomes units,
         # dealt again; the next pass starts fresh for the new world.
@@ -462,8 +514,9 @@ def layout_from_progress(progress: SourceProgress, *, seed: int, epoch: int, sou
             pooled += [ReadUnit(int(s)) for p in range(saved.passes[q] + 1, top + 1)
                        for s in saved.pass_shards(q, p)]
         layout = fresh_layout(progress.num_shards, seed=seed, epoch=top + 1,
-                              source_index=source_index, world=world, endless=True)
-        layout.units = [pooled[r::world] for r in range(world)]
+                              source_index=source_index, world=world, endless=True,
+                              rotation=rotation, readers=readers)
+        layout.units = _deal_units(pooled, layout)
         return layout
     # Elastic: pool what is left and deal it again. Untouched shards keep the epoch's order.
     untouched = np.zeros(progress.num_shards, dtype=bool)
@@ -471,8 +524,9 @@ def layout_from_progress(progress: SourceProgress, *, seed: int, epoch: int, sou
         untouched[saved.base[q][saved.base_position[q]:]] = True
     pooled = [unit for q in range(saved.base_world) for unit in saved.units[q]]
     layout = fresh_layout(progress.num_shards, seed=seed, epoch=epoch, source_index=source_index,
-                          world=world, base_shards=untouched)
-    layout.units = [pooled[r::world] for r in range(world)]
+                          world=world, base_shards=untouched, rotation=rotation,
+                          readers=readers)
+    layout.units = _deal_units(pooled, layout)
     return layout
 
 
@@ -624,4 +678,4 @@ class SourceTracker:
                    if layout.endless else {})
         return SourceProgress(name, num_shards, listing_crc, layout.base_world, bits,
                               tuple(positions), tuple(all_units), **endless,
-                              rotation=layout.rotation), ages
+                              rotation=layout.rotation, readers=layout.readers), ages

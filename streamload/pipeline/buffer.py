@@ -174,3 +174,35 @@ class SourceBuffer:
 
     def __len__(self) -> int:
         return len(self._entries) - self._markers
+
+
+class UnreadBuffer:
+    """The buffer of a source this rank does not read (`plan/readers.py`): no fetcher fills it,
+    its window is always empty and at the epoch's end, so the planner sees nothing of the source
+    here and the ranks that read it supply it (through the exchange). Holds nothing."""
+    capacity_tokens = 0
+    window_tokens = 0
+    blocked_s = 0.0
+    tokens = 0
+
+    def resize(self, capacity_tokens: int, window_tokens: int) -> None:
+        pass
+
+    def fail(self, error: BaseException) -> None:
+        pass
+
+    async def wait_ready(self) -> None:
+        pass
+
+    def window(self) -> tuple[list[Item], bool]:
+        return [], True
+
+    def take(self, positions: np.ndarray, window_size: int, cut=None) -> list[Item]:
+        assert len(positions) == 0 and window_size == 0, "a plan took from an unread source"
+        return []
+
+    def next_epoch(self) -> None:
+        pass
+
+    def __len__(self) -> int:
+        return 0

@@ -96,23 +96,28 @@ class MemoryPlan:
             return np.maximum(self.config.buffer_tokens, windows)
         return 2 * windows + self.config.micro_batch_tokens   # the planner's choice + a step ahead
 
-    def budgets(self, shares: np.ndarray, holders: np.ndarray, held: np.ndarray) -> list[SourceBudget]:
+    def budgets(self, shares: np.ndarray, holders: np.ndarray, held: np.ndarray,
+                reads=None) -> list[SourceBudget]:
         """This rank's buffers for the next step. `shares[s]`: the mix's share of s now (0 once
         it has no data); `holders[s]`: ranks that still hold data of s; `held[s]`: this rank
-        is one of them."""
+        is one of them; `reads[s]` (None: all): this rank reads s at all. A source it does not
+        read gets nothing (no buffer, no window, nothing in flight); its readers' windows are
+        deeper by R / holders, so they offer the planner the whole job's share."""
         shares = np.asarray(shares, dtype=np.float64)
         held = np.asarray(held, dtype=bool)
+        reads = np.ones(held.shape, dtype=bool) if reads is None else np.asarray(reads, bool)
         C, chunk = self.config.micro_batch_tokens, self.config.chunk_bytes
-        windows = self._windows(shares, np.asarray(holders), held)
-        capacities = self._capacities(windows)
+        windows = np.where(reads, self._windows(shares, np.asarray(holders), held), 0)
+        capacities = np.where(reads, self._capacities(windows), 0)
         room = self.budget - chunk * max(int(held.sum()), 1)   # a range in flight per source
-        floor = self._capacities(np.full(windows.shape, C))
+        floor = np.where(reads, self._capacities(np.full(windows.shape, C)), 0)
         want = float((capacities * TOKEN_BYTES).sum())
         if want > room:   # shrink every window above one row in proportion
             spare = float(((capacities - floor) * TOKEN_BYTES).sum())
             scale = max(room - float((floor * TOKEN_BYTES).sum()), 0.0) / max(spare, 1.0)
-            windows = C + np.floor((windows - C) * min(scale, 1.0)).astype(np.int64)
-            capacities = self._capacities(windows)
+            windows = np.where(reads, C + np.floor((windows - C) * min(scale, 1.0))
+                               .astype(np.int64), 0)
+            capacities = np.where(reads, self._capacities(windows), 0)
         left = max(self.budget - int((capacities * TOKEN_BYTES).sum()), 0)
         weight = np.where(held, shares, 0.0)
         split = np.where(held, 0.5 / max(int(held.sum()), 1), 0.0) + \

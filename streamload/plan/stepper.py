@@ -54,6 +54,7 @@ class Stepper:
         self.step = 0                   # steps taken, over all epochs (the schedule's clock)
         self.epoch = 0
         self.holding = np.ones((geometry.ranks, mixer.num_sources), dtype=bool)   # [R, S]
+        self.reads = np.ones_like(self.holding)      # [R, S]: rank r reads source s at all
         self._sized_for: Optional[bytes] = None      # (holding, shares) the budgets are for
         self._budgets: list[list[SourceBudget]] = []  # [R][S], for `_sized_for`
 
@@ -85,6 +86,12 @@ class Stepper:
             self.mixer.load_state(mixture)
         if holding is not None:
             self.holding = np.asarray(holding, dtype=bool).reshape(self.holding.shape)
+
+    def set_readers(self, reads: np.ndarray) -> None:
+        """[R, S]: which ranks read each source (`plan/readers.py`): a rank that does not
+        gets no buffer for it (`MemoryPlan.budgets`)."""
+        self.reads = np.asarray(reads, dtype=bool).reshape(self.holding.shape)
+        self._sized_for = None
 
     # -- the step ----------------------------------------------------------------------------------
     def start_epoch(self, holding: np.ndarray) -> None:
@@ -151,8 +158,10 @@ class Stepper:
         if key != self._sized_for:
             self._sized_for = key
             holders = self.holding.sum(axis=0)
-            # Ranks holding the same sources get the same budgets: each distinct row once.
-            rows, inverse = np.unique(self.holding, axis=0, return_inverse=True)
-            sized = [self.memory.budgets(shares, holders, held) for held in rows]
+            # Ranks holding (reading) the same sources get the same budgets: each distinct row once.
+            S = self.holding.shape[1]
+            rows, inverse = np.unique(np.concatenate([self.holding, self.reads], axis=1),
+                                      axis=0, return_inverse=True)
+            sized = [self.memory.budgets(shares, holders, row[:S], row[S:]) for row in rows]
             self._budgets = [sized[i] for i in np.asarray(inverse).reshape(-1)]
         return self._budgets

@@ -34,6 +34,8 @@ def head_window(lengths: np.ndarray, window_tokens: int, ended: bool
     and done says it holds the rest of the epoch; or None while the items at hand hold fewer
     than `window_tokens` tokens and no marker follows (not ready: wait for more)."""
     lengths = np.asarray(lengths, dtype=np.int64)
+    if window_tokens <= 0 and ended and not lengths.shape[0]:   # a source not read here
+        return 0, True
     before = np.cumsum(lengths) - lengths
     n = int(np.searchsorted(before, window_tokens, side="left"))
     if n < lengths.shape[0] or int(lengths.sum()) >= window_tokens:
@@ -118,6 +120,9 @@ class ItemQueue:
         head_lengths = self.head >> 1
         need = tokens - int(head_lengths.sum())
         fresh = 0
+        if tokens <= 0:   # a source this rank does not read (`plan/readers.py`): no window;
+            while self.ptr == self.codes.shape[0] and self._pull():   # its feed says it ended
+                pass
         if need > 0:   # the head is short: fed items, as many as start before `tokens`
             while self.prefix[-1] - self.prefix[self.ptr] < need and \
                     self._pull(need - (self.prefix[-1] - self.prefix[self.ptr])):
