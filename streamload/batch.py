@@ -63,6 +63,12 @@ class MicroBatch:
             _row(self.labels)
 
 
+def _imbalance(costs: Optional[np.ndarray]) -> float:
+    costs = np.zeros(0) if costs is None else np.asarray(costs, np.float64)
+    mean = float(costs.mean()) if costs.size else 0.0
+    return float(costs.max() / mean) if mean > 0 else 1.0
+
+
 def _row(tensor: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
     """[n] -> [1, n], a view; None (a field this rank's stage does not receive) stays None."""
     return None if tensor is None else tensor.unsqueeze(0)
@@ -89,6 +95,28 @@ class Batch:
     pipeline_stages: int = 1
     # This rank's skips so far (on_error="skip"), [sources, 2]: records and shards skipped
     skipped: Optional[np.ndarray] = field(default=None, repr=False)
+    # The vision encoder's part of each rank's predicted cost [R] (image sources under
+    # image_cost="hybrid": the per-item encoder cost the planner balanced; zeros without one);
+    # None on a broadcast follower
+    encoder_cost: Optional[np.ndarray] = field(default=None, repr=False)
+
+    @property
+    def backbone_cost(self) -> np.ndarray:
+        """Each rank's predicted cost less its encoder's part [R]: the backbone (LM) over the
+        fused rows, plus any `sample_costs` hook's extra."""
+        if self.encoder_cost is None:
+            return np.asarray(self.rank_cost, np.float64)
+        return np.asarray(self.rank_cost, np.float64) - self.encoder_cost
+
+    @property
+    def encoder_imbalance(self) -> float:
+        """Max / mean over ranks of `encoder_cost` (1.0: even, or no encoder cost)."""
+        return _imbalance(self.encoder_cost)
+
+    @property
+    def backbone_imbalance(self) -> float:
+        """Max / mean over ranks of `backbone_cost`."""
+        return _imbalance(self.backbone_cost)
 
     @property
     def num_tokens(self) -> int:

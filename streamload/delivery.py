@@ -50,6 +50,8 @@ class Delivery:
         self._row_memory = ArrayRecycler(row_memory_words(self._step_size), np.int64,
                                          batches_held)
         self.images: Optional[ImageBatches] = None   # `use_images`
+        # bool [S]: the sources whose extra cost is the vision encoder's (set by the Runtime)
+        self.encoder_sources: Optional[np.ndarray] = None
 
     def use_images(self, images: ImageBatches) -> None:
         """Steps carry images: every rank of the job calls this before the first step."""
@@ -113,12 +115,14 @@ class Delivery:
             micro_batches = await self.images.attach(micro_batches, rows, entries, refs_here,
                                                      name_of)
         if totals is None:
-            totals = step_totals(c, plan, self.cost, self.geometry)
+            totals = step_totals(c, plan, self.cost, self.geometry, self.encoder_sources)
         self._count(totals, sources, lengths[entries])
         return Batch(step, epoch, micro_batches, totals.rank_tokens, totals.row_cost.sum(axis=1),
                      row_cost=totals.row_cost, pipeline_stages=self.geometry.pipeline_stages,
                      max_deferral=totals.deferral_max, source_tokens=totals.source_tokens,
-                     exchanged_tokens=totals.exchanged, mix=mix)
+                     exchanged_tokens=totals.exchanged, mix=mix,
+                     encoder_cost=None if totals.encoder_cost is None
+                     else totals.encoder_cost.sum(axis=1))
 
     def _count(self, totals: StepTotals, sources: np.ndarray, received: np.ndarray) -> None:
         """Delivery counters: this rank's per source, the job's per step."""
@@ -129,7 +133,8 @@ class Delivery:
             metrics.delivered_samples += n
             metrics.delivered_tokens += int(t)
         metrics = self.step_metrics
-        metrics.record(totals.rank_tokens, totals.row_cost, self.geometry.pipeline_stages)
+        metrics.record(totals.rank_tokens, totals.row_cost, self.geometry.pipeline_stages,
+                       encoder_cost=totals.encoder_cost)
         metrics.pieces_cut += totals.pieces_cut
         metrics.cut_work += totals.cut_work
         metrics.deferral_max = max(metrics.deferral_max, totals.deferral_max)

@@ -61,6 +61,14 @@ class StepMetrics:
     last_step_time: float = 0.0    # the slowest rank's 1F1B time (`cost.pipeline_time`)
     last_imbalance: float = 0.0
     imbalance_sum: float = 0.0
+    # The vision encoder's part of each rank's cost and the rest (the backbone) [R], apart, and
+    # their max / mean imbalance (image sources under image_cost="hybrid"; zeros / 1.0 without)
+    last_encoder_cost: list = field(default_factory=list)
+    last_backbone_cost: list = field(default_factory=list)
+    last_encoder_imbalance: float = 1.0
+    last_backbone_imbalance: float = 1.0
+    encoder_imbalance_sum: float = 0.0
+    backbone_imbalance_sum: float = 0.0
     plan_ms: deque = field(default_factory=lambda: deque(maxlen=256))
     exchanged_tokens: int = 0
     deferral_max: int = 0       # most steps any delivered sample waited in a window
@@ -92,9 +100,10 @@ class StepMetrics:
         self.source_tokens += tokens
         self.mix.add(epoch, step, units, mix)
 
-    def record(self, rank_tokens: np.ndarray, row_cost: np.ndarray, pipeline_stages: int = 1
-               ) -> None:
-        """One step: the job's tokens per rank [R] and predicted cost per (rank, row) [R, M]."""
+    def record(self, rank_tokens: np.ndarray, row_cost: np.ndarray, pipeline_stages: int = 1,
+               encoder_cost: np.ndarray | None = None) -> None:
+        """One step: the job's tokens per rank [R] and predicted cost per (rank, row) [R, M];
+        `encoder_cost` [R, M]: the vision encoder's part of `row_cost`."""
         self.steps += 1
         rank_cost = row_cost.sum(axis=1)
         self.last_row_cost = row_cost.tolist()
@@ -107,6 +116,13 @@ class StepMetrics:
         mean = float(rank_cost.mean()) if rank_cost.size else 0.0
         self.last_imbalance = float(rank_cost.max() / mean) if mean > 0 else 1.0
         self.imbalance_sum += self.last_imbalance
+        encoder = np.zeros_like(rank_cost) if encoder_cost is None else encoder_cost.sum(axis=1)
+        backbone = rank_cost - encoder
+        self.last_encoder_cost, self.last_backbone_cost = encoder.tolist(), backbone.tolist()
+        self.last_encoder_imbalance = _imbalance(encoder)
+        self.last_backbone_imbalance = _imbalance(backbone)
+        self.encoder_imbalance_sum += self.last_encoder_imbalance
+        self.backbone_imbalance_sum += self.last_backbone_imbalance
 
     def tokens_per_step(self) -> dict:
         """The job's tokens per step: mean and p1 / p50 / p99 (to 0.1% of a full step), the
@@ -133,6 +149,13 @@ class StepMetrics:
             "row_cost": self.last_row_cost, "step_time": self.last_step_time,
             "imbalance": self.last_imbalance,
             "imbalance_mean": self.imbalance_sum / self.steps if self.steps else None,
+            "encoder_cost": self.last_encoder_cost, "backbone_cost": self.last_backbone_cost,
+            "encoder_imbalance": self.last_encoder_imbalance,
+            "backbone_imbalance": self.last_backbone_imbalance,
+            "encoder_imbalance_mean": self.encoder_imbalance_sum / self.steps
+            if self.steps else None,
+            "backbone_imbalance_mean": self.backbone_imbalance_sum / self.steps
+            if self.steps else None,
             "plan_ms_median": float(np.median(plan)) if plan.size else None,
             "exchanged_tokens": self.exchanged_tokens,
             "pieces_cut": self.pieces_cut, "cut_work": self.cut_work,
@@ -201,3 +224,9 @@ def job_totals(ranks: list[dict]) -> dict:
             "bytes_read_per_token": read / delivered if delivered else None,
             "stall_s_max": max((r.get("stall_s", 0.0) for r in ranks), default=0.0),
             "sources": sources}
+
+
+def _imbalance(costs: np.ndarray) -> float:
+    """max / mean over ranks (1.0: even; nothing to balance counts as even)."""
+    mean = float(costs.mean()) if costs.size else 0.0
+    return float(costs.max() / mean) if mean > 0 else 1.0

@@ -23,6 +23,9 @@ The record is a flat dict of numbers (float), so every key is a time series:
                           micro-batches, `Batch.step_time`) and its costliest micro-batch
     pipeline_efficiency   the step's work spread evenly over every (rank, micro-batch), over
                           step_time (1.0: nothing waits)
+    encoder_imbalance, backbone_imbalance   max / mean over ranks of the vision encoder's part
+                          of the predicted rank costs and of the rest (`Batch.encoder_cost`,
+                          `Batch.backbone_cost`; image sources under image_cost="hybrid")
     max_deferral          steps the longest-waiting sample of this step was deferred
     tokens/<source>, samples/<source>   this rank's tokens and documents of each source
     job_tokens/<source>   the job's tokens of each source this step, over every DP rank (the
@@ -99,6 +102,9 @@ def step_record(batch: "Batch", step_tokens: int, sources: Sequence[str]) -> dic
         and batch.row_cost.size else 0.0,
         "max_deferral": float(batch.max_deferral),
     }
+    if getattr(batch, "encoder_cost", None) is not None:
+        record["encoder_imbalance"] = float(batch.encoder_imbalance)
+        record["backbone_imbalance"] = float(batch.backbone_imbalance)
     for name, count in tokens.items():
         record[f"tokens/{name}"] = float(count)
     for name, count in samples.items():

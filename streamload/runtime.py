@@ -113,6 +113,9 @@ class Runtime:
                                  [s.name for s in sources], self.source_metrics, self.step_metrics,
                                  batches_held, pad_to=config.pad_to,
                                  pad_token_id=config.pad_token_id)
+        # The Batch's and stats()' encoder / backbone split: the encoder's part of a step's cost
+        # is the extra cost of the samples of the sources the planner gave an encoder cost.
+        self.delivery.encoder_sources = np.array([e is not None for e in self._encoders], bool)
         # Each source's concurrency knobs, capped by what its start-up memory allows.
         self.budgets = self.stepper.memory.initial(self.stepper.mixer.max_shares())
         self.knobs = [Knobs(min(config.shard_prefetch, max_shards), min(config.range_readahead, max_ranges),
@@ -411,7 +414,8 @@ class Runtime:
         units = job.commit(step, plan.take, plan.length, summaries.ids)
         mix = self.mix_tracker.commit(job.stepper)
         self.watch.step(step.index, float(plan.length.sum()))
-        totals = step_totals(c, plan, self.stepper.cost, self.stepper.geometry)
+        totals = step_totals(c, plan, self.stepper.cost, self.stepper.geometry,
+                             self.delivery.encoder_sources)
         self._snapshot = job.snapshot()
         every = self.config.state_every
         state = encode_state(job.state(self._snapshot)) if every and job.step % every == 0 \

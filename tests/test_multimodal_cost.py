@@ -117,3 +117,90 @@ def test_window_costs_of_items_with_and_without_images():
     costs = window_costs([Item((1, 2, 3), (1, 4, 4)), TextItem(), Item()], encoder)
     assert costs.tolist() == [6 * 6 + 2 * 6 + 16 * 16 + 2 * 16, 0.0, 0.0]
     assert window_costs([], encoder).shape == (0,)
+
+
+def split_per_step(rank, world, root, control_plane="all_gather"):
+    """Per step on this rank: (Batch.encoder_cost, Batch.backbone_cost, the encoder and the
+    backbone of what this rank got, measured from its rows), and stats() / the step records."""
+    records = []
+    sources = [sl.Source(f"{root}/pics", name="pics", images=options()),
+               sl.Source(f"{root}/text", name="text")]
+    with sl.Loader(sources, micro_batch_tokens=512, micro_batches=2, epochs=1, seed=3,
+                   decode_images_in="threads", control_plane=control_plane,
+                   on_step=records.append) as loader:
+        config = loader.config
+        backbone = CostModel(config.cost_a, config.cost_b)
+        encoder = EncoderCost(config.encoder_cost_a, config.encoder_cost_b)
+        out = []
+        for batch in loader:
+            b = e = 0.0
+            for mb in batch.micro_batches:
+                b += float(backbone.doc_cost(np.diff(mb.cu_seqlens.numpy())).sum())
+                if mb.num_images:
+                    e += float(encoder.image_costs(mb.image_grid.numpy().prod(axis=1)).sum())
+            out.append((batch.encoder_cost.tolist(), batch.backbone_cost.tolist(), e, b,
+                        batch.encoder_imbalance, batch.backbone_imbalance))
+        stats = loader.stats()
+    return out, stats, records
+
+
+def write_mixed(root):
+    from corpus import write_jsonl_source
+    (root / "pics").mkdir()
+    write_tar(root / "pics" / "part-0.tar", range(40))
+    write_jsonl_source(root, "text", shards=2, per_shard=15, median=120, seed=4)
+
+
+def check_split(outs, world):
+    """Each rank's Batch.encoder_cost / backbone_cost are what it got, and every rank sees the
+    same job-wide figures."""
+    steps = list(zip(*[o[0] for o in outs]))
+    assert steps
+    for per_rank in steps:
+        enc, bb = per_rank[0][0], per_rank[0][1]
+        assert all(p[0] == enc and p[1] == bb for p in per_rank)   # the same on every rank
+        for r in range(world):
+            assert enc[r] == pytest.approx(per_rank[r][2], rel=1e-9)
+            assert bb[r] == pytest.approx(per_rank[r][3], rel=1e-9)
+        mean = float(np.mean(enc))
+        assert per_rank[0][4] == pytest.approx(max(enc) / mean if mean > 0 else 1.0)
+        mean = float(np.mean(bb))
+        assert per_rank[0][5] == pytest.approx(max(bb) / mean if mean > 0 else 1.0)
+    assert sum(sum(s[0][0]) for s in steps) > 0   # images were delivered
+    return steps
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("control_plane", ["all_gather", "gather"])
+def test_encoder_and_backbone_costs_apart_in_batch_stats_and_records(tmp_path, control_plane):
+    """An image source and a text source at R=2: each rank's predicted encoder part is the
+    encoder cost of the images it got, its backbone part the cost of its fused rows; the
+    imbalance of each is in the Batch, stats() and the step records (under either control
+    plane: under gather, rank 0 sends them with the step's totals)."""
+    from distributed import run_ranks
+    write_mixed(tmp_path)
+    outs = run_ranks(split_per_step, 2, str(tmp_path), control_plane)
+    steps = check_split(outs, 2)
+    for out, stats, records in outs:
+        assert len(records) == len(steps)
+        for record, step in zip(records, out):
+            assert record["encoder_imbalance"] == pytest.approx(step[4])
+            assert record["backbone_imbalance"] == pytest.approx(step[5])
+        last = out[-1]
+        assert stats["encoder_cost"] == pytest.approx(last[0])
+        assert stats["backbone_cost"] == pytest.approx(last[1])
+        assert stats["encoder_imbalance"] == pytest.approx(last[4])
+        assert stats["encoder_imbalance_mean"] == pytest.approx(np.mean([s[4] for s in out]))
+        assert stats["backbone_imbalance_mean"] == pytest.approx(np.mean([s[5] for s in out]))
+
+
+@pytest.mark.timeout(120)
+def test_no_encoder_part_when_balancing_by_the_backbone_only(tmp_path):
+    (tmp_path / "pics").mkdir()
+    write_tar(tmp_path / "pics" / "part-0.tar", range(16))
+    with sl.Loader([sl.Source(str(tmp_path / "pics"), images=options())],
+                   micro_batch_tokens=1024, epochs=1, image_cost="backbone",
+                   decode_images_in="threads") as loader:
+        for batch in loader:
+            assert batch.encoder_cost.tolist() == [0.0] and batch.encoder_imbalance == 1.0
+            assert batch.backbone_cost.tolist() == batch.rank_cost.tolist()

@@ -123,23 +123,34 @@ class StepTotals:
     delivered: int              # items taken
     pieces_cut: int
     cut_work: float
+    # float64 [R, M]: the vision encoder's part of `row_cost` (the extra cost of the samples of
+    # image sources balanced under image_cost="hybrid"); zeros without one
+    encoder_cost: Optional[np.ndarray] = None
 
 
-def step_totals(c: Candidates, plan: "PlanMessage", cost, geometry) -> StepTotals:
-    """The job-wide figures of a step, from every rank's windows and the whole plan."""
+def step_totals(c: Candidates, plan: "PlanMessage", cost, geometry,
+                encoder_sources: Optional[np.ndarray] = None) -> StepTotals:
+    """The job-wide figures of a step, from every rank's windows and the whole plan.
+    `encoder_sources`: bool [S], the sources whose extra cost is the vision encoder's."""
     R, M, S = geometry.ranks, geometry.micro_batches, c.num_sources
     lengths, holder = plan.length, c.rank[plan.take]
     whole = c.length[plan.take]
     cut = lengths < whole
     ages = c.age[plan.take]
+    slots = plan.rank * M + plan.row
+    extra = c.extra_cost[plan.take]
+    encoder = np.zeros(R * M)
+    if encoder_sources is not None and np.any(encoder_sources) and extra.size:
+        weights = np.where(np.asarray(encoder_sources, bool)[c.source[plan.take]], extra, 0.0)
+        encoder = np.bincount(slots, weights=weights, minlength=R * M)
     return StepTotals(
         np.bincount(plan.rank, weights=lengths, minlength=R),
-        cost.row_costs(lengths, plan.rank * M + plan.row, R * M,
-                       extra_cost=c.extra_cost[plan.take]).reshape(R, M),
+        cost.row_costs(lengths, slots, R * M, extra_cost=extra).reshape(R, M),
         np.bincount(c.source[plan.take], weights=lengths, minlength=S).astype(np.int64),
         int(lengths[holder != plan.rank].sum()), int(ages.max()) if ages.size else 0,
         int(ages.sum()), int(ages.size), int(cut.sum()),
-        float(cost.cut_savings(whole[cut], lengths[cut])) if cut.any() else 0.0)
+        float(cost.cut_savings(whole[cut], lengths[cut])) if cut.any() else 0.0,
+        encoder.reshape(R, M))
 
 
 ENTRY_FIELDS = 12   # holder, dest, row, source, position, whole length, length, shard, record,
@@ -189,7 +200,9 @@ def encode_local_plan(outcome: int, epoch: int, step: int, *, finished: bool = F
                               axis=1).astype(np.int64).reshape(-1))
     if totals is not None:
         t = totals
-        parts += [_f64(t.rank_tokens), _f64(t.row_cost), t.source_tokens, _f64(units),
+        encoder = t.encoder_cost if t.encoder_cost is not None else np.zeros(t.row_cost.shape)
+        parts += [_f64(t.rank_tokens), _f64(t.row_cost), _f64(encoder), t.source_tokens,
+                  _f64(units),
                   np.array([t.exchanged, t.deferral_max, t.deferral_sum, t.delivered,
                             t.pieces_cut], np.int64), _f64([t.cut_work]),
                   np.array([int(mix.target is not None), int(mix.tail)], np.int64),
@@ -229,6 +242,7 @@ def decode_local_plan(array: np.ndarray, num_sources: int, ranks: int,
             return out
         rank_tokens = np.ascontiguousarray(take(R)).view(np.float64)
         row_cost = np.ascontiguousarray(take(R * M)).view(np.float64).reshape(R, M)
+        encoder_cost = np.ascontiguousarray(take(R * M)).view(np.float64).reshape(R, M)
         source_tokens = take(S).copy()
         units = np.ascontiguousarray(take(S)).view(np.float64)
         exchanged, deferral_max, deferral_sum, delivered, pieces_cut = (int(v) for v in take(5))
@@ -237,7 +251,7 @@ def decode_local_plan(array: np.ndarray, num_sources: int, ranks: int,
         target = np.ascontiguousarray(take(S)).view(np.float64)
         ran_out = take(S).astype(bool)
         totals = StepTotals(rank_tokens, row_cost, source_tokens, exchanged, deferral_max,
-                            deferral_sum, delivered, pieces_cut, cut_work)
+                            deferral_sum, delivered, pieces_cut, cut_work, encoder_cost)
         mix = (target if has_target else None, bool(tail), ran_out)
     if has_budgets:
         budgets = array[at:at + 3 * S].reshape(S, 3)

@@ -16,6 +16,14 @@ if TYPE_CHECKING:
 TOKEN_BYTES = 4           # buffered tokens: at most int32 (byte tokens are uint8): an upper bound
 
 
+def source_token_bytes(sources) -> np.ndarray:
+    """Each source's bytes per buffered token: TOKEN_BYTES, plus for an image source the
+    encoded image bytes its items hold per token (`Images.encoded_bytes_per_token`)."""
+    return np.array([TOKEN_BYTES + (s.images.encoded_bytes_per_token
+                                    if getattr(s, "images", None) is not None else 0)
+                     for s in sources], dtype=np.int64)
+
+
 @dataclass
 class SourceBudget:
     capacity_tokens: int   # buffer capacity
@@ -54,33 +62,43 @@ class MemoryPlan:
     budget. The buffer holds two windows and a row (or `buffer_tokens`); what the buffers leave
     of the budget bounds the bytes in flight, half evenly and half by share. When the budget
     cannot hold every window, windows above one row shrink in proportion.
+
+    A buffered token costs `token_bytes[s]` of the budget: TOKEN_BYTES, and for an image source
+    also the encoded images its items hold per token (`source_token_bytes`).
     """
 
-    def __init__(self, config: LoaderConfig, max_shares: np.ndarray, names: list[str], ranks: int):
+    def __init__(self, config: LoaderConfig, max_shares: np.ndarray, names: list[str], ranks: int,
+                 token_bytes=None):
         self.config, self.names, self.ranks = config, list(names), ranks
         self.steps = _window_steps(config)
         shares = np.asarray(max_shares, dtype=np.float64)
         shares = shares / shares.sum()
         S = len(shares)
+        self.token_bytes = np.full(S, TOKEN_BYTES, np.int64) if token_bytes is None \
+            else np.asarray(token_bytes, np.int64)
         windows = self._windows(shares, np.full(S, ranks), np.ones(S, dtype=bool))
         capacities = self._capacities(windows)
         budget = config.memory_budget
         if budget is None:   # 32 MiB, or the least that gives every source its buffer and 2 ranges
             budget = max([DEFAULT_MEMORY_BUDGET] + [
-                int(np.ceil((cap * TOKEN_BYTES + RANGES_PER_SOURCE * config.chunk_bytes)
-                            / (0.5 / S + 0.5 * share))) for cap, share in zip(capacities, shares)])
+                int(np.ceil((cap * tb + RANGES_PER_SOURCE * config.chunk_bytes)
+                            / (0.5 / S + 0.5 * share)))
+                for cap, share, tb in zip(capacities, shares, self.token_bytes.tolist())])
         self.budget = int(budget)
         # The start-up split (each source's largest share, every rank holding data) must fit:
         # a budget too small for the geometry fails when the Loader is built.
-        for name, share, capacity in zip(names, shares, capacities):
+        for name, share, capacity, tb in zip(names, shares, capacities,
+                                             self.token_bytes.tolist()):
             source_bytes = self.budget * (0.5 / S + 0.5 * share)
-            if source_bytes - capacity * TOKEN_BYTES < config.chunk_bytes:
-                need = capacity * TOKEN_BYTES + config.chunk_bytes
+            if source_bytes - capacity * tb < config.chunk_bytes:
+                need = capacity * tb + config.chunk_bytes
                 raise ConfigError(
                     f"memory_budget: {self.budget} bytes leaves source {name!r} "
                     f"{int(source_bytes)} bytes, less than it needs for its buffer plus one "
                     f"fetched range ({need} bytes); raise memory_budget or lower chunk_bytes, "
-                    f"micro_batch_tokens or window_factor")
+                    f"micro_batch_tokens or window_factor"
+                    + (f" (its buffered tokens count {tb} bytes each with the images they "
+                       f"hold: Images.encoded_bytes_per_token)" if tb > TOKEN_BYTES else ""))
 
     def _windows(self, shares: np.ndarray, holders: np.ndarray, held: np.ndarray) -> np.ndarray:
         C, M = self.config.micro_batch_tokens, self.config.micro_batches
@@ -111,14 +129,15 @@ class MemoryPlan:
         capacities = np.where(reads, self._capacities(windows), 0)
         room = self.budget - chunk * max(int(held.sum()), 1)   # a range in flight per source
         floor = np.where(reads, self._capacities(np.full(windows.shape, C)), 0)
-        want = float((capacities * TOKEN_BYTES).sum())
+        tb = self.token_bytes
+        want = float((capacities * tb).sum())
         if want > room:   # shrink every window above one row in proportion
-            spare = float(((capacities - floor) * TOKEN_BYTES).sum())
-            scale = max(room - float((floor * TOKEN_BYTES).sum()), 0.0) / max(spare, 1.0)
+            spare = float(((capacities - floor) * tb).sum())
+            scale = max(room - float((floor * tb).sum()), 0.0) / max(spare, 1.0)
             windows = np.where(reads, C + np.floor((windows - C) * min(scale, 1.0))
                                .astype(np.int64), 0)
             capacities = np.where(reads, self._capacities(windows), 0)
-        left = max(self.budget - int((capacities * TOKEN_BYTES).sum()), 0)
+        left = max(self.budget - int((capacities * tb).sum()), 0)
         weight = np.where(held, shares, 0.0)
         split = np.where(held, 0.5 / max(int(held.sum()), 1), 0.0) + \
             (0.5 * weight / weight.sum() if weight.sum() > 0 else 0.0)

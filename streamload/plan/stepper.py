@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, Optional, Sequence
 import numpy as np
 
 from .cost import CostModel
-from .memory import MemoryPlan, SourceBudget
+from .memory import MemoryPlan, SourceBudget, source_token_bytes
 from .planner import Planner
 from .quota_mixer import MixtureState, QuotaMixer, StepQuota
 from .types import Assignment, Candidates, Geometry
@@ -69,7 +69,8 @@ class Stepper:
                           step_overhead=config.step_overhead)
         mixer = QuotaMixer.from_sources(mixture, sources, capacity=config.micro_batch_tokens)
         # Built here, so a budget too small for the geometry fails when the Loader is built.
-        memory = MemoryPlan(config, mixer.max_shares(), [s.name for s in sources], world)
+        memory = MemoryPlan(config, mixer.max_shares(), [s.name for s in sources], world,
+                            source_token_bytes(sources))
         return cls(geometry, planner, mixer, memory, config.epochs)
 
     @property

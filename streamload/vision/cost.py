@@ -1,5 +1,7 @@
-"""The vision encoder's part of an image-text sample's cost (issue 23, item 4: a building
-block, not yet wired into the planner).
+"""The vision encoder's part of an image-text sample's cost (issue 23, item 4). The runtime
+adds it to each image item's extra cost for the planner (`vision/hybrid.py`, under
+image_cost="hybrid"), and the Batch and stats() report it apart from the backbone's part
+(`Batch.encoder_cost`).
 
 A sample costs `encoder(images) + backbone(fused length)`. The backbone's part is the loader's
 `CostModel` over the fused sequence (text plus visual tokens: the item's length). The encoder's
@@ -49,6 +51,6 @@ class EncoderCost:
 
 def item_patches(items: Iterable) -> list[list[int]]:
     """Each buffered item's patches per image (`ImageItem.images[k].placement.grid`); [] for
-    a text item. What a summary would hand `EncoderCost.sample_costs`."""
+    a text item: what `hybrid.window_costs` hands `EncoderCost.sample_costs`."""
     return [[g[0] * g[1] * g[2] for g in (ref.placement.grid for ref in
                                           getattr(item, "images", ()))] for item in items]

@@ -28,6 +28,11 @@ class Images(msgspec.Struct, kw_only=True, frozen=True):
       multiples of patch_size·merge_size) or "fixed" (`size` = [height, width]);
       `temporal_patch_size` frames per patch (Qwen2-VL: 2); `max_source_pixels` refuses larger
       source images.
+    * `encoded_bytes_per_token`: what the memory budget counts for each buffered token of this
+      source on top of the token itself: the encoded image bytes a buffered item holds per token
+      of its fused sequence (JPEG at Qwen2-VL's 28 px per merged token: ~150-250; more for PNG
+      or large sources shrunk a lot). An estimate fixed up front (the windows must be alike on
+      every rank), not a limit the buffer enforces.
     """
     image_token_id: int
     image_begin_ids: tuple[int, ...] = ()
@@ -43,6 +48,7 @@ class Images(msgspec.Struct, kw_only=True, frozen=True):
     max_pixels: int = 1024 * 28 * 28
     max_source_pixels: int = 89_478_485   # Pillow's decompression-bomb limit
     max_images: int = 64                  # per sample
+    encoded_bytes_per_token: int = 256    # the memory budget's estimate (see above)
 
     def __post_init__(self):
         def fail(key, problem):
@@ -51,6 +57,9 @@ class Images(msgspec.Struct, kw_only=True, frozen=True):
                     "max_pixels", "max_source_pixels", "max_images"):
             if getattr(self, key) < 1:
                 fail(key, f"must be an integer >= 1, got {getattr(self, key)!r}")
+        if self.encoded_bytes_per_token < 0:
+            fail("encoded_bytes_per_token",
+                 f"must be an integer >= 0, got {self.encoded_bytes_per_token!r}")
         ids = (self.image_token_id, *self.image_begin_ids, *self.image_end_ids)
         if any(not 0 <= i < 2 ** 31 for i in ids):
             fail("image_token_id", f"token ids must be in 0..2**31-1, got {ids}")
