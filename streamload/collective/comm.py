@@ -81,7 +81,7 @@ class GlooComm:
         import torch
         import torch.distributed as dist
         array = np.ascontiguousarray(array, dtype=np.int64)
-        cap = self.gather_capacity
+        n, cap = array.shape[0], self.gather_capacity
 
         def gather():
             message = _head_message(array, cap)
@@ -108,7 +108,7 @@ class GlooComm:
         import torch
         import torch.distributed as dist
         array = np.ascontiguousarray(array, dtype=np.int64)
-        n, cap = array.shape[0], self.gather_capacity
+        cap = self.gather_capacity
 
         def gather():
             message = _head_message(array, cap)
