@@ -203,28 +203,37 @@ class ParquetStream(PlannedStream):
                 for first, group in zip(self._first_rows, self._groups)]
 
     def decode(self, chunk: bytes) -> list[RawRecord]:
+        group = self._read_group(chunk, [self._field])
+        if group is None:
+            return []
+        first, table = group
+        if self._tokens:
+            return self._token_records(table.column(0), first)
+        return self._text_records(table.column(0), first)
+
+    def _read_group(self, chunk: bytes, columns: list[str]):
+        """The next range's row group as a table of `columns`, and its first row's index; None
+        when the shard failed (now, with the error named, or before)."""
         k = self._next_range()
         if self._failed:
-            return []
+            return None
         start, end = self._ranges[k]
         group = self._groups[k]
+        named = (f"column {columns[0]!r}" if len(columns) == 1
+                 else "columns " + ", ".join(repr(c) for c in columns))
         if len(chunk) != end - start:
-            self._shard_error(f"row group {group}: expected {end - start} bytes of column "
-                              f"{self._field!r}, got {len(chunk)} (did the file change?)")
-            return []
+            self._shard_error(f"row group {group}: expected {end - start} bytes of {named}, got "
+                              f"{len(chunk)} (did the file change?)")
+            return None
         pa = self._pa
         try:
             file = pa.parquet.ParquetFile(_SparseFile(self._size, [(start, chunk)]),
                                           metadata=self._metadata)
-            column = file.read_row_group(group, columns=[self._field],
-                                         use_threads=False).column(0)
+            table = file.read_row_group(group, columns=columns, use_threads=False)
         except (OSError, ValueError, pa.ArrowException) as exc:
-            self._shard_error(f"row group {group}: cannot decode column {self._field!r}: {exc}")
-            return []
-        first = self._first_rows[k]
-        if self._tokens:
-            return self._token_records(column, first)
-        return self._text_records(column, first)
+            self._shard_error(f"row group {group}: cannot decode {named}: {exc}")
+            return None
+        return self._first_rows[k], table
 
     def finish(self) -> list[RawRecord]:
         return []

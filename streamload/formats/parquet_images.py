@@ -75,27 +75,10 @@ class ParquetImageStream(ParquetStream):
         self._text, self._column, self._placeholder = text, column, placeholder
 
     def decode(self, chunk: bytes) -> list[RawRecord]:
-        k = self._next_range()
-        if self._failed:
+        group = self._read_group(chunk, [self._text, self._column])
+        if group is None:
             return []
-        start, end = self._ranges[k]
-        group = self._groups[k]
-        if len(chunk) != end - start:
-            self._shard_error(f"row group {group}: expected {end - start} bytes, got "
-                              f"{len(chunk)} (did the file change?)")
-            return []
-        pa = self._pa
-        from .parquet import _SparseFile
-        try:
-            file = pa.parquet.ParquetFile(_SparseFile(self._size, [(start, chunk)]),
-                                          metadata=self._metadata)
-            table = file.read_row_group(group, columns=[self._text, self._column],
-                                        use_threads=False)
-        except (OSError, ValueError, pa.ArrowException) as exc:
-            self._shard_error(f"row group {group}: cannot decode columns {self._text!r}, "
-                              f"{self._column!r}: {exc}")
-            return []
-        first = self._first_rows[k]
+        first, table = group
         records = []
         texts = table.column(self._text).to_pylist()
         cells = table.column(self._column).to_pylist()
