@@ -8,7 +8,7 @@ drive; no processes, no data: lengths only).
 The corpus is benchmarks/scale.py's as lengths: S token sources, 20k to 400k tokens each
 (geometric), 2 to 31 shards, lognormal documents (median 60 to 600 tokens), weights by size;
 M = 2 rows of C = 2048 tokens per rank, planner balanced (scale.py's loader options). After
---steps steps the state is saved twice: in this tree's format (`encode_state`, version 5) and
+--steps steps the state is saved twice: in this tree's format (`encode_state`, version 6) and
 as the version-4 format wrote the same state (every rank's position and units per source, the
 pending items as (source, shard, record, chunk, age) tuples: `msgspec.json.encode` of the
 in-memory `LoaderState`). Prints a table on stderr, JSON last line on stdout.
@@ -120,7 +120,7 @@ def main() -> None:
         rows += [measure(args.sources, int(r), args.steps, readers) for r in args.ranks.split(",")]
         rows += [measure(args.many_sources, int(r), args.steps, readers)
                  for r in args.many_ranks.split(",") if args.many_sources]
-    print(f"{'S':>4} {'R':>3} {'rd':>4} {'steps':>5} {'state v5':>9} {'state v4':>9} {'units':>6} "
+    print(f"{'S':>4} {'R':>3} {'rd':>4} {'steps':>5} {'state v6':>9} {'state v4':>9} {'units':>6} "
           f"{'pending':>7} {'read/rank':>9} {'save ms':>8} {'load ms':>8}", file=sys.stderr)
     for r in rows:
         print(f"{r['sources']:>4} {r['ranks']:>3} {r['readers']:>4} {r['steps']:>5} "

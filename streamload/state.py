@@ -36,8 +36,10 @@ from . import pieces
 from .errors import ConfigError
 from .plan.quota_mixer import MixtureState
 
-STATE_VERSION = 5   # 4: the options that decide the data (`DataOptions`) are recorded;
-                    # 5: saved in O(sources + ranks) (`SavedState`), not per (rank, source)
+STATE_VERSION = 6   # 4: the options that decide the data (`DataOptions`) are recorded;
+                    # 5: saved in O(sources + ranks) (`SavedState`), not per (rank, source);
+                    # 6: the pending items saved as runs (`_runs`), columns narrowed (`_pack`);
+                    # version 5 is still read
 _END = (2**62, 2**62)   # skip_through for "only the extras"
 
 
@@ -169,35 +171,63 @@ class SavedState(msgspec.Struct, frozen=True):
     step: int
     mixture: Optional[MixtureState]
     sources: tuple[SavedSource, ...]
-    # packed int64 columns (`_pack`): the filtered units in read order, rows (source, rank,
+    # packed integer columns (`_pack`): the filtered units in read order, rows (source, rank,
     # shard, skip record, skip chunk), skip record -1: none; their extras, rows (unit, record,
     # chunk); endless sources' positions, rows (source, rank, pass, position); the pending
-    # items, rows (source, shard, record, chunk, age)
+    # items: version 5 as rows (source, shard, record, chunk, age) in `pending`, version 6 as
+    # runs (`_runs`: source, shard, first record, count - 1, chunk) in `pending_runs` and their
+    # ages in `pending_ages`; version 5's columns are all int64, version 6's narrowed (`_pack`)
     units: bytes = b""
     extras: bytes = b""
     positions: bytes = b""
     pending: bytes = b""
     holding: Optional[bytes] = None
     data: Optional[DataOptions] = None
+    pending_runs: bytes = b""
+    pending_ages: bytes = b""
+
+
+_SIZES = (1, 2, 4, 8)   # a column's bytes per value (version 6): the narrowest that holds it
 
 
 def _pack(rows, width: int, delta: tuple[int, ...] = ()) -> bytes:
-    """rows [n, width] of ints as zlib'd little-endian int64 columns, the `delta` columns as
+    """rows [n, width] of ints as zlib'd little-endian integer columns, the `delta` columns as
     differences from the row before: sorted ids become runs of small numbers, which is most of
-    what makes the saved state small."""
+    what makes the saved state small. Each column in the narrowest of int8/16/32/64 that holds
+    it, named by a first byte per column (its size)."""
     table = np.asarray(rows, dtype=np.int64).reshape(-1, width)
     if not table.shape[0]:
         return b""
     columns = table.T.copy()
     for k in delta:
         columns[k] = np.diff(columns[k], prepend=0)
-    return zlib.compress(columns.astype("<i8").tobytes(), 9)
+    sizes, body = [], []
+    for column in columns:
+        size = next(n for n in _SIZES if np.iinfo(f"<i{n}").min <= column.min()
+                    and column.max() <= np.iinfo(f"<i{n}").max)
+        sizes.append(size)
+        body.append(column.astype(f"<i{size}").tobytes())
+    return zlib.compress(bytes(sizes) + b"".join(body), 9)
 
 
-def _unpack(data: bytes, width: int, delta: tuple[int, ...] = ()) -> np.ndarray:
+def _unpack(data: bytes, width: int, delta: tuple[int, ...] = (),
+            version: int = STATE_VERSION) -> np.ndarray:
     if not data:
         return np.zeros((0, width), np.int64)
-    columns = np.frombuffer(zlib.decompress(data), dtype="<i8").reshape(width, -1).copy()
+    raw = zlib.decompress(data)
+    if version == 5:   # every column int64
+        columns = np.frombuffer(raw, dtype="<i8").reshape(width, -1).copy()
+    else:
+        sizes = list(raw[:width])
+        if len(sizes) != width or any(n not in _SIZES for n in sizes) or \
+                (len(raw) - width) % sum(sizes):
+            raise ValueError(f"a packed table of {width} columns with column sizes {sizes} "
+                             f"and {len(raw) - width} bytes")
+        n, at, parts = (len(raw) - width) // sum(sizes), width, []
+        for size in sizes:
+            parts.append(np.frombuffer(raw, f"<i{size}", n, at).astype(np.int64))
+            at += n * size
+        columns = np.stack(parts)
     for k in delta:
         columns[k] = np.cumsum(columns[k])
     return columns.T
@@ -205,7 +235,40 @@ def _unpack(data: bytes, width: int, delta: tuple[int, ...] = ()) -> np.ndarray:
 
 _UNIT_DELTA = (0, 1)          # units: source, rank, shard, skip record (-1: none), skip chunk
 _EXTRA_DELTA = (0,)           # extras: unit, record, chunk
-_PENDING_DELTA = (0, 1, 2)    # pending: source, shard, record, chunk, age (sorted)
+_PENDING_DELTA = (0, 1, 2)    # pending (version 5): source, shard, record, chunk, age (sorted)
+_RUNS_DELTA = (0, 1, 2)       # pending runs: source, shard, first record, count - 1, chunk
+_AGES_DELTA = (0,)            # pending ages, one per item in the runs' order
+
+
+def _runs(pending) -> tuple[np.ndarray, np.ndarray]:
+    """The sorted pending items (source, shard, record, chunk, age) as runs [n, 5] (source,
+    shard, first record, count - 1, chunk) and the items' ages: the items of one shard and chunk
+    at consecutive records are one run (most pending items are a shard's next records, their
+    ages falling by 0 or 1 from one to the next)."""
+    table = np.asarray(pending, dtype=np.int64).reshape(-1, 5)
+    if not table.shape[0]:
+        return np.zeros((0, 5), np.int64), np.zeros(0, np.int64)
+    prev = table[:-1]
+    cont = ((table[1:, [0, 1, 3]] == prev[:, [0, 1, 3]]).all(axis=1)
+            & (table[1:, 2] == prev[:, 2] + 1))
+    starts = np.flatnonzero(np.concatenate(([True], ~cont)))
+    counts = np.diff(np.append(starts, table.shape[0]))
+    first = table[starts]
+    return np.column_stack((first[:, :3], counts - 1, first[:, 3])), table[:, 4].copy()
+
+
+def _items(runs: np.ndarray, ages: np.ndarray) -> np.ndarray:
+    """`_runs` undone: the pending items [n, 5], in the order they were saved."""
+    if not runs.shape[0]:
+        if ages.size:
+            raise ValueError(f"{ages.size} pending ages without their items")
+        return np.zeros((0, 5), np.int64)
+    counts = runs[:, 3] + 1
+    if (counts < 1).any() or counts.sum() != ages.size:
+        raise ValueError(f"pending runs of {counts.sum()} items with {ages.size} ages")
+    rows = np.repeat(runs, counts, axis=0)
+    offset = np.arange(rows.shape[0]) - np.repeat(np.cumsum(counts) - counts, counts)
+    return np.column_stack((rows[:, :2], rows[:, 2] + offset, rows[:, 4], ages))
 
 
 def _bits(mask: np.ndarray) -> Optional[bytes]:
@@ -251,11 +314,12 @@ def encode_state(state: LoaderState) -> bytes:
                 units.append((s, q, u.shard, *skip))
         sources.append(SavedSource(p.num_shards, p.listing_crc, p.base_world, p.rotation,
                                    p.first_pass, p.base_shards, started, p.readers))
-    pending = sorted(state.ages)
-    saved = SavedState(state.version, state.seed, state.world_size, state.epoch, state.step,
+    runs, ages = _runs(sorted(state.ages))
+    saved = SavedState(STATE_VERSION, state.seed, state.world_size, state.epoch, state.step,
                        state.mixture, tuple(sources), _pack(units, 5, _UNIT_DELTA),
                        _pack(extras, 3, _EXTRA_DELTA), _pack(positions, 4),
-                       _pack(pending, 5, _PENDING_DELTA), state.holding, state.data)
+                       b"", state.holding, state.data, _pack(runs, 5, _RUNS_DELTA),
+                       _pack(ages, 1, _AGES_DELTA))
     return msgspec.json.encode(saved)
 
 
@@ -285,24 +349,30 @@ def _progress(saved: SavedState, s: int, units: list, positions: dict) -> Source
 
 def _from_saved(saved: SavedState) -> LoaderState:
     extras: dict[int, list] = {}
-    for unit, record, chunk in _unpack(saved.extras, 3, _EXTRA_DELTA).tolist():
+    v = saved.version
+    for unit, record, chunk in _unpack(saved.extras, 3, _EXTRA_DELTA, v).tolist():
         extras.setdefault(unit, []).append((record, chunk))
-    ages = tuple(tuple(row) for row in _unpack(saved.pending, 5, _PENDING_DELTA).tolist())
+    if v == 5:
+        items = _unpack(saved.pending, 5, _PENDING_DELTA, v)
+    else:
+        items = _items(_unpack(saved.pending_runs, 5, _RUNS_DELTA),
+                       _unpack(saved.pending_ages, 1, _AGES_DELTA)[:, 0])
+    ages = tuple(tuple(row) for row in items.tolist())
     pending: dict[tuple[int, int], list] = {}   # (source, shard) -> its pending (record, chunk)
     for s, shard, record, chunk, _ in ages:
         pending.setdefault((s, shard), []).append((record, chunk))
     units: dict[int, list] = {}
-    rows = _unpack(saved.units, 5, _UNIT_DELTA).tolist()
+    rows = _unpack(saved.units, 5, _UNIT_DELTA, v).tolist()
     for i, (s, q, shard, record, chunk) in enumerate(rows):
         both = extras.get(i, []) + pending.get((s, shard), [])
         units.setdefault(s, []).append(
             (q, ReadUnit(shard, None if record == -1 else (record, chunk),
                          tuple(sorted(both)))))
     positions = {(s, q): (pass_index, position) for s, q, pass_index, position
-                 in _unpack(saved.positions, 4).tolist()}
+                 in _unpack(saved.positions, 4, (), v).tolist()}
     sources = tuple(_progress(saved, s, units.get(s, []), positions)
                     for s in range(len(saved.sources)))
-    return LoaderState(saved.version, saved.seed, saved.world_size, saved.epoch, saved.step,
+    return LoaderState(STATE_VERSION, saved.seed, saved.world_size, saved.epoch, saved.step,
                        saved.mixture, sources, ages, saved.holding, saved.data)
 
 
@@ -322,13 +392,13 @@ def decode_state(data) -> LoaderState:
             f"the sources' text_field, tokens_field and format, the tokenizer), so a resume "
             f"cannot be checked against them; resume it with the streamload that saved it, or "
             f"start without it", key="version")
-    if version < STATE_VERSION:
+    if version < 5:
         raise ConfigError(
             f"loader state: version {version} was saved by an older streamload, whose states "
             f"recorded every rank's position in every source (they grew with ranks x sources); "
-            f"this one writes version {STATE_VERSION} and cannot read it. Resume it with the "
+            f"this one reads versions 5 and {STATE_VERSION} only. Resume it with the "
             f"streamload that saved it, or start without it", key="version")
-    if version != STATE_VERSION:
+    if version > STATE_VERSION:
         raise ConfigError(f"loader state: version {version} is not supported "
                           f"(this streamload writes version {STATE_VERSION})", key="version")
     try:

@@ -116,7 +116,7 @@ def test_a_state_from_an_older_version_is_refused_saying_why(tmp_path):
     with loader_for(tmp_path) as loader:
         next(iter(loader))
         state = msgspec.json.decode(loader.state_dict()["streamload"])
-    assert state["version"] == 5 and state["data"]["micro_batch_tokens"] == 1024
+    assert state["version"] == 6 and state["data"]["micro_batch_tokens"] == 1024
     old = {k: v for k, v in state.items() if k != "data"}
     old["version"] = 3
     with pytest.raises(sl.ConfigError, match="version 3 was saved by an older streamload, which "
