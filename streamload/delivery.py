@@ -35,9 +35,12 @@ T = TypeVar("T")
 class Delivery:
     def __init__(self, comm: Comm, geometry: Geometry, cost: CostModel, source_names: Sequence[str],
                  source_metrics: Sequence[SourceMetrics], step_metrics: StepMetrics,
-                 batches_held: int, *, pad_to: Optional[str] = None, pad_token_id: int = 0):
+                 batches_held: int, *, pad_to: Optional[str] = None, pad_token_id: int = 0,
+                 encoder_sources: Optional[np.ndarray] = None):
         """`batches_held`: packed steps alive at once (queued, held by the trainer, packing).
-        `pad_to="capacity"`: every row padded to C tokens with `pad_token_id`."""
+        `pad_to="capacity"`: every row padded to C tokens with `pad_token_id`.
+        `encoder_sources`: bool [S], the sources whose extra cost is the vision encoder's (the
+        Batch's encoder / backbone split); None: none."""
         self.comm, self.geometry, self.cost = comm, geometry, cost
         self.source_names = list(source_names)
         self.source_metrics, self.step_metrics = source_metrics, step_metrics
@@ -50,8 +53,7 @@ class Delivery:
         self._row_memory = ArrayRecycler(row_memory_words(self._step_size), np.int64,
                                          batches_held)
         self.images: Optional[ImageBatches] = None   # `use_images`
-        # bool [S]: the sources whose extra cost is the vision encoder's (set by the Runtime)
-        self.encoder_sources: Optional[np.ndarray] = None
+        self.encoder_sources = encoder_sources
 
     def use_images(self, images: ImageBatches) -> None:
         """Steps carry images: every rank of the job calls this before the first step."""

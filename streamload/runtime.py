@@ -112,10 +112,11 @@ class Runtime:
         self.delivery = Delivery(comm, self.stepper.geometry, self.stepper.cost,
                                  [s.name for s in sources], self.source_metrics, self.step_metrics,
                                  batches_held, pad_to=config.pad_to,
-                                 pad_token_id=config.pad_token_id)
-        # The Batch's and stats()' encoder / backbone split: the encoder's part of a step's cost
-        # is the extra cost of the samples of the sources the planner gave an encoder cost.
-        self.delivery.encoder_sources = np.array([e is not None for e in self._encoders], bool)
+                                 pad_token_id=config.pad_token_id,
+                                 # the encoder's part of a step's cost: the extra cost of the
+                                 # sources the planner gave an encoder cost
+                                 encoder_sources=np.array([e is not None for e in self._encoders],
+                                                          bool))
         # Each source's concurrency knobs, capped by what its start-up memory allows.
         self.budgets = self.stepper.memory.initial(self.stepper.mixer.max_shares())
         self.knobs = [Knobs(min(config.shard_prefetch, max_shards), min(config.range_readahead, max_ranges),

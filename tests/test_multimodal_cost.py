@@ -64,6 +64,19 @@ def test_the_switch_and_the_coefficients_are_validated():
         sl.LoaderConfig(micro_batch_tokens=1024, encoder_cost_a=-1.0)
 
 
+
+def delivered_costs(config, batch) -> tuple[float, float]:
+    """This rank's (backbone, encoder) cost of what it received: its rows' documents under the
+    backbone model, its images under the encoder model."""
+    backbone = CostModel(config.cost_a, config.cost_b)
+    encoder = EncoderCost(config.encoder_cost_a, config.encoder_cost_b)
+    b = e = 0.0
+    for mb in batch.micro_batches:
+        b += float(backbone.doc_cost(np.diff(mb.cu_seqlens.numpy())).sum())
+        if mb.num_images:
+            e += float(encoder.image_costs(mb.image_grid.numpy().prod(axis=1)).sum())
+    return b, e
+
 def planned_and_measured(source: sl.Source, **kw):
     """Per step: (the planner's rank cost, backbone of the delivered documents, encoder of the
     delivered images) at R=1, with the loader's default coefficients."""
@@ -71,15 +84,8 @@ def planned_and_measured(source: sl.Source, **kw):
           "decode_images_in": "threads", **kw}
     out = []
     with sl.Loader([source], **kw) as loader:
-        config = loader.config
-        backbone = CostModel(config.cost_a, config.cost_b)
-        encoder = EncoderCost(config.encoder_cost_a, config.encoder_cost_b)
         for batch in loader:
-            b = e = 0.0
-            for mb in batch.micro_batches:
-                b += float(backbone.doc_cost(np.diff(mb.cu_seqlens.numpy())).sum())
-                if mb.num_images:
-                    e += float(encoder.image_costs(mb.image_grid.numpy().prod(axis=1)).sum())
+            b, e = delivered_costs(loader.config, batch)
             out.append((float(batch.rank_cost[0]), b, e))
     return np.array(out)
 
@@ -128,16 +134,9 @@ def split_per_step(rank, world, root, control_plane="all_gather"):
     with sl.Loader(sources, micro_batch_tokens=512, micro_batches=2, epochs=1, seed=3,
                    decode_images_in="threads", control_plane=control_plane,
                    on_step=records.append) as loader:
-        config = loader.config
-        backbone = CostModel(config.cost_a, config.cost_b)
-        encoder = EncoderCost(config.encoder_cost_a, config.encoder_cost_b)
         out = []
         for batch in loader:
-            b = e = 0.0
-            for mb in batch.micro_batches:
-                b += float(backbone.doc_cost(np.diff(mb.cu_seqlens.numpy())).sum())
-                if mb.num_images:
-                    e += float(encoder.image_costs(mb.image_grid.numpy().prod(axis=1)).sum())
+            b, e = delivered_costs(loader.config, batch)
             out.append((batch.encoder_cost.tolist(), batch.backbone_cost.tolist(), e, b,
                         batch.encoder_imbalance, batch.backbone_imbalance))
         stats = loader.stats()
