@@ -107,14 +107,14 @@ def select_lookahead(c: Candidates, targets: np.ndarray, geometry: Geometry, cos
     # The lookahead pool: `window` steps' worth per source, overdue items first, then arrival
     # order (what `select` does with window * targets). Masks over all candidates from here on.
     forced = bounded_forced(c, force_age, geometry.step_tokens // 2)
-    window_quota = step_quotas(targets * window, np.bincount(source, weights=length, minlength=S))
+    window_quota = step_quotas(targets * window, c.source_tokens())
     overdue = np.flatnonzero(forced)
     forced_tokens = np.bincount(source[overdue], weights=length[overdue],
                                 minlength=S).astype(np.float64)
     key = c.source.astype(np.int64) * (int(c.position.max()) + 1) + c.position
     pool = forced | _take_arrival(c, ~forced, forced_tokens.copy(), window_quota, key)
     weight = item_costs(c, None, cost)
-    pool_by_source = np.bincount(source, weights=np.where(pool, length, 0), minlength=S)
+    pool_by_source = c.source_tokens(pool)
     quota = step_quotas(targets, pool_by_source)
     pool_tokens = float(pool_by_source.sum())   # whole numbers: the float sum is exact
     if pool_tokens <= 0:
@@ -154,7 +154,7 @@ def select_lookahead(c: Candidates, targets: np.ndarray, geometry: Geometry, cos
     # as `step_quotas` does (its heavy ones wait for their layer; the carry keeps the mix).
     remaining = np.maximum(quota - used, 0.0)
     light = pool & ~taken & ~heavy
-    light_available = np.bincount(source, weights=np.where(light, length, 0), minlength=S)
+    light_available = c.source_tokens(light)
     remaining = step_quotas(remaining * (max(room, 0.0) / max(remaining.sum(), 1e-9)),
                             light_available)
     light_quota = used + remaining
@@ -178,9 +178,9 @@ def bounded_forced(c: Candidates, force_age: int, limit: int) -> np.ndarray:
     age, length = c.age, c.length
     forced = age >= force_age
     horizon = max(min(force_age // 4, FORCE_HORIZON), 1)
-    due_in = np.maximum(force_age - age.astype(np.int64), 0)              # steps left
-    near = due_in <= horizon
-    by_deadline = np.bincount(due_in[near], weights=length[near], minlength=horizon + 1)
+    near = np.flatnonzero(age >= force_age - horizon)
+    due_in = np.maximum(force_age - age[near].astype(np.int64), 0)        # steps left
+    by_deadline = np.bincount(due_in, weights=length[near], minlength=horizon + 1)
     k = np.arange(horizon + 1)
     need = float((np.cumsum(by_deadline) - k * limit).max())
     have = float(length[forced].sum())

@@ -8,6 +8,7 @@ in order, and are offered again next step with `age + 1`.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 
 import numpy as np
 
@@ -95,6 +96,29 @@ class Candidates:
                             np.int32),
             field(ages, np.int32), field(extra_costs, np.float64), num_sources, num_ranks,
             field(divisible, bool, False))
+
+    @cached_property
+    def _source_bounds(self) -> np.ndarray | None:
+        """Where each source's items start (num_sources + 1 offsets), when the items come by
+        source as windows lay them out; None when they do not (a hand-built set)."""
+        s = self.source
+        if s.size and not bool((s[1:] >= s[:-1]).all()):
+            return None
+        return np.searchsorted(s, np.arange(self.num_sources + 1))
+
+    def source_tokens(self, mask: np.ndarray | None = None) -> np.ndarray:
+        """Tokens per source (float64) of the items in `mask` (bool per item; None: all). Sums of
+        whole numbers, so exact: the same as `np.bincount(source, weights=...)`, without its
+        cast of every length (a few ms at 10^6 items)."""
+        length = self.length if mask is None else np.where(mask, self.length, 0)
+        bounds = self._source_bounds
+        if bounds is None:
+            return np.bincount(self.source, weights=length, minlength=self.num_sources)
+        out = np.zeros(self.num_sources)
+        nonempty = np.flatnonzero(bounds[1:] > bounds[:-1])
+        if nonempty.size:
+            out[nonempty] = np.add.reduceat(length, bounds[nonempty])
+        return out
 
     def windows(self):
         """((source, rank), slice) of every non-empty window, in candidate order."""
