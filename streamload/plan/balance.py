@@ -53,6 +53,7 @@ REFINE_BINS = 64         # refinement and trim run up to this many bins (beyond:
                          # and with that many bins the rounds and water levels are close)
 DROP_SHARE = 0.1         # refinement may leave out items up to this share of the top bin
 LIGHT_SHARE = 1 / 256    # an item is light below this fraction of a bin's fair load
+WAVE_ITEMS = 4           # light items per row left to the waves after the runs (`_runs`)
 
 
 def item_costs(c: Candidates, idx: np.ndarray | None, cost: CostModel) -> np.ndarray:
@@ -411,6 +412,41 @@ def _keep_home(bins: _Bins, items: np.ndarray, gaps: np.ndarray) -> np.ndarray:
     return items[rest]
 
 
+def _runs(bins: _Bins, items: np.ndarray, gaps: np.ndarray) -> np.ndarray:
+    """Most of `items` (largest first) into the rows' gaps in one pass, by cumulative tokens:
+    rows in order, each a run of consecutive items, so many items per row at once. Returns what
+    is left for `_waves` to place one per row: the items that would straddle two rows, and the
+    last `WAVE_ITEMS` per open row, the shortest, which fill what the runs leave of each gap.
+
+    The runs fill each gap in proportion to its size, up to the share of the items' tokens the
+    runs place, so the short items left are spread like the rest (the water level's allowance,
+    `_fill_light`). Light items cost about the same per token, so which row gets which run
+    hardly moves its cost; waves of one item per row took ~250 rounds a step at 128k rows.
+    Only where every bin is one row (rows under 1F1B, plain causal attention): with a rank's
+    rows as one bin the waves' largest-into-largest matching balanced better (a 128k CP step
+    of R = 512 went from 0.969 to 0.957 with runs)."""
+    length = bins.length
+    open_cells = np.flatnonzero(gaps >= float(length[items[-1]]) - 0.5) if items.size else items
+    keep = WAVE_ITEMS * open_cells.size
+    if items.size <= keep or open_cells.size == 0 or bins.rows > 1:
+        return items
+    head, tail = items[:items.size - keep], items[items.size - keep:]
+    # Dealt across the rows: the k-th of every `open` items go to one run, so each run holds
+    # a like mix of long and short items (longest-first runs made the first rows costlier).
+    stride = open_cells.size
+    head = head[np.argsort(np.arange(head.size) % stride, kind="stable")]
+    lengths = length[head]
+    room = gaps[open_cells]
+    share = min(1.0, float(lengths.sum() + length[tail].sum()) / max(float(room.sum()), 1.0))
+    budget = room * share * float(lengths.sum()) / float(lengths.sum() + length[tail].sum())
+    cell_end = np.cumsum(budget)
+    end = np.cumsum(lengths).astype(np.float64)
+    slot = np.minimum(np.searchsorted(cell_end, end - 0.5, side="left"), open_cells.size - 1)
+    ok = (end - lengths >= cell_end[slot] - budget[slot] - 0.5) & (end <= cell_end[slot] + 0.5)
+    _put_many(bins, head[ok], open_cells[slot[ok]], gaps)
+    return np.concatenate([_longest_first(head[~ok], length), tail])
+
+
 def _waves(bins: _Bins, items: np.ndarray, gaps: np.ndarray, max_waves: int = 512) -> np.ndarray:
     """Items (largest first) into rows, at most one per row per wave, never past a row's gap.
 
@@ -490,7 +526,7 @@ def _fill_light(bins: _Bins, items: np.ndarray, *, cap: float | None, home_first
             continue
         if home_first:
             group = _keep_home(bins, group, gaps)
-        group = _waves(bins, group, gaps)
+        group = _waves(bins, _runs(bins, group, gaps), gaps)
         if is_forced and group.size:
             # Past the allowance: wherever a row has room. Then no gap may exceed real room.
             real = (C - bins.fill).astype(np.float64).ravel()
