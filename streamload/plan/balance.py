@@ -16,9 +16,11 @@ Phases, in order (vectorized over bins; Python loops run per round, never per it
    has room, in rounds: a round hands one item to every bin within one item's weight of the
    least loaded one, which is what one-at-a-time LPT would do for those items. An item goes to
    the rank that holds it instead when that rank is in the round and costs little more.
-2. **Light items by water-filling** (items under `LIGHT_SHARE` of a rank's fair load: most of
+2. **Light items by water-filling** (items under `LIGHT_SHARE` of a bin's fair load,
+   `ROW_LIGHT_SHARE` of a row's where rows are the bins: most of
    them by count, few of the cost). A water level gives every bin an allowance of tokens; each
-   bin first keeps light items it holds itself, the rest go out in waves, largest item into
+   bin first keeps light items it holds itself; where rows are the bins most of the rest go
+   out in runs by cumulative tokens (`_runs`), and what is left in waves, largest item into
    largest gap, never past a row's capacity or a bin's allowance.
 3. **Forced** items (waited `max_age` steps) ride along with the rest, ahead of the others;
    one left out displaces non-forced items from a row (`_repair`). Should even that fail, the
@@ -53,6 +55,8 @@ REFINE_BINS = 64         # refinement and trim run up to this many bins (beyond:
                          # and with that many bins the rounds and water levels are close)
 DROP_SHARE = 0.1         # refinement may leave out items up to this share of the top bin
 LIGHT_SHARE = 1 / 256    # an item is light below this fraction of a bin's fair load
+ROW_LIGHT_SHARE = 1 / 128  # the same where rows are the bins (1F1B): still 1/(128·M) of a
+                           # rank's; half the items for LPT rounds (~950 a step at 32k, M=8)
 WAVE_ITEMS = 4           # light items per row left to the waves after the runs (`_runs`)
 
 
@@ -767,7 +771,7 @@ def _oldest_that_fit(c: Candidates, selected: np.ndarray, forced: np.ndarray,
 
 def assign_balanced(c: Candidates, selected: np.ndarray, geometry: Geometry, cost: CostModel, *,
                     forced: np.ndarray | None = None, refine_iters: int | None = None,
-                    light_share: float = LIGHT_SHARE, overhead: float = 0.0
+                    light_share: float | None = None, overhead: float = 0.0
                     ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Assign `selected` candidates to (rank, row), minimizing the largest per-rank cost.
     An item is left out only when that gains the epoch, with `overhead` the cost of a step
@@ -797,6 +801,8 @@ def assign_balanced(c: Candidates, selected: np.ndarray, geometry: Geometry, cos
     # With P pipeline stages a rank's step waits on its costliest micro-batch (1F1B), so the
     # rows are the bins: even rows make even ranks, and the bubble small.
     rows_are_bins = masking and geometry.pipelined
+    if light_share is None:
+        light_share = ROW_LIGHT_SHARE if rows_are_bins else LIGHT_SHARE
     if rows_are_bins:
         weight = item_costs(c, selected, cost)
         target_tokens = min(float(C), float(length[usable].sum()) / (R * M))
