@@ -401,7 +401,7 @@ class Leftovers:
         self.member = ~placed                    # the rest of the windows
         if eligible is not None:
             unplaced = unplaced[eligible[c.source[unplaced]]]
-            self.member &= eligible[c.source]
+            self.member &= c.by_source(eligible)
         self.unplaced = unplaced
         self.size = unplaced.size + int(np.count_nonzero(self.member))
         self._all: np.ndarray | None = None

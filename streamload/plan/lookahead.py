@@ -70,12 +70,13 @@ def _take_arrival(c: Candidates, mask: np.ndarray, used: np.ndarray,
     P = int(c.position.max()) + 1
     if key is None:
         key = c.source.astype(np.int64) * P + c.position
-    tokens = np.bincount(key, weights=np.where(mask, c.length, 0), minlength=S * P).reshape(S, P)
+    tokens = np.bincount(key, weights=np.where(mask, c.float_length, 0.0),
+                         minlength=S * P).reshape(S, P)
     through = np.cumsum(tokens, axis=1)                          # tokens up to and including p
     remaining = quota - used
     # First position where a source reaches its quota (P when it never does).
     cutoff = (through < remaining[:, None]).sum(axis=1)
-    limit = cutoff[c.source]
+    limit = c.by_source(cutoff)
     take = mask & (c.position < limit)
     edge = np.flatnonzero(mask & (c.position == limit))
     if edge.size:

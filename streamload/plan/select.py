@@ -127,8 +127,8 @@ def interleaved_head(c: Candidates, member: np.ndarray, longest: int,
     span = int(c.position.max()) + 1
     key = c.source.astype(np.int64) * span + c.position
     short = member & (c.length <= longest)
-    tok = np.bincount(key, weights=np.where(member, c.length, 0), minlength=S * span)
-    short_tok = np.bincount(key, weights=np.where(short, c.length, 0), minlength=S * span)
+    tok = np.bincount(key, weights=np.where(member, c.float_length, 0.0), minlength=S * span)
+    short_tok = np.bincount(key, weights=np.where(short, c.float_length, 0.0), minlength=S * span)
     through = np.cumsum(tok.reshape(S, span), axis=1)
     totals = through[:, -1]
     if float(short_tok.sum()) <= tokens:
@@ -147,7 +147,7 @@ def interleaved_head(c: Candidates, member: np.ndarray, longest: int,
         start = through - tok.reshape(S, span)               # tokens before each position
         cut = np.array([np.searchsorted(start[s], level * totals[s], side="right")
                         for s in range(S)])
-        head = np.flatnonzero(member & (c.position < cut[c.source]))
+        head = np.flatnonzero(member & (c.position < c.by_source(cut)))
         order = arrival_order(c, head)
         sources = c.source[order]
         lengths = c.length[order].astype(np.float64)

@@ -106,6 +106,20 @@ class Candidates:
             return None
         return np.searchsorted(s, np.arange(self.num_sources + 1))
 
+    @cached_property
+    def float_length(self) -> np.ndarray:
+        """`length` as float64, for weighted sums (`np.bincount` casts integer weights to float
+        on every call, which costs twice the count itself)."""
+        return self.length.astype(np.float64)
+
+    def by_source(self, values: np.ndarray) -> np.ndarray:
+        """`values[source]` for every item (one value per source): a repeat per source where the
+        items come by source, not a gather."""
+        bounds = self._source_bounds
+        if bounds is None:
+            return values[self.source]
+        return np.repeat(values, np.diff(bounds))
+
     def source_tokens(self, mask: np.ndarray | None = None) -> np.ndarray:
         """Tokens per source (float64) of the items in `mask` (bool per item; None: all). Sums of
         whole numbers, so exact: the same as `np.bincount(source, weights=...)`, without its
