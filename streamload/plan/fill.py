@@ -218,8 +218,9 @@ class _Rows:
         # Only the rows it fits are looked at (often few: the others are full).
         fits = np.flatnonzero(self.room >= length)
         extra = float(self.c.extra_cost[item])
-        if cost.document_masking:
-            marginal = float(cost.doc_cost(length)) + extra
+        if cost.document_masking:   # the index caches the cost by length: the same float
+            marginal = (float(cost.doc_cost(length)) if index is None else
+                        index.cost_of(self, length)) + extra
         else:   # a row's cost is convex in its tokens: what this row would add
             f = self.fill[fits].astype(np.float64)
             marginal = cost.a * ((f + length) ** 2 - f * f) + cost.b * length + extra
@@ -311,11 +312,15 @@ class _ByLoad:
             self.version[c] += 1
             heapq.heappush(self.heap, (load, int(rows.room[c]), c, self.version[c]))
 
-    def best(self, rows: _Rows, item: int, length: int) -> tuple[int, float, float] | None:
+    def cost_of(self, rows: _Rows, length: int) -> float:
+        """`float(doc_cost(length))`, cached by length."""
         work = self.work.get(length)
         if work is None:
             work = self.work[length] = float(rows.cost.doc_cost(length))
-        marginal = work + float(rows.c.extra_cost[item])
+        return work
+
+    def best(self, rows: _Rows, item: int, length: int) -> tuple[int, float, float] | None:
+        marginal = self.cost_of(rows, length) + float(rows.c.extra_cost[item])
         if length >= self.misses_from:
             return None
         heap, version = self.heap, self.version
