@@ -1,0 +1,95 @@
+"""Mechanics the planner's speed rests on: per-source sums by segment (`Candidates`), and the
+light fill's runs (`balance._runs`) ahead of the waves.
+
+The per-source helpers must give what the weighted counts and gathers they replace give,
+whether or not the candidates come by source. The runs must keep every row within its gap,
+place each item once, hand back exactly what they did not place, and leave the waves a fill
+as good as the waves alone reach.
+"""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from streamload.plan.balance import RUN_ROWS, WAVE_ITEMS, _Bins, _longest_first, _runs, _waves
+from streamload.plan.types import Candidates
+
+pytestmark = pytest.mark.core
+
+
+def _candidates(rng, shuffled: bool) -> Candidates:
+    ranks, sources = int(rng.integers(1, 6)), int(rng.integers(1, 5))
+    windows = [[rng.integers(1, 5000, int(rng.integers(0, 30)) if rng.random() > 0.2 else 0)
+                for _ in range(sources)] for _ in range(ranks)]
+    c = Candidates.from_windows(windows)
+    if not shuffled or len(c) < 2:
+        return c
+    p = rng.permutation(len(c))
+    return Candidates(c.length[p], c.source[p], c.rank[p], c.position[p], c.age[p],
+                      c.extra_cost[p], c.num_sources, c.num_ranks, c.divisible[p])
+
+
+@pytest.mark.parametrize("shuffled", [False, True])
+@pytest.mark.parametrize("seed", range(20))
+def test_per_source_sums_and_values_match_counts_and_gathers(seed, shuffled):
+    rng = np.random.default_rng(seed)
+    c = _candidates(rng, shuffled)
+    S = c.num_sources
+    mask = rng.random(len(c)) < 0.6
+    expected = np.bincount(c.source, weights=np.where(mask, c.length, 0), minlength=S)
+    assert np.array_equal(c.source_tokens(mask), expected)
+    assert np.array_equal(c.source_tokens(), np.bincount(c.source, weights=c.length,
+                                                         minlength=S))
+    values = rng.integers(0, 100, S)
+    assert np.array_equal(c.by_source(values), values[c.source])
+    assert np.array_equal(c.float_length, c.length.astype(np.float64))
+
+
+def _bins(rng, rows: int, capacity: int):
+    n = rows * 40
+    length = rng.integers(1, 400, n).astype(np.int64)
+    weight = length * 1.0 + length.astype(np.float64) ** 2 / 49152
+    bins = _Bins(rows, 1, capacity, weight, length, np.full(n, -1, np.int64))
+    # Rows already part full (heavy items), the gaps a share of what is left.
+    bins.fill[:, 0] = rng.integers(0, capacity // 2, rows)
+    gaps = ((capacity - bins.fill[:, 0]) * rng.uniform(0.3, 1.0, rows)).astype(np.float64)
+    return bins, gaps, _longest_first(np.arange(n), length)
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_runs_keep_rows_within_their_gaps_and_leave_the_waves_a_full_fill(seed):
+    rng = np.random.default_rng(seed)
+    rows, capacity = RUN_ROWS + 100, 16384
+    bins, gaps, items = _bins(rng, rows, capacity)
+    start, gaps0 = bins.fill[:, 0].copy(), gaps.copy()
+
+    left = _runs(bins, items, gaps)
+    assert left.size < items.size - rows * WAVE_ITEMS        # the runs placed most items
+    placed = np.flatnonzero(bins.bin >= 0)
+    # Each item once, exactly the ones not handed back; rows and loads add up.
+    assert np.array_equal(np.sort(np.concatenate([placed, left])), np.sort(items))
+    added = np.bincount(bins.bin[placed], weights=bins.length[placed], minlength=rows)
+    assert np.array_equal(bins.fill[:, 0] - start, added.astype(np.int64))
+    assert np.allclose(gaps, gaps0 - added)
+    assert (added <= gaps0 + 0.5).all() and (bins.fill <= capacity).all()
+    # What is handed back is longest first, as the waves need it.
+    assert (np.diff(bins.length[left]) <= 0).all()
+
+    left = _waves(bins, left, gaps)
+    assert (bins.fill <= capacity).all() and (gaps >= -0.5).all()
+    runs_tokens = int(bins.fill.sum() - start.sum())
+
+    # The same rows filled by the waves alone.
+    alone, gaps_alone, items_alone = _bins(np.random.default_rng(seed), rows, capacity)
+    _waves(alone, items_alone, gaps_alone)
+    waves_tokens = int(alone.fill.sum() - start.sum())
+    assert runs_tokens >= 0.995 * waves_tokens
+
+
+def test_runs_leave_few_rows_and_rank_bins_to_the_waves():
+    rng = np.random.default_rng(0)
+    bins, gaps, items = _bins(rng, RUN_ROWS // 2, 16384)
+    assert np.array_equal(_runs(bins, items, gaps), items)     # few rows: waves only
+    many = _Bins(RUN_ROWS, 2, 16384, bins.weight, bins.length, bins.home_bin)
+    gaps2 = np.full(RUN_ROWS * 2, 8000.0)
+    assert np.array_equal(_runs(many, items, gaps2), items)    # several rows per bin
