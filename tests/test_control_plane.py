@@ -1,7 +1,7 @@
-"""control_plane="gather" on real gloo groups: the head windows go to rank 0 only, which steps
-the job model alone and sends each rank its own part of the plan. The batches and the states
-are the all-gather path's, the failure protocol holds, and ranks other than 0 have the state at
-multiples of `state_every` (and say so otherwise)."""
+"""control_plane="gather" (the default) on real gloo groups: the head windows go to rank 0 only,
+which steps the job model alone and sends each rank its own part of the plan. The batches and
+every rank's states are the all-gather path's (ranks other than 0 get theirs from rank 0:
+`state_relay`), and the failure protocol holds."""
 from __future__ import annotations
 
 import hashlib
@@ -54,20 +54,19 @@ def corpus(tmp_path_factory):
     return root, ids
 
 
-@pytest.mark.parametrize("world", [2, 3])
-def test_gather_delivers_the_all_gather_batches_and_states(corpus, world):
+@pytest.mark.parametrize("world,state_every", [(2, None), (3, STATE_EVERY)])
+def test_gather_delivers_the_all_gather_batches_and_states(corpus, world, state_every):
+    """Every rank's state_dict() after every step is the all-gather path's: asked of rank 0
+    on the next round (and sent by rank 0 with its own), or sent unasked every state_every."""
     root, expected = corpus
     reference = run_ranks(job, world, str(root), "all_gather", None)
-    gathered = run_ranks(job, world, str(root), "gather", STATE_EVERY)
+    gathered = run_ranks(job, world, str(root), "gather", state_every)
     for rank in range(world):
         ref_steps, got_steps = reference[rank][0], gathered[rank][0]
         assert [s[:2] for s in got_steps] == [s[:2] for s in ref_steps]   # the same batches
         assert [s[4:] for s in got_steps] == [s[4:] for s in ref_steps]   # the same totals
         for (step, _, _, state, *_), (_, _, _, ref_state, *_) in zip(got_steps, ref_steps):
-            if rank == 0 or (step + 1) % STATE_EVERY == 0:
-                assert state == ref_state, f"rank {rank} step {step}: another state"
-            else:
-                assert state.startswith("UsageError") and "state_every" in state
+            assert state == ref_state, f"rank {rank} step {step}: another state"
     ids = [i for r in gathered for s in r[0] for i in s[2]]
     finite = [i for i in ids if not i.startswith("long/")]
     assert len(finite) == len(set(finite)) and set(base_ids(finite)) == expected
@@ -90,8 +89,7 @@ def test_gather_turns_epochs_as_all_gather_does(corpus, world):
 def failing_job(rank, world, root):
     import streamload as sl
     with sl.Loader([sl.Source(os.path.join(root, f"rank{rank}"))], micro_batch_tokens=256,
-                   micro_batches=1, epochs=1, collective_timeout_s=30,
-                   control_plane="gather") as loader:
+                   micro_batches=1, epochs=1, collective_timeout_s=30) as loader:   # default: gather
         try:
             for _ in loader:
                 pass
@@ -146,3 +144,34 @@ def test_gather_resumes_at_another_world_size_exactly_once(corpus):
     ids = [i for r in first for i in r[0]] + [i for r in second for i in r[0]]
     assert len(ids) == len(set(ids)), "delivered twice"
     assert set(base_ids(ids)) == expected
+
+
+def asking_job(rank, world, root, control_plane, ask_at):
+    """One epoch, state_dict() only where `ask_at` says (rank -> steps; not rank 0's own),
+    then after the last batch, and after close(): {when: state}."""
+    import streamload as sl
+    out = {}
+    loader = sl.Loader([sl.Source(os.path.join(root, "web"), weight=0.6),
+                        sl.Source(os.path.join(root, "code"), weight=0.4)],
+                       micro_batch_tokens=512, micro_batches=2, epochs=1, seed=4,
+                       control_plane=control_plane, collective_timeout_s=60)
+    for batch in loader:
+        if batch.step in ask_at.get(rank, ()):
+            out[batch.step] = loader.state_dict()["streamload"]
+    out["end"] = loader.state_dict()["streamload"]
+    loader.close()
+    out["closed"] = loader.state_dict()["streamload"]
+    return out
+
+
+def test_a_rank_asks_alone_and_after_the_run_ended(corpus):
+    """Rank 1 asks at steps where rank 0 does not (its request rides on its next round), every
+    rank asks after the last batch and after close() (rank 0's last reply carried the states
+    of the steps still kept): the all-gather path's states."""
+    root, _ = corpus
+    ask_at = {1: [0, 3, 4], 2: [5]}
+    reference = run_ranks(asking_job, 3, str(root), "all_gather", ask_at)
+    got = run_ranks(asking_job, 3, str(root), "gather", ask_at)
+    assert got == reference
+    assert {r["end"] for r in got} == {reference[0]["end"]}
+    assert sorted(k for k in got[1] if isinstance(k, int)) == [0, 3, 4]
