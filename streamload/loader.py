@@ -189,8 +189,9 @@ class Loader:
         timeout, peers = self.config.collective_timeout_s, None
         if self.topology is not None and self.topology.broadcast:
             comm, peers = connect_broadcast(timeout, self.topology)
-        else:
-            comm = connect(timeout, self.topology)
+        else:   # gather (not all_gather) on more than one node: through one leader per node
+            comm = connect(timeout, self.topology,
+                           by_node=self.config.control_plane != "all_gather")
         self.comm: Optional[Comm] = comm   # None: this rank builds no batch (a `Follower`)
         # stats(scope="job") gathers over every rank of the job on a group of its own, so it
         # never interleaves with the step loop's collectives. Made on its first call (creating

@@ -175,6 +175,19 @@ class Runtime:
     def stats(self) -> dict:
         return rank_stats(self)
 
+    def control_plane(self) -> dict:
+        """How this rank agrees on steps (`stats()["control_plane"]`): the path ("all_gather",
+        "gather", "node_gather" through one leader per node, "local" for one rank), the
+        layout of the nodes, and the bytes this rank's control collectives sent and received
+        (the exchange of samples not included), and the state requests it made."""
+        out = {**self.comm.layout(), **self.comm.traffic.snapshot()}
+        if not self.gathering and self.comm.world > 1:
+            out["path"] = "all_gather"
+        if self.relay is not None:
+            out.update(state_requests=self.relay.requests,
+                       states_received=self.relay.states_received)
+        return out
+
     # -- lifecycle ---------------------------------------------------------------------------------
     async def run(self, handoff: Handoff) -> None:
         self.started = time.perf_counter()

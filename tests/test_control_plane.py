@@ -175,3 +175,42 @@ def test_a_rank_asks_alone_and_after_the_run_ended(corpus):
     assert got == reference
     assert {r["end"] for r in got} == {reference[0]["end"]}
     assert sorted(k for k in got[1] if isinstance(k, int)) == [0, 3, 4]
+
+
+def node_job(rank, world, root, control_plane, stop):
+    """One epoch; this rank's batches, its state after batch `stop`, and its control plane's
+    stats at the end."""
+    import streamload as sl
+    steps, state = [], None
+    with sl.Loader([sl.Source(os.path.join(root, "web"), weight=0.6),
+                    sl.Source(os.path.join(root, "code"), weight=0.4)],
+                   micro_batch_tokens=512, micro_batches=2, epochs=1, seed=4,
+                   control_plane=control_plane) as loader:
+        for batch in loader:
+            steps.append((batch.step, [i for mb in batch.micro_batches for i in mb.sample_ids]))
+            if batch.step == stop:
+                state = loader.state_dict()["streamload"]
+        control = loader.stats()["control_plane"]
+    return steps, state, control
+
+
+def test_two_nodes_gather_through_their_leaders(corpus, monkeypatch):
+    """LOCAL_WORLD_SIZE=2 at 4 ranks (two nodes, as torchrun says): the summaries go through
+    one leader per node (ranks 0 and 2) and the replies come back that way; the batches and
+    the states are the all-gather path's, and a rank that is no leader sends and receives
+    about what it would under a one-level gather (its summary, its reply)."""
+    root, expected = corpus
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    reference = run_ranks(node_job, 4, str(root), "all_gather", 3)
+    got = run_ranks(node_job, 4, str(root), "gather", 3)
+    assert [r[:2] for r in got] == [r[:2] for r in reference]
+    ids = [i for r in got for _, step_ids in r[0] for i in step_ids]
+    assert len(ids) == len(set(ids)) and set(base_ids(ids)) == expected
+    controls = [r[2] for r in got]
+    assert [c["path"] for c in controls] == ["node_gather"] * 4, controls
+    assert [c["leader"] for c in controls] == [True, False, True, False]
+    assert {c["nodes"] for c in controls} == {2} and [c["node"] for c in controls] == [0, 0, 1, 1]
+    assert [r[2]["path"] for r in reference] == ["all_gather"] * 4
+    # A leader relays its node: it receives its member's summaries and sends its replies.
+    assert controls[2]["bytes_received"] > controls[3]["bytes_received"]
+    assert controls[1]["bytes_sent"] > 0 and controls[3]["bytes_sent"] > 0
