@@ -98,9 +98,13 @@ def failing_job(rank, world, root):
     return "finished"
 
 
-@pytest.mark.parametrize("world", [2, 3])
-def test_a_failing_rank_stops_every_rank_through_rank_0(tmp_path, world):
+@pytest.mark.parametrize("world,node_size", [(2, None), (3, None), (4, 2)])
+def test_a_failing_rank_stops_every_rank_through_rank_0(tmp_path, monkeypatch, world, node_size):
+    """The default control plane (gather; at 4 ranks as two nodes, through their leaders): the
+    rank whose data is bad raises its own error, every other rank one naming it."""
     from streamload.formats import write_jsonl
+    if node_size is not None:
+        monkeypatch.setenv("LOCAL_WORLD_SIZE", str(node_size))
     for rank in range(world):
         (tmp_path / f"rank{rank}").mkdir()
         for shard in ("s0", "s1", "s2", "s3"):   # the same names on every rank; the last
