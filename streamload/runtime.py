@@ -4,12 +4,14 @@
 fetcher per source under one supervisor, and runs the step loop until the data ends, the run
 is closed, or something fails; then it releases everything in order.
 
-Each step, on every rank: wait until every source's head window is complete, all-gather the
-windows (`Agreement.agree`), begin the step (`JobModel.begin`: outcome and quota), let rank 0
-assign it and broadcast the assignment, commit it (`JobModel.commit`), resize the buffers the
-new windows need, and deliver (`Delivery`) a Batch to the bridge with the step's
-`StepSnapshot`. With control_plane="gather" (`_gather_loop`) the windows go to rank 0 only,
-which alone steps the job model and sends each rank its own part of the plan.
+Each step, on every rank: wait until every source's head window is complete, and send the
+windows to rank 0 (`Agreement.gather_step`; through one leader per node on more than one node),
+which alone steps the job model (`JobModel.begin` / `assign` / `commit`) and sends each rank its
+own part of the plan (`_gather_loop`, `_plan_replies`); each rank resizes the buffers the new
+windows need and delivers (`Delivery`) a Batch to the bridge with what stands for the step's
+state (rank 0's `StepSnapshot`; elsewhere the step, whose state `state_relay` gets from rank 0).
+Under control_plane="all_gather" (`_step_loop`) every rank all-gathers every window
+(`Agreement.agree`) and steps its own copy of the job model; rank 0 broadcasts the assignment.
 
 Everything here is owned by the loop's thread. The Loader reaches it only through
 `Background.call` (a hop to the loop) or after the loop has ended.

@@ -150,9 +150,9 @@ def test_gather_resumes_at_another_world_size_exactly_once(corpus):
     assert set(base_ids(ids)) == expected
 
 
-def asking_job(rank, world, root, control_plane, ask_at):
-    """One epoch, state_dict() only where `ask_at` says (rank -> steps; not rank 0's own),
-    then after the last batch, and after close(): {when: state}."""
+def asking_job(rank, world, root, control_plane, ask_at, stop=None):
+    """One epoch (or up to batch `stop`), state_dict() only where `ask_at` says (rank ->
+    steps; not rank 0's own), then after the last batch, and after close(): {when: state}."""
     import streamload as sl
     out = {}
     loader = sl.Loader([sl.Source(os.path.join(root, "web"), weight=0.6),
@@ -162,7 +162,10 @@ def asking_job(rank, world, root, control_plane, ask_at):
     for batch in loader:
         if batch.step in ask_at.get(rank, ()):
             out[batch.step] = loader.state_dict()["streamload"]
-    out["end"] = loader.state_dict()["streamload"]
+        if batch.step == stop:
+            break
+    if stop is None:
+        out["end"] = loader.state_dict()["streamload"]
     loader.close()
     out["closed"] = loader.state_dict()["streamload"]
     return out
@@ -218,3 +221,13 @@ def test_two_nodes_gather_through_their_leaders(corpus, monkeypatch):
     # A leader relays its node: it receives its member's summaries and sends its replies.
     assert controls[2]["bytes_received"] > controls[3]["bytes_received"]
     assert controls[1]["bytes_sent"] > 0 and controls[3]["bytes_sent"] > 0
+
+
+def test_every_rank_has_the_state_after_closing_early(corpus):
+    """Every rank breaks out at batch 3 and closes (the loop had planned further): rank 0's
+    closing reply carried the states it kept, so every rank's state_dict() after close() is
+    batch 3's, the all-gather path's."""
+    root, _ = corpus
+    reference = run_ranks(asking_job, 2, str(root), "all_gather", {}, 3)
+    got = run_ranks(asking_job, 2, str(root), "gather", {}, 3)
+    assert got == reference and got[0]["closed"] == got[1]["closed"]
