@@ -231,3 +231,36 @@ def test_every_rank_has_the_state_after_closing_early(corpus):
     reference = run_ranks(asking_job, 2, str(root), "all_gather", {}, 3)
     got = run_ranks(asking_job, 2, str(root), "gather", {}, 3)
     assert got == reference and got[0]["closed"] == got[1]["closed"]
+
+
+def checkpoint_job(rank, world, root, ckpt, stop):
+    """torch.distributed.checkpoint on every rank (it calls state_dict() everywhere, then runs
+    collectives of its own): save after batch `stop`, or (stop None) load and run the rest.
+    This rank's ids."""
+    import torch.distributed.checkpoint as dcp
+    import streamload as sl
+    ids = []
+    with sl.Loader([sl.Source(os.path.join(root, "web"), weight=0.6),
+                    sl.Source(os.path.join(root, "code"), weight=0.4)],
+                   micro_batch_tokens=512, micro_batches=2, epochs=1, seed=4,
+                   collective_timeout_s=60) as loader:
+        if stop is None:
+            dcp.load({"loader": loader}, checkpoint_id=ckpt)
+        for batch in loader:
+            ids += [i for mb in batch.micro_batches for i in mb.sample_ids]
+            if batch.step == stop:
+                dcp.save({"loader": loader}, checkpoint_id=ckpt)
+                break
+    return ids
+
+
+def test_a_distributed_checkpoint_saves_and_resumes_every_rank(corpus, tmp_path):
+    """The default control plane under a two-rank torch.distributed.checkpoint save: every
+    rank's state_dict() is answered (rank 0 sends its own to all) while the save's own
+    collectives wait on the others, and the load resumes the epoch exactly once."""
+    root, expected = corpus
+    ckpt = str(tmp_path / "ckpt")
+    first = run_ranks(checkpoint_job, 2, str(root), ckpt, 4, timeout=120)
+    rest = run_ranks(checkpoint_job, 2, str(root), ckpt, None, timeout=120)
+    ids = [i for r in first + rest for i in r]
+    assert len(ids) == len(set(ids)) and set(base_ids(ids)) == expected
