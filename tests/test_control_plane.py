@@ -89,7 +89,7 @@ def test_gather_turns_epochs_as_all_gather_does(corpus, world):
 def failing_job(rank, world, root):
     import streamload as sl
     with sl.Loader([sl.Source(os.path.join(root, f"rank{rank}"))], micro_batch_tokens=256,
-                   micro_batches=1, epochs=1, collective_timeout_s=30) as loader:   # default: gather
+                   micro_batches=1, epochs=1, collective_timeout_s=30) as loader:   # gather
         try:
             for _ in loader:
                 pass
