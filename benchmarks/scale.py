@@ -15,16 +15,19 @@ fewer shards than ranks) spins through empty epochs on the event loop and the jo
 What is measured, per rank, over --steps steps after --warmup (deltas between two points,
 divided by the steps the loader *planned* in between, since it plans ahead of the trainer):
   sent_bytes / recv_bytes    bytes of the loader's collectives per step, counted by wrapping
-                             torch.distributed's all_gather, broadcast and all_to_all_single in
-                             the rank (the loader's gloo group is the only user). Logical
-                             point-to-point bytes, padding included: an all_gather of n bytes
-                             sends n to each of R-1 ranks and receives n from each; a broadcast
-                             sends n x (R-1) from its source and n to every other rank; an
-                             all_to_all counts the parts to and from other ranks. (Gloo's
-                             algorithms forward data, so wire bytes differ, not the growth.)
-                             Split: gather (summaries: all_gather, or gather to rank 0),
-                             plan (the broadcast plan, or each rank's scattered part), a2a
-                             (samples). Both control planes are run (--paths).
+                             torch.distributed's all_gather, gather, broadcast, scatter and
+                             all_to_all_single in the rank (the loader's gloo groups are the
+                             only users). Logical point-to-point bytes, padding included: an
+                             all_gather of n bytes sends n to each of R-1 ranks and receives n
+                             from each; a gather sends n to the root, which receives n from
+                             each other rank of the group (a node's, or the leaders', under two
+                             levels); a broadcast or scatter sends n x (G-1) from its source
+                             and n to every other rank of its group of G; an all_to_all counts
+                             the parts to and from other ranks. (Gloo's algorithms forward
+                             data, so wire bytes differ, not the growth.) Split: gather
+                             (summaries: all_gather, or gather to rank 0), plan (the broadcast
+                             plan, or each rank's scattered part), a2a (samples). The control
+                             planes are run side by side (--paths).
   cpu_ms                     CPU per step by thread (`time.pthread_getcpuclockid`): the loader's
                              asyncio thread ("loop"), its collectives thread ("collectives": the
                              gloo calls), its transform threads; "process" is the whole rank,
@@ -50,9 +53,11 @@ measured points. Buffer bytes are reported as measured (sized by the configurati
 Both control planes run in one invocation (--paths): "all_gather" (every rank all-gathers every
 rank's summary and receives the whole plan, every rank tracks the whole job) and "gather"
 (summaries to rank 0 only, which steps the job model alone and scatters each rank its own part
-of the plan; `LoaderConfig.control_plane`). Under "gather" only rank 0's state is measured (the
-others have it every `state_every` steps). Prints a table on stderr, the R=largest/R=smallest
-ratios of the targets, and the JSON last line on stdout.
+of the plan; `LoaderConfig.control_plane`), and "node_gather": gather with LOCAL_WORLD_SIZE=4,
+so from R=8 on the summaries go through one leader per node of 4 ranks (two levels). Every rank
+calls `state_dict()` at the same step (under gather the other ranks get it from rank 0:
+`state_dict_ms` is the wall time the trainer waited). Prints a table on stderr, the
+R=largest/R=smallest ratios of the targets, and the JSON last line on stdout.
 """
 from __future__ import annotations
 
@@ -75,6 +80,7 @@ sys.path.insert(0, str(REPO))   # this checkout's streamload, for the forkserver
 CORPUS_VERSION = 1
 SOURCES = 30
 EXTRAPOLATE = (1024, 4096)
+NODE_SIZE = 4   # --paths node_gather: ranks per node
 M, C = 2, 2048
 
 
@@ -136,22 +142,25 @@ def instrument_collectives(counters: Counters, world: int) -> None:
         counters.add("gather", n * (world - 1), n * (world - 1))
         return all_gather(out, tensor, *a, **k)
 
+    def size(k) -> int:   # the group's (a node's, the leaders': two levels)
+        return dist.get_world_size(k.get("group")) if k.get("group") is not None else world
+
     def gather_(tensor, gather_list=None, *a, **k):   # control_plane="gather": to rank 0
         n = tensor.numel() * tensor.element_size()
         root = dist.get_rank(k.get("group")) == k.get("group_dst", 0)
-        counters.add("gather", 0 if root else n, n * (world - 1) if root else 0)
+        counters.add("gather", 0 if root else n, n * (size(k) - 1) if root else 0)
         return gather_to(tensor, gather_list, *a, **k)
 
     def bcast(tensor, *a, **k):
         n = tensor.numel() * tensor.element_size()
         mine = dist.get_rank(k.get("group")) == k.get("group_src", k.get("src", 0))
-        counters.add("plan", n * (world - 1) if mine else 0, 0 if mine else n)
+        counters.add("plan", n * (size(k) - 1) if mine else 0, 0 if mine else n)
         return broadcast(tensor, *a, **k)
 
     def scatter_(tensor, scatter_list=None, *a, **k):   # each rank's own plan
         n = tensor.numel() * tensor.element_size()
         root = dist.get_rank(k.get("group")) == k.get("group_src", 0)
-        counters.add("plan", n * (world - 1) if root else 0, 0 if root else n)
+        counters.add("plan", n * (size(k) - 1) if root else 0, 0 if root else n)
         return scatter_from(tensor, scatter_list, *a, **k)
 
     def a2a(output, input, output_split_sizes=None, input_split_sizes=None, *a, **k):
@@ -227,6 +236,10 @@ def measure_rank(rank, world, port, root, sources, warmup, steps, path, readers=
     import torch
     import torch.distributed as dist
     torch.set_num_threads(1)
+    control_plane = path
+    if path == "node_gather":   # gather, nodes of NODE_SIZE ranks (as torchrun would say)
+        control_plane = "gather"
+        os.environ["LOCAL_WORLD_SIZE"] = str(NODE_SIZE)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
                             world_size=world, timeout=datetime.timedelta(seconds=600))
     import streamload as sl
@@ -238,7 +251,8 @@ def measure_rank(rank, world, port, root, sources, warmup, steps, path, readers=
         with sl.Loader([sl.Source(f"{root}/{name}", weight=w, name=name, readers=count)
                         for name, w in sources],
                        micro_batch_tokens=C, micro_batches=M, seed=0, planner="balanced",
-                       epochs=1, collective_timeout_s=600, control_plane=path) as loader:
+                       epochs=1, collective_timeout_s=600,
+                       control_plane=control_plane) as loader:
             instrument_loop(timer, loader._runtime)
             it = iter(loader)
             ids, source_tokens = [], np.zeros(len(sources), np.int64)
@@ -257,9 +271,11 @@ def measure_rank(rank, world, port, root, sources, warmup, steps, path, readers=
                 planned = loader.stats()["steps_planned"]
                 marks.append((planned, counters.snapshot(), thread_cpu_ms(), dict(timer.ms)))
             stats = loader.stats()
-            # control_plane="gather": only rank 0 has the state after any step
-            state_bytes = len(loader.state_dict()["streamload"].encode()) \
-                if rank == 0 or path == "all_gather" else None
+            # every rank's state_dict() at the same step (under gather: asked of rank 0, or
+            # sent by rank 0 with its own); its wall ms is what the trainer waits
+            t = time.perf_counter()
+            state_bytes = len(loader.state_dict()["streamload"].encode())
+            state_ms = (time.perf_counter() - t) * 1e3
             runtime = loader._runtime
             held = loader._on_loop(lambda: [
                 (sum(e.tokens.nbytes for e in getattr(b, "_entries", ()) if hasattr(e, "tokens")),
@@ -291,7 +307,9 @@ def measure_rank(rank, world, port, root, sources, warmup, steps, path, readers=
         "bytes": {k: round(v) for k, v in per.items()},
         "cpu_ms": cpu, "loop_ms": {k: round(v, 3) for k, v in loop_ms.items()},
         "plan_ms_median": stats["plan_ms_median"],
-        "state_bytes": state_bytes, "fetchers": fetchers, "open_streams": streams,
+        "state_bytes": state_bytes, "state_dict_ms": round(state_ms, 2),
+        "control": {k: stats["control_plane"].get(k) for k in ("path", "leader")},
+        "fetchers": fetchers, "open_streams": streams,
         "readers": readers, "mix_deviation": mix["deviation"],
         "mix_steps_all_active": mix["steps_all_active"],
         **({"ids": ids, "source_tokens": source_tokens.tolist()} if full_epoch else {}),
@@ -371,6 +389,8 @@ def summarize(results: list[dict]) -> dict:
         "sent_bytes_per_rank_step": [mean(by[w], lambda r: r["sent_bytes"]) for w in worlds],
         "sent_bytes_rank0_step": [by[w][0]["sent_bytes"] for w in worlds],
         "state_bytes": [by[w][0]["state_bytes"] for w in worlds],
+        "state_dict_ms_other_ranks": [mean(by[w][1:], lambda r: r["state_dict_ms"])
+                                      for w in worlds],
         "loop_cpu_ms_rank0": [by[w][0]["cpu_ms"]["loop"] for w in worlds],
         "loop_cpu_ms_other_ranks": [mean(by[w][1:], lambda r: r["cpu_ms"]["loop"])
                                     for w in worlds],
@@ -404,17 +424,19 @@ def summarize(results: list[dict]) -> dict:
 
 
 def table(results: list[dict]) -> str:
-    head = (f"{'path':>10} {'R':>3} {'rank':>4} {'recv B/step':>12} {'sent B/step':>12} "
+    head = (f"{'path':>11} {'R':>3} {'rank':>4} {'recv B/step':>12} {'sent B/step':>12} "
             f"{'loop ms':>8} "
             f"{'plan':>6} {'bookk':>6} {'enc/dec':>7} {'rest':>6} {'coll ms':>7} "
-            f"{'state B':>8} {'fetch':>5} {'read':>4} {'open':>4} {'buffer B':>9} {'rd':>4}")
+            f"{'state B':>8} {'sd ms':>6} {'fetch':>5} {'read':>4} {'open':>4} {'buffer B':>9} "
+            f"{'rd':>4}")
     lines = [head]
     for r in results:
         lm = r["loop_ms"]
-        lines.append(f"{r['path']:>10} {r['ranks']:>3} {r['rank']:>4} {r['recv_bytes']:>12,} "
+        lines.append(f"{r['path']:>11} {r['ranks']:>3} {r['rank']:>4} {r['recv_bytes']:>12,} "
                      f"{r['sent_bytes']:>12,} {r['cpu_ms']['loop']:>8.2f} {lm['plan']:>6.2f} "
                      f"{lm['bookkeeping']:>6.2f} {lm['encode_decode']:>7.2f} {lm['rest']:>6.2f} "
                      f"{r['cpu_ms']['collectives']:>7.2f} {r['state_bytes'] or 0:>8,} "
+                     f"{r['state_dict_ms']:>6.1f} "
                      f"{r['fetchers']:>5} {r['sources_read']:>4} {r['open_streams']:>4} "
                      f"{r['buffer_bytes']:>9,} {r['readers']:>4}")
     return "\n".join(lines)
@@ -428,7 +450,8 @@ def main(argv=None) -> int:
     ap.add_argument("--workdir", default="/tmp/streamload-bench")
     ap.add_argument("--timeout", type=float, default=240, help="per world size, seconds")
     ap.add_argument("--paths", default="all_gather,gather",
-                    help="control planes to compare (LoaderConfig.control_plane)")
+                    help="control planes to compare (LoaderConfig.control_plane); node_gather: "
+                         "gather with LOCAL_WORLD_SIZE=4 (nodes of 4 ranks: two levels from R=8)")
     ap.add_argument("--readers", default="auto",
                     help="comma list: auto (plan/readers.py), all (every rank reads every "
                          "source, as before readers)")

@@ -11,7 +11,10 @@ M = 2 rows of C = 2048 tokens per rank, planner balanced (scale.py's loader opti
 --steps steps the state is saved twice: in this tree's format (`encode_state`, version 6) and
 as the version-4 format wrote the same state (every rank's position and units per source, the
 pending items as (source, shard, record, chunk, age) tuples: `msgspec.json.encode` of the
-in-memory `LoaderState`). Prints a table on stderr, JSON last line on stdout.
+in-memory `LoaderState`). The round trip's CPU ms: the state from the model (`state ms`),
+encoded (`save`), decoded (`load`), and loaded and started by a fresh model with no process
+group at R (`start`) and at R/2 and R+1 (`elastic`, the slower). `--round-trip 1,8,64,512`
+adds rows after 4 steps at those R. Prints a table on stderr, JSON last line on stdout.
 """
 from __future__ import annotations
 
@@ -62,17 +65,23 @@ def blocks_of(per_shard: list):
     return block
 
 
-def measure(num_sources: int, ranks: int, steps: int, readers: str = "auto") -> dict:
+def build_job(config: LoaderConfig, sources: list, corpus: list, ranks: int) -> JobModel:
+    job = JobModel.build(config, sources, None, ranks, data=data_options(config, sources, None))
+    job.listed([[f"part-{k:03d}" for k in range(len(p))] for _, _, p in corpus])
+    return job
+
+
+def measure(num_sources: int, ranks: int, steps: int, readers: str = "auto",
+            planner: str = "balanced") -> dict:
     """`readers`: "auto" (`plan/readers.py`), or "all" (every rank reads every source it has
     shards enough for, as before readers)."""
     corpus = lengths_corpus(num_sources)
     count = ranks if readers == "all" else None
     sources = [Source(f"/bench/{name}/", weight=w, name=name, readers=count)
                for name, w, _ in corpus]
-    config = LoaderConfig(micro_batch_tokens=C, micro_batches=M, seed=0, planner="balanced",
+    config = LoaderConfig(micro_batch_tokens=C, micro_batches=M, seed=0, planner=planner,
                           epochs=1)
-    job = JobModel.build(config, sources, None, ranks, data=data_options(config, sources, None))
-    job.listed([[f"part-{k:03d}" for k in range(len(p))] for _, _, p in corpus])
+    job = build_job(config, sources, corpus, ranks)
     job.start()
     blocks = [blocks_of(p) for _, _, p in corpus]
     windows = Windows([[ItemQueue(layout_feed(job.layout_for(s, 0).rank_units(r), blocks[s]))
@@ -87,7 +96,9 @@ def measure(num_sources: int, ranks: int, steps: int, readers: str = "auto") -> 
         job.commit(step, plan.take, plan.length, offer.ids)
         windows.commit(offer, plan.take, plan.length, step.index)
     run_s = time.process_time() - started
+    t0 = time.process_time()
     state = job.state(job.snapshot())
+    state_ms = (time.process_time() - t0) * 1e3
     t0 = time.process_time()
     saved = encode_state(state)
     save_ms = (time.process_time() - t0) * 1e3
@@ -95,13 +106,22 @@ def measure(num_sources: int, ranks: int, steps: int, readers: str = "auto") -> 
     decoded = decode_state(saved)
     load_ms = (time.process_time() - t0) * 1e3
     assert decoded.sources == state.sources and decoded.ages == state.ages, "round trip"
+    start_ms = {}   # a fresh job model (no process group) loads it: at R, and elastic
+    for world in sorted({ranks, max(1, ranks // 2), ranks + 1}):
+        fresh = build_job(config, sources, corpus, world)
+        t0 = time.process_time()
+        fresh.load(decoded)
+        fresh.start()
+        start_ms[world] = (time.process_time() - t0) * 1e3
     old = msgspec.json.encode(msgspec.structs.replace(state, version=4))
     units = sum(len(u) for p in state.sources for u in p.units)
     return {"sources": num_sources, "ranks": ranks, "readers": readers, "steps": job.step,
             "sources_read_max_per_rank": int(job.reads.sum(axis=1).max()),
             "state_bytes": len(saved), "state_bytes_v4": len(old),
             "units_in_progress": units, "pending_items": len(state.ages),
-            "save_ms": round(save_ms, 2), "load_ms": round(load_ms, 2),
+            "state_ms": round(state_ms, 2), "save_ms": round(save_ms, 2),
+            "load_ms": round(load_ms, 2), "start_same_ms": round(start_ms[ranks], 2),
+            "start_elastic_ms": round(max(v for w, v in start_ms.items() if w != ranks), 2),
             "run_cpu_s": round(run_s, 2)}
 
 
@@ -114,19 +134,27 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=25)
     p.add_argument("--readers", default="auto",
                    help="comma list: auto (plan/readers.py), all (every rank reads)")
+    p.add_argument("--round-trip", default="",
+                   help="comma list of R (e.g. 1,8,64,512): also the save/load round trip of the "
+                        "job model at S = --sources after 4 steps (planner naive past R = 64)")
     args = p.parse_args()
     rows = []
+    for r in filter(None, args.round_trip.split(",")):
+        rows.append(measure(args.sources, int(r), 4, "auto",
+                            "balanced" if int(r) <= 64 else "naive"))
     for readers in args.readers.split(","):
         rows += [measure(args.sources, int(r), args.steps, readers) for r in args.ranks.split(",")]
         rows += [measure(args.many_sources, int(r), args.steps, readers)
                  for r in args.many_ranks.split(",") if args.many_sources]
     print(f"{'S':>4} {'R':>3} {'rd':>4} {'steps':>5} {'state v6':>9} {'state v4':>9} {'units':>6} "
-          f"{'pending':>7} {'read/rank':>9} {'save ms':>8} {'load ms':>8}", file=sys.stderr)
+          f"{'pending':>7} {'read/rank':>9} {'state ms':>8} {'save ms':>8} {'load ms':>8} "
+          f"{'start ms':>8} {'elastic':>8}", file=sys.stderr)
     for r in rows:
         print(f"{r['sources']:>4} {r['ranks']:>3} {r['readers']:>4} {r['steps']:>5} "
               f"{r['state_bytes']:>9,} {r['state_bytes_v4']:>9,} {r['units_in_progress']:>6} "
               f"{r['pending_items']:>7} {r['sources_read_max_per_rank']:>9} "
-              f"{r['save_ms']:>8} {r['load_ms']:>8}", file=sys.stderr)
+              f"{r['state_ms']:>8} {r['save_ms']:>8} {r['load_ms']:>8} "
+              f"{r['start_same_ms']:>8} {r['start_elastic_ms']:>8}", file=sys.stderr)
     by = {(r["sources"], r["ranks"], r["readers"]): r["state_bytes"] for r in rows}
     ratio = {}
     for S, rd in {(r["sources"], r["readers"]) for r in rows}:

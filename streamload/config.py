@@ -168,13 +168,15 @@ class LoaderConfig(msgspec.Struct, kw_only=True):
     tokenize_in: Literal["threads", "processes"] = "threads"   # processes: GIL-bound tokenizers
     tokenizer_processes: int = 2            # size of that process pool
     collective_timeout_s: float = 300.0     # a collective waiting longer than this fails
-    # How the DP ranks agree on a step. "all_gather": every rank receives every rank's head
-    # windows and the whole plan, and tracks the whole job. "gather": the windows go to rank 0
-    # only, which alone steps the job model and sends each rank its own part of the plan; the
-    # other ranks then have the resumable state only every `state_every` steps (docs/guide.md)
-    control_plane: Literal["all_gather", "gather"] = "all_gather"
-    state_every: Optional[int] = None       # with control_plane="gather": rank 0 sends every
-                                            # rank the state after each step that is a multiple
+    # How the DP ranks agree on a step. "gather": the windows go to rank 0 only (through one
+    # leader per node on more than one node), which alone steps the job model and sends each
+    # rank its own part of the plan; the others get the state from rank 0 (`state_relay`).
+    # "all_gather": every rank receives every rank's windows and the whole plan, and tracks
+    # the whole job. "auto": gather, but all_gather with delivery="broadcast" (not supported
+    # by gather yet)
+    control_plane: Literal["auto", "all_gather", "gather"] = "auto"
+    state_every: Optional[int] = None       # under gather: rank 0 also sends every rank the
+                                            # state unasked after each step that is a multiple
     retry: RetryPolicy = RetryPolicy()      # storage retries, backoff, per-request timeout
     # Cost model: a*L^2 + b*L per document. The default is a d_model = 4096 decoder (7B class:
     # CostModel.transformer gives a/b = n_layers*d_model/n_params ~ 1/49152 there); set yours

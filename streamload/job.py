@@ -278,7 +278,7 @@ class JobModel:
         the ranks whose layout has units of each source (every rank, for an endless source)."""
         if not self.track:
             layouts = [self.layout_for(s, epoch) for s in range(len(self.sources))]
-            return np.array([[layout.reads(q) and (self.endless(s) or bool(layout.rank_units(q)))
+            return np.array([[layout.reads(q) and (self.endless(s) or layout.has_units(q))
                               for s, layout in enumerate(layouts)] for q in range(self.world)],
                             dtype=bool).reshape(self.world, len(self.sources))
         previous = self.trackers
@@ -286,8 +286,7 @@ class JobModel:
                          else SourceTracker(self.layout_for(s, epoch),
                                             states_in_flight=self.states_in_flight)
                          for s in range(len(self.sources))]
-        return np.array([[t.layout.reads(q) and (self.endless(s)
-                                                 or bool(t.layout.rank_units(q)))
+        return np.array([[t.layout.reads(q) and (self.endless(s) or t.layout.has_units(q))
                           for s, t in enumerate(self.trackers)] for q in range(self.world)],
                         dtype=bool).reshape(self.world, len(self.sources))
 

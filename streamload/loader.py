@@ -37,7 +37,7 @@ from .config import LoaderConfig, Source, check_fields, make_config
 from .collective.comm import Comm, connect, connect_broadcast
 from .collective.launch import check_launch
 from .collective.topology import Parallel, Topology, topology_for
-from .errors import ConfigError, UsageError
+from .errors import ConfigError, DistributedError, UsageError
 from .peers import Follower
 from .job import StepSnapshot, check_resume, data_options
 from .runtime import Runtime
@@ -189,8 +189,9 @@ class Loader:
         timeout, peers = self.config.collective_timeout_s, None
         if self.topology is not None and self.topology.broadcast:
             comm, peers = connect_broadcast(timeout, self.topology)
-        else:
-            comm = connect(timeout, self.topology)
+        else:   # gather (not all_gather) on more than one node: through one leader per node
+            comm = connect(timeout, self.topology,
+                           by_node=self.config.control_plane != "all_gather")
         self.comm: Optional[Comm] = comm   # None: this rank builds no batch (a `Follower`)
         # stats(scope="job") gathers over every rank of the job on a group of its own, so it
         # never interleaves with the step loop's collectives. Made on its first call (creating
@@ -293,12 +294,24 @@ class Loader:
     def state_dict(self) -> dict:
         """Where this job is, as of the last batch `next()` returned: small, plain data.
 
-        Every rank returns the same state (each tracks the whole job), so any rank's copy
-        resumes the job, at this world size or another. Works as a
-        torch.distributed.checkpoint Stateful. The value is JSON text written by msgspec."""
+        Every rank returns the same state, so any rank's copy resumes the job, at this world
+        size or another. Works as a torch.distributed.checkpoint Stateful. The value is JSON
+        text written by msgspec. Under control_plane="gather" (the default) only rank 0 keeps
+        the job's state: another rank asks rank 0 for it in its loop's next round, and rank 0
+        sends it to every rank when its own trainer asks (`state_relay`), so call it on every
+        rank at the same step (as a checkpoint save does), or on rank 0 alone."""
         snapshot = self._last_snapshot
         state = self._on_loop(lambda: self._runtime.state(snapshot))
-        return {"streamload": encode_state(state).decode()}
+        if isinstance(state, concurrent.futures.Future):   # a rank other than 0, under gather
+            try:
+                state = state.result(timeout=self.config.collective_timeout_s)
+            except concurrent.futures.TimeoutError:
+                raise DistributedError(
+                    f"state_dict(): rank 0 did not send rank {self.rank} the state within "
+                    f"collective_timeout_s ({self.config.collective_timeout_s:g} s); is rank "
+                    f"0's loader still iterating?") from None
+        payload = state if isinstance(state, bytes) else encode_state(state)
+        return {"streamload": payload.decode()}
 
     def load_state_dict(self, state_dict) -> None:
         """Resume from `state_dict()`'s output (a dict, or its JSON bytes). Call before iterating.

@@ -202,7 +202,8 @@ def rank_stats(runtime) -> dict:
                           **{k: mix[k] for k in ("steps", "steps_all_active", "steps_tail",
                                                  "deviation", "tail_deviation")}},
             "bytes_read": read, "tokens_delivered": delivered,
-            "bytes_read_per_token": read / delivered if delivered else None, "sources": sources}
+            "bytes_read_per_token": read / delivered if delivered else None, "sources": sources,
+            "control_plane": runtime.control_plane()}
 
 
 def job_totals(ranks: list[dict]) -> dict:

@@ -4,12 +4,14 @@
 fetcher per source under one supervisor, and runs the step loop until the data ends, the run
 is closed, or something fails; then it releases everything in order.
 
-Each step, on every rank: wait until every source's head window is complete, all-gather the
-windows (`Agreement.agree`), begin the step (`JobModel.begin`: outcome and quota), let rank 0
-assign it and broadcast the assignment, commit it (`JobModel.commit`), resize the buffers the
-new windows need, and deliver (`Delivery`) a Batch to the bridge with the step's
-`StepSnapshot`. With control_plane="gather" (`_gather_loop`) the windows go to rank 0 only,
-which alone steps the job model and sends each rank its own part of the plan.
+Each step, on every rank: wait until every source's head window is complete, and send the
+windows to rank 0 (`Agreement.gather_step`; through one leader per node on more than one node),
+which alone steps the job model (`JobModel.begin` / `assign` / `commit`) and sends each rank its
+own part of the plan (`_gather_loop`, `_plan_replies`); each rank resizes the buffers the new
+windows need and delivers (`Delivery`) a Batch to the bridge with what stands for the step's
+state (rank 0's `StepSnapshot`; elsewhere the step, whose state `state_relay` gets from rank 0).
+Under control_plane="all_gather" (`_step_loop`) every rank all-gathers every window
+(`Agreement.agree`) and steps its own copy of the job model; rank 0 broadcasts the assignment.
 
 Everything here is owned by the loop's thread. The Loader reaches it only through
 `Background.call` (a hop to the loop) or after the loop has ended.
@@ -17,6 +19,7 @@ Everything here is owned by the loop's thread. The Loader reaches it only throug
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import functools
 import logging
 import time
@@ -34,7 +37,7 @@ from .collective.protocol import Agreement, StopStepping
 from .collective.topology import Topology
 from .config import LoaderConfig, Source
 from .delivery import Delivery
-from .errors import ConfigError, DistributedError, UsageError
+from .errors import ConfigError, DistributedError
 from .formats.catalog import Shard, catalog
 from .metrics import SourceMetrics, StepMetrics, rank_stats
 from .mixreport import MixTally, MixTracker, StepMix
@@ -52,7 +55,8 @@ from .vision.hybrid import encoder_model, window_costs
 from .job import JobModel, StepSnapshot, data_options, listing_crc
 from .watch import RunWatch
 from .stage_view import needs_view, stage_view
-from .state import LoaderState, decode_state, encode_state
+from .state import LoaderState, encode_state
+from .state_relay import StateRelay
 from .storage import ObjectStore, open_store, source_store_options
 from .tokenizer import TextTokenizer
 
@@ -71,9 +75,8 @@ class Handoff(Protocol):
 @dataclass(frozen=True)
 class RemoteState:
     """control_plane="gather", a rank other than 0: what stands for a batch's `StepSnapshot`:
-    the step, and the state rank 0 sent with it (None: not a `state_every` step)."""
+    its step, whose state rank 0 has (`state_relay.StateRelay`)."""
     step: int
-    state: Optional[bytes]
 
 
 class Runtime:
@@ -97,9 +100,11 @@ class Runtime:
                               f"{[s.name for s in sources]}", key="sample_costs")
         self.storage_options = storage_options or {}
         batches_held = config.prefetch_steps + 2   # queued, held by the trainer, being packed
-        # control_plane="gather": rank 0 alone steps the job model (`_plan_replies`); the other
-        # ranks keep it for the geometry, the start-up buffers and their fetchers' layouts
-        self.gathering = config.control_plane == "gather"
+        # control_plane="gather" (the default, "auto", but with broadcast delivery): rank 0
+        # alone steps the job model (`_plan_replies`); the other ranks keep it for the geometry,
+        # the start-up buffers and their fetchers' layouts, and get the state from rank 0
+        self.gathering = config.control_plane == "gather" or (
+            config.control_plane == "auto" and peers is None)
         self.job = JobModel.build(config, sources, mixture, comm.world, batches_held,
                                   functools.partial(data_options, config, sources, tokenizer),
                                   track=not self.gathering or comm.rank == 0)
@@ -144,6 +149,11 @@ class Runtime:
         self._window_sizes: list[int] = [0] * len(sources)   # this rank's last summary's
         self._sent_budgets: list = []        # rank 0, gather: the budgets each rank was sent
         self._snapshot: Optional[StepSnapshot] = None   # rank 0, gather: after the last step
+        # gather, more than one rank: the states of recent steps, from rank 0 to the others
+        self.relay = StateRelay(
+            comm.rank, comm.world, batches_held + 2,
+            lambda snapshot: encode_state(self.job.state(snapshot)),
+            config.state_every) if self.gathering and comm.world > 1 else None
 
     # -- called from the Loader before the loop starts, or on the loop ----------------------------
     def load_state(self, state: LoaderState) -> None:
@@ -154,20 +164,31 @@ class Runtime:
         ranks, so no rank is left inside a collective."""
         self.agreement.request_close()
 
-    def state(self, snapshot) -> LoaderState:
+    def state(self, snapshot) -> "LoaderState | bytes | concurrent.futures.Future[bytes]":
+        """The state as of `snapshot` (None: where this loader starts). Under gather, its
+        encoded bytes: rank 0's (which it then sends every rank), or on another rank what rank
+        0 sent, or a future of it, which this rank's next round asks for (`StateRelay`)."""
         if isinstance(snapshot, RemoteState):   # control_plane="gather", a rank other than 0
-            if snapshot.state is None:
-                raise UsageError(
-                    f"state_dict(): with control_plane='gather' only rank 0 has the job's "
-                    f"state after every step; rank {self.comm.rank} has it after steps that are "
-                    f"multiples of state_every ({self.config.state_every}), and the last batch "
-                    f"was step {snapshot.step}. Save rank 0's state (it is the whole job's), or "
-                    f"set state_every to the checkpoint interval")
-            return decode_state(snapshot.state)
+            return self.relay.get(snapshot.step)
+        if self.relay is not None and snapshot is not None:   # gather, rank 0
+            return self.relay.own(snapshot.step - 1)   # snapshot.step: steps taken
         return self.job.state(snapshot)
 
     def stats(self) -> dict:
         return rank_stats(self)
+
+    def control_plane(self) -> dict:
+        """How this rank agrees on steps (`stats()["control_plane"]`): the path ("all_gather",
+        "gather", "node_gather" through one leader per node, "local" for one rank), the
+        layout of the nodes, and the bytes this rank's control collectives sent and received
+        (the exchange of samples not included), and the state requests it made."""
+        out = {**self.comm.layout(), **self.comm.traffic.snapshot()}
+        if not self.gathering and self.comm.world > 1:
+            out["path"] = "all_gather"
+        if self.relay is not None:
+            out.update(state_requests=self.relay.requests,
+                       states_received=self.relay.states_received)
+        return out
 
     # -- lifecycle ---------------------------------------------------------------------------------
     async def run(self, handoff: Handoff) -> None:
@@ -210,6 +231,8 @@ class Runtime:
             failure = exc
             raise
         finally:
+            if self.relay is not None:
+                self.relay.end(failure)
             if self.peers is not None:   # the ranks this one feeds: the run ended, or failed
                 await self.agreement.run_threaded(functools.partial(
                     self.peers.broadcast_bytes, encode_end(failure), self.peers.leader))
@@ -356,7 +379,7 @@ class Runtime:
             self._sent_budgets = [self.job.budgets(r) for r in range(R)]
         plan_replies = self._plan_replies if self.comm.rank == 0 else None
         while True:
-            mine = await agreement.gather_step(self._summary, plan_replies)
+            mine = await agreement.gather_step(self._summary, plan_replies, self.relay)
             local = decode_local_plan(mine, S, R, M)
             if local.budgets is not None:
                 self._set_budgets(local.budgets)
@@ -381,8 +404,7 @@ class Runtime:
                                          local.units, mix)
             batch.skipped = np.array([[m.skipped_records, m.skipped_shards]
                                       for m in self.source_metrics], dtype=np.int64)
-            snapshot = (self._snapshot if self.comm.rank == 0
-                        else RemoteState(local.step, local.state))
+            snapshot = self._snapshot if self.comm.rank == 0 else RemoteState(local.step)
             if needs_view(self.topology):   # this rank's CP part, its pipeline stage's fields
                 batch = stage_view(batch, self.topology, self.config.pad_token_id)
             self._handoff.put(batch, snapshot)
@@ -390,19 +412,23 @@ class Runtime:
 
     def _plan_replies(self, gathered: list[np.ndarray]) -> list[np.ndarray]:
         """Rank 0: step the job model on every rank's windows and give each rank its reply:
-        what it takes from its buffers and sends, what it receives, the job's totals, its
-        buffers for the next step when they changed, and the state every `state_every` steps."""
+        what it takes from its buffers and sends, what it receives, the job's totals, and its
+        buffers for the next step when they changed (the states go on the side: `relay`)."""
         job, S, R = self.job, len(self.sources), self.comm.world
         summaries = decode_summaries(gathered, S)
         c = summaries.candidates
         step = job.begin(c, summaries.exhausted)
         if step.outcome == "stop":   # a source with on_exhausted="stop" ran out
             self.watch.stopped(c)
+            if self.relay is not None:
+                self.relay.finish()
             return [encode_local_plan(OUTCOMES.index("stop"), job.epoch, step.index)] * R
         if step.outcome == "end_epoch":
             finished = job.end_epoch()
             if not finished:
                 self.watch.new_epoch()
+            elif self.relay is not None:
+                self.relay.finish()
             return [encode_local_plan(OUTCOMES.index("end_epoch"), job.epoch, step.index,
                                       finished=finished, budgets=self._budgets_for(r))
                     for r in range(R)]
@@ -418,14 +444,13 @@ class Runtime:
         totals = step_totals(c, plan, self.stepper.cost, self.stepper.geometry,
                              self.delivery.encoder_sources)
         self._snapshot = job.snapshot()
-        every = self.config.state_every
-        state = encode_state(job.state(self._snapshot)) if every and job.step % every == 0 \
-            else None
+        if self.relay is not None:
+            self.relay.kept(step.index, self._snapshot)
         holder = c.rank[plan.take]
         return [encode_local_plan(0, job.epoch, step.index, c=c, ids=summaries.ids, plan=plan,
                                   entries=np.flatnonzero((holder == r) | (plan.rank == r)),
                                   totals=totals, units=units, mix=mix,
-                                  budgets=self._budgets_for(r), state=state)
+                                  budgets=self._budgets_for(r))
                 for r in range(R)]
 
     def _budgets_for(self, rank: int) -> Optional[np.ndarray]:

@@ -27,7 +27,7 @@ import functools
 import zlib
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Iterator, Optional
+from typing import Iterator, Optional, Sequence
 
 import msgspec
 import numpy as np
@@ -460,7 +460,8 @@ class EpochLayout:
     base_shards: Optional[np.ndarray]          # bool [num_shards]; None = all
     base: list[np.ndarray]                     # per base rank: shard ids in order
     base_position: list[int]                   # per base rank: base shards already started
-    units: list[list[ReadUnit]]                # per base rank: filtered units first
+    units: list[Sequence[ReadUnit]]            # per base rank: filtered units first (never
+                                               # mutated: a rank with none may share ())
     num_shards: int
     seed: int
     source_index: int
@@ -474,10 +475,16 @@ class EpochLayout:
         """Whether `rank` is one of the source's readers (is dealt its shards at all)."""
         return reads(self.base_world, rank, self.rotation, self.readers)
 
+    def has_units(self, rank: int) -> bool:
+        """Whether `rank_units(rank)` has any (without building them)."""
+        return bool(self.units[rank]) or self.base_position[rank] < len(self.base[rank])
+
     def rank_units(self, rank: int) -> list[ReadUnit]:
         """The filtered units and the rest of the base: the whole epoch of a finite source."""
-        return list(self.units[rank]) + [ReadUnit(int(s)) for s in
-                                         self.base[rank][self.base_position[rank]:]]
+        units, base, position = self.units[rank], self.base[rank], self.base_position[rank]
+        if position >= len(base):   # most ranks of a source with few readers, at scale
+            return list(units)
+        return list(units) + [ReadUnit(s) for s in base[position:].tolist()]
 
     def pass_shards(self, rank: int, pass_index: int) -> np.ndarray:
         """An endless source's pass `pass_index` for one rank, as pass-wide shard ids."""
@@ -512,10 +519,14 @@ def deal_epoch(num_shards: int, *, seed: int, epoch: int, source_index: int, wor
     order = shard_permutation(num_shards, seed, epoch, source_index)
     if base_shards is not None:
         order = order[base_shards[order]]
-    if not endless:
-        return [deal_readers(order, world, q, rotation, 0, readers) for q in range(world)]
-    return [deal_readers(order, world, q, rotation, epoch, readers) + epoch * num_shards
-            for q in range(world)]
+    shift = epoch if endless else 0
+    if endless:
+        order = order + epoch * num_shards
+        order.setflags(write=False)
+    k = readers if 0 < readers < world else world
+    none = order[:0]   # `deal_readers` for every rank at once: reader j = (q - rotation) % world
+    return [order[(j + shift) % k::k] if j < k else none
+            for j in ((q - rotation) % world for q in range(world))]
 
 
 def fresh_layout(num_shards: int, *, seed: int, epoch: int, source_index: int,
@@ -530,7 +541,7 @@ def fresh_layout(num_shards: int, *, seed: int, epoch: int, source_index: int,
     base = deal_epoch(num_shards, seed=seed, epoch=epoch, source_index=source_index, world=world,
                       endless=endless, base_shards=base_shards, rotation=rotation,
                       readers=readers)
-    return EpochLayout(world, base_shards, base, [0] * world, [[] for _ in range(world)],
+    return EpochLayout(world, base_shards, base, [0] * world, [()] * world,
                        num_shards, seed, source_index, endless,
                        [epoch] * world if endless else None, epoch if endless else 0, rotation,
                        readers)
@@ -543,7 +554,7 @@ def _deal_units(pooled: list, layout: EpochLayout) -> list[list]:
     if not layout.readers:
         return [pooled[r::world] for r in range(world)]
     k = layout.readers
-    return [pooled[(r - layout.rotation) % world::k] if layout.reads(r) else []
+    return [pooled[(r - layout.rotation) % world::k] if layout.reads(r) else ()
             for r in range(world)]
 
 
@@ -563,7 +574,7 @@ def layout_from_progress(progress: SourceProgress, *, seed: int, epoch: int, sou
                          endless=endless, rotation=progress.rotation,
                          readers=progress.readers)
     saved.base_position = list(progress.base_position)
-    saved.units = [list(u) for u in progress.units]
+    saved.units = list(progress.units)   # tuples: never mutated
     if endless:
         saved.passes = list(progress.passes) or [progress.first_pass] * progress.base_world
         for q, pass_index in enumerate(saved.passes):
@@ -604,10 +615,13 @@ def layout_from_progress(progress: SourceProgress, *, seed: int, epoch: int, sou
 class RankProgress:
     frontier_unit: int = -1                       # index into rank_units; -1: nothing offered
     frontier: tuple[int, int] = (-1, -1)          # (record, chunk) of the furthest offered item
-    pending: np.ndarray = field(default_factory=lambda: np.zeros((0, 4), np.int64))
-    # rows: shard, record, chunk, age (as it will be when offered again)
+    pending: np.ndarray = field(default_factory=lambda: _NO_PENDING)
+    # rows: shard, record, chunk, age (as it will be when offered again); never mutated
 
 
+_NO_PENDING = np.zeros((0, 4), np.int64)
+_NO_PENDING.setflags(write=False)
+_NOT_STARTED = RankProgress()
 COMPACT_LAG = 64    # steps of states an endless tracker keeps what they need for, at the least
 COMPACT_MIN = 256   # units dropped at once, at the least
 
@@ -622,19 +636,47 @@ class SourceTracker:
         """`states_in_flight`: how many steps old a state that is still asked for can be (the
         batches queued ahead of the trainer, and the one it holds)."""
         self.layout = layout
-        self.unit_lists = [layout.rank_units(q) for q in range(layout.base_world)]
+        # A rank that is dealt nothing, and never will be (finite, or not a reader), shares one
+        # empty tuple: at thousands of ranks and few readers per source, allocating a list for
+        # each costs more in garbage collection than everything else here.
+        self.unit_lists = [layout.rank_units(q) if layout.has_units(q)
+                           or (layout.endless and layout.reads(q)) else ()
+                           for q in range(layout.base_world)]
         self.offsets = [0] * layout.base_world
         # Per rank, the lowest unit each of the last `lag` states still needs.
         self.lag = max(COMPACT_LAG, 2 * states_in_flight)
-        self.needed = [deque(maxlen=self.lag) for _ in range(layout.base_world)]
+        # (made when a rank is first compacted: an endless source's readers only)
+        self.needed: dict[int, deque] = {}
         # Per rank: (first unit index, pass, base position there) of each stretch of base units.
-        self.stretches = [[(len(layout.units[q]), layout.passes[q] if layout.endless else 0,
-                            layout.base_position[q])] for q in range(layout.base_world)]
-        self.later = [layout.later_passes(q) for q in range(layout.base_world)]
+        # (The first stretch of every rank as arrays; a rank's list once it changes.)
+        world = layout.base_world
+        self._first_stretch = (
+            np.fromiter(map(len, layout.units), np.int64, world),
+            np.asarray(layout.passes if layout.endless else [0] * world, np.int64),
+            np.asarray(layout.base_position, np.int64))
+        self._stretches: dict[int, list] = {}
+        # Per rank, its later passes (endless), made when the rank first reaches one.
+        self.later: dict[int, Iterator[tuple[int, list[ReadUnit]]]] = {}
         self.unit_index = {}
         for q in range(layout.base_world):
-            self._index(q, 0)
-        self.ranks = [RankProgress() for _ in range(layout.base_world)]
+            if self.unit_lists[q]:
+                self._index(q, 0)
+        # Progress objects are replaced, never mutated, so the ranks start sharing one.
+        self.ranks = [_NOT_STARTED] * layout.base_world
+
+    def stretches(self, rank: int) -> list[tuple[int, int, int]]:
+        """(first unit index, pass, base position there) of each stretch of `rank`'s base
+        units (an endless rank has one per pass it reached)."""
+        mine = self._stretches.get(rank)
+        if mine is not None:
+            return mine
+        units, passes, positions = self._first_stretch
+        return [(int(units[rank]), int(passes[rank]), int(positions[rank]))]
+
+    def _own_stretches(self, rank: int) -> list[tuple[int, int, int]]:
+        if rank not in self._stretches:
+            self._stretches[rank] = self.stretches(rank)
+        return self._stretches[rank]
 
     def _index(self, rank: int, start: int) -> None:
         offset = self.offsets[rank]
@@ -643,9 +685,11 @@ class SourceTracker:
 
     def _locate(self, rank: int, shard: int) -> tuple[int, int]:
         while shard not in self.unit_index:   # an endless rank reached its next pass
+            if rank not in self.later:
+                self.later[rank] = self.layout.later_passes(rank)
             pass_index, units = next(self.later[rank])
             start = self.offsets[rank] + len(self.unit_lists[rank])
-            self.stretches[rank].append((start, pass_index, 0))
+            self._own_stretches(rank).append((start, pass_index, 0))
             self.unit_lists[rank].extend(units)
             self._index(rank, start)
         return self.unit_index[shard]
@@ -656,7 +700,9 @@ class SourceTracker:
         in flight (batches queued or held, each with its snapshot) are the last few, so units
         below what the last `lag` states needed are dropped, in runs of COMPACT_MIN."""
         pending = [self.unit_index[s][1] for s in set(progress.pending[:, 0].tolist())]
-        needed = self.needed[rank]
+        needed = self.needed.get(rank)
+        if needed is None:
+            needed = self.needed[rank] = deque(maxlen=self.lag)
         needed.append(min(pending + [progress.frontier_unit]))
         floor = min(needed)
         if len(needed) < self.lag or floor - self.offsets[rank] < COMPACT_MIN:
@@ -666,7 +712,7 @@ class SourceTracker:
             del self.unit_index[unit.shard]
         del self.unit_lists[rank][:cut]
         self.offsets[rank] = floor
-        stretches = self.stretches[rank]
+        stretches = self._own_stretches(rank)
         first = max((k for k, stretch in enumerate(stretches) if stretch[0] <= floor), default=0)
         del stretches[:first]
 
@@ -713,7 +759,7 @@ class SourceTracker:
         for q, p in enumerate(ranks):
             units, offset = self.unit_lists[q], self.offsets[q]
             filtered = len(layout.units[q])
-            _, pass_index, position = self.stretches[q][0]
+            _, pass_index, position = self.stretches(q)[0]
             if p.frontier_unit < 0:
                 positions.append(position)
                 passes.append(pass_index)
@@ -737,7 +783,7 @@ class SourceTracker:
             remaining += units[p.frontier_unit + 1 - offset:max(filtered - offset, 0)]
             if p.frontier_unit >= filtered:   # the frontier is inside the base (or a later pass)
                 start, pass_index, position = next(
-                    stretch for stretch in reversed(self.stretches[q])
+                    stretch for stretch in reversed(self.stretches(q))
                     if stretch[0] <= p.frontier_unit)
                 position += p.frontier_unit - start + 1
             positions.append(position)

@@ -11,7 +11,9 @@ With --stop-at K it takes the loader's state after K batches (every rank: they m
 rank 0 writes it to OUT/state.json; the run then goes on to the end of the epoch. With
 --resume STATE it starts from that state. Each rank writes OUT/rank-R.json: what the launcher
 told it (RANK, LOCAL_RANK, LOCAL_WORLD_SIZE, GROUP_RANK, ...), the loader's rank and world size,
-the sample ids and micro-batch count of every step, and the SHA-256 of its state at --stop-at.
+the sample ids and micro-batch count of every step, the SHA-256 of its state at --stop-at, and
+its control plane's stats (the path: through one leader per node or not; bytes sent and
+received).
 """
 from __future__ import annotations
 
@@ -65,6 +67,7 @@ def main() -> None:
                         state["streamload"].encode()).hexdigest()
                     if loader.rank == 0:
                         (args.out / "state.json").write_text(json.dumps(state))
+            record["control_plane"] = loader.stats()["control_plane"]
         (args.out / f"rank-{record['rank']}.json").write_text(json.dumps(record))
     finally:
         dist.destroy_process_group()

@@ -1,7 +1,7 @@
-"""control_plane="gather" on real gloo groups: the head windows go to rank 0 only, which steps
-the job model alone and sends each rank its own part of the plan. The batches and the states
-are the all-gather path's, the failure protocol holds, and ranks other than 0 have the state at
-multiples of `state_every` (and say so otherwise)."""
+"""control_plane="gather" (the default) on real gloo groups: the head windows go to rank 0 only,
+which steps the job model alone and sends each rank its own part of the plan. The batches and
+every rank's states are the all-gather path's (ranks other than 0 get theirs from rank 0:
+`state_relay`), and the failure protocol holds."""
 from __future__ import annotations
 
 import hashlib
@@ -54,20 +54,19 @@ def corpus(tmp_path_factory):
     return root, ids
 
 
-@pytest.mark.parametrize("world", [2, 3])
-def test_gather_delivers_the_all_gather_batches_and_states(corpus, world):
+@pytest.mark.parametrize("world,state_every", [(2, None), (3, STATE_EVERY)])
+def test_gather_delivers_the_all_gather_batches_and_states(corpus, world, state_every):
+    """Every rank's state_dict() after every step is the all-gather path's: asked of rank 0
+    on the next round (and sent by rank 0 with its own), or sent unasked every state_every."""
     root, expected = corpus
     reference = run_ranks(job, world, str(root), "all_gather", None)
-    gathered = run_ranks(job, world, str(root), "gather", STATE_EVERY)
+    gathered = run_ranks(job, world, str(root), "gather", state_every)
     for rank in range(world):
         ref_steps, got_steps = reference[rank][0], gathered[rank][0]
         assert [s[:2] for s in got_steps] == [s[:2] for s in ref_steps]   # the same batches
         assert [s[4:] for s in got_steps] == [s[4:] for s in ref_steps]   # the same totals
         for (step, _, _, state, *_), (_, _, _, ref_state, *_) in zip(got_steps, ref_steps):
-            if rank == 0 or (step + 1) % STATE_EVERY == 0:
-                assert state == ref_state, f"rank {rank} step {step}: another state"
-            else:
-                assert state.startswith("UsageError") and "state_every" in state
+            assert state == ref_state, f"rank {rank} step {step}: another state"
     ids = [i for r in gathered for s in r[0] for i in s[2]]
     finite = [i for i in ids if not i.startswith("long/")]
     assert len(finite) == len(set(finite)) and set(base_ids(finite)) == expected
@@ -90,8 +89,7 @@ def test_gather_turns_epochs_as_all_gather_does(corpus, world):
 def failing_job(rank, world, root):
     import streamload as sl
     with sl.Loader([sl.Source(os.path.join(root, f"rank{rank}"))], micro_batch_tokens=256,
-                   micro_batches=1, epochs=1, collective_timeout_s=30,
-                   control_plane="gather") as loader:
+                   micro_batches=1, epochs=1, collective_timeout_s=30) as loader:   # gather
         try:
             for _ in loader:
                 pass
@@ -100,9 +98,13 @@ def failing_job(rank, world, root):
     return "finished"
 
 
-@pytest.mark.parametrize("world", [2, 3])
-def test_a_failing_rank_stops_every_rank_through_rank_0(tmp_path, world):
+@pytest.mark.parametrize("world,node_size", [(2, None), (3, None), (4, 2)])
+def test_a_failing_rank_stops_every_rank_through_rank_0(tmp_path, monkeypatch, world, node_size):
+    """The default control plane (gather; at 4 ranks as two nodes, through their leaders): the
+    rank whose data is bad raises its own error, every other rank one naming it."""
     from streamload.formats import write_jsonl
+    if node_size is not None:
+        monkeypatch.setenv("LOCAL_WORLD_SIZE", str(node_size))
     for rank in range(world):
         (tmp_path / f"rank{rank}").mkdir()
         for shard in ("s0", "s1", "s2", "s3"):   # the same names on every rank; the last
@@ -146,3 +148,119 @@ def test_gather_resumes_at_another_world_size_exactly_once(corpus):
     ids = [i for r in first for i in r[0]] + [i for r in second for i in r[0]]
     assert len(ids) == len(set(ids)), "delivered twice"
     assert set(base_ids(ids)) == expected
+
+
+def asking_job(rank, world, root, control_plane, ask_at, stop=None):
+    """One epoch (or up to batch `stop`), state_dict() only where `ask_at` says (rank ->
+    steps; not rank 0's own), then after the last batch, and after close(): {when: state}."""
+    import streamload as sl
+    out = {}
+    loader = sl.Loader([sl.Source(os.path.join(root, "web"), weight=0.6),
+                        sl.Source(os.path.join(root, "code"), weight=0.4)],
+                       micro_batch_tokens=512, micro_batches=2, epochs=1, seed=4,
+                       control_plane=control_plane, collective_timeout_s=60)
+    for batch in loader:
+        if batch.step in ask_at.get(rank, ()):
+            out[batch.step] = loader.state_dict()["streamload"]
+        if batch.step == stop:
+            break
+    if stop is None:
+        out["end"] = loader.state_dict()["streamload"]
+    loader.close()
+    out["closed"] = loader.state_dict()["streamload"]
+    return out
+
+
+def test_a_rank_asks_alone_and_after_the_run_ended(corpus):
+    """Rank 1 asks at steps where rank 0 does not (its request rides on its next round), every
+    rank asks after the last batch and after close() (rank 0's last reply carried the states
+    of the steps still kept): the all-gather path's states."""
+    root, _ = corpus
+    ask_at = {1: [0, 3, 4], 2: [5]}
+    reference = run_ranks(asking_job, 3, str(root), "all_gather", ask_at)
+    got = run_ranks(asking_job, 3, str(root), "gather", ask_at)
+    assert got == reference
+    assert {r["end"] for r in got} == {reference[0]["end"]}
+    assert sorted(k for k in got[1] if isinstance(k, int)) == [0, 3, 4]
+
+
+def node_job(rank, world, root, control_plane, stop):
+    """One epoch; this rank's batches, its state after batch `stop`, and its control plane's
+    stats at the end."""
+    import streamload as sl
+    steps, state = [], None
+    with sl.Loader([sl.Source(os.path.join(root, "web"), weight=0.6),
+                    sl.Source(os.path.join(root, "code"), weight=0.4)],
+                   micro_batch_tokens=512, micro_batches=2, epochs=1, seed=4,
+                   control_plane=control_plane) as loader:
+        for batch in loader:
+            steps.append((batch.step, [i for mb in batch.micro_batches for i in mb.sample_ids]))
+            if batch.step == stop:
+                state = loader.state_dict()["streamload"]
+        control = loader.stats()["control_plane"]
+    return steps, state, control
+
+
+def test_two_nodes_gather_through_their_leaders(corpus, monkeypatch):
+    """LOCAL_WORLD_SIZE=2 at 4 ranks (two nodes, as torchrun says): the summaries go through
+    one leader per node (ranks 0 and 2) and the replies come back that way; the batches and
+    the states are the all-gather path's, and a rank that is no leader sends and receives
+    about what it would under a one-level gather (its summary, its reply)."""
+    root, expected = corpus
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    reference = run_ranks(node_job, 4, str(root), "all_gather", 3)
+    got = run_ranks(node_job, 4, str(root), "gather", 3)
+    assert [r[:2] for r in got] == [r[:2] for r in reference]
+    ids = [i for r in got for _, step_ids in r[0] for i in step_ids]
+    assert len(ids) == len(set(ids)) and set(base_ids(ids)) == expected
+    controls = [r[2] for r in got]
+    assert [c["path"] for c in controls] == ["node_gather"] * 4, controls
+    assert [c["leader"] for c in controls] == [True, False, True, False]
+    assert {c["nodes"] for c in controls} == {2} and [c["node"] for c in controls] == [0, 0, 1, 1]
+    assert [r[2]["path"] for r in reference] == ["all_gather"] * 4
+    # A leader relays its node: it receives its member's summaries and sends its replies.
+    assert controls[2]["bytes_received"] > controls[3]["bytes_received"]
+    assert controls[1]["bytes_sent"] > 0 and controls[3]["bytes_sent"] > 0
+
+
+def test_every_rank_has_the_state_after_closing_early(corpus):
+    """Every rank breaks out at batch 3 and closes (the loop had planned further): rank 0's
+    closing reply carried the states it kept, so every rank's state_dict() after close() is
+    batch 3's, the all-gather path's."""
+    root, _ = corpus
+    reference = run_ranks(asking_job, 2, str(root), "all_gather", {}, 3)
+    got = run_ranks(asking_job, 2, str(root), "gather", {}, 3)
+    assert got == reference and got[0]["closed"] == got[1]["closed"]
+
+
+def checkpoint_job(rank, world, root, ckpt, stop):
+    """torch.distributed.checkpoint on every rank (it calls state_dict() everywhere, then runs
+    collectives of its own): save after batch `stop`, or (stop None) load and run the rest.
+    This rank's ids."""
+    import torch.distributed.checkpoint as dcp
+    import streamload as sl
+    ids = []
+    with sl.Loader([sl.Source(os.path.join(root, "web"), weight=0.6),
+                    sl.Source(os.path.join(root, "code"), weight=0.4)],
+                   micro_batch_tokens=512, micro_batches=2, epochs=1, seed=4,
+                   collective_timeout_s=60) as loader:
+        if stop is None:
+            dcp.load({"loader": loader}, checkpoint_id=ckpt)
+        for batch in loader:
+            ids += [i for mb in batch.micro_batches for i in mb.sample_ids]
+            if batch.step == stop:
+                dcp.save({"loader": loader}, checkpoint_id=ckpt)
+                break
+    return ids
+
+
+def test_a_distributed_checkpoint_saves_and_resumes_every_rank(corpus, tmp_path):
+    """The default control plane under a two-rank torch.distributed.checkpoint save: every
+    rank's state_dict() is answered (rank 0 sends its own to all) while the save's own
+    collectives wait on the others, and the load resumes the epoch exactly once."""
+    root, expected = corpus
+    ckpt = str(tmp_path / "ckpt")
+    first = run_ranks(checkpoint_job, 2, str(root), ckpt, 4, timeout=120)
+    rest = run_ranks(checkpoint_job, 2, str(root), ckpt, None, timeout=120)
+    ids = [i for r in first + rest for i in r]
+    assert len(ids) == len(set(ids)) and set(base_ids(ids)) == expected

@@ -5,7 +5,7 @@ Layers, bottom up; a module imports from its own layer or below, never above:
   1  tokenizer, formats/, config, configfile, state, batch, metrics, mixreport, job,
      vision/
   2  collective/, pipeline/
-  3  delivery, stage_view, peers, watch, runtime
+  3  delivery, stage_view, peers, watch, runtime, state_relay
   4  loader, observe (metrics records, logs, TensorBoard), the package's __init__
   5  commands/: nothing in the library imports them
 plan/ imports nothing outside plan/, errors and pieces (imports under TYPE_CHECKING are for
@@ -27,7 +27,7 @@ LAYERS = [("errors", "pieces", "plan", "storage"),
           ("tokenizer", "formats", "config", "configfile", "state", "batch", "metrics",
            "mixreport", "job", "vision"),
           ("collective", "pipeline"),
-          ("delivery", "stage_view", "peers", "watch", "runtime"),
+          ("delivery", "stage_view", "peers", "watch", "runtime", "state_relay"),
           ("loader", "observe", "__init__"),
           ("commands",)]
 

@@ -5,9 +5,11 @@ loopback port), then a resume on one node of four ranks (`--nnodes 1 --nproc-per
 The ranks run tests/multinode_worker.py. What is checked:
 - the launcher's layout: four global ranks, two per node (LOCAL_WORLD_SIZE 2, LOCAL_RANK 0 and 1
   on each GROUP_RANK), and the loader's rank and world size are the global RANK and WORLD_SIZE:
-  the loader's group spans both nodes. There is no node-level structure in the loader yet (its
-  summaries are all-gathered over every rank, not gathered through one leader per node), so
-  nothing node-level is tested beyond the launcher's variables;
+  the loader's group spans both nodes;
+- the node-level gather: on two nodes every rank's control plane went through one leader per
+  node (stats()["control_plane"]["path"] == "node_gather"; ranks 0 and 2 lead), and the leader
+  of node 1 sent and received more than the rank it leads (its node's summaries and replies);
+  on one node of four it is the one-level gather;
 - the epoch is delivered exactly once across the four ranks, with the same number of steps and
   micro-batches on every rank, and every rank holds the same state after step K;
 - resumed from that state on one node of four ranks, the first K steps of the two-node run and
@@ -74,6 +76,13 @@ def test_two_nodes_deliver_the_epoch_once_and_one_node_of_four_resumes_it(tmp_pa
         assert int(e["RANK"]) == 2 * int(e["GROUP_RANK"]) + int(e["LOCAL_RANK"]), e
     assert sorted(nodes) == ["0", "1"] and all(sorted(v) == [0, 1] for v in nodes.values()), env
 
+    control = [r["control_plane"] for r in records]
+    assert [c["path"] for c in control] == ["node_gather"] * 4, control
+    assert [c["leader"] for c in control] == [True, False, True, False], control
+    assert [c["node"] for c in control] == [0, 0, 1, 1] and {c["nodes"] for c in control} == {2}
+    assert control[2]["bytes_received"] > control[3]["bytes_received"] > 0, control
+    assert control[2]["bytes_sent"] > control[3]["bytes_sent"] > 0, control
+
     ids = every_id(records)
     assert len(ids) == len(set(ids)) and set(base_ids(ids)) == expected   # exactly once
     assert len(records[0]["steps"]) > STOP + 2, "too few steps to stop in the middle"
@@ -86,6 +95,7 @@ def test_two_nodes_deliver_the_epoch_once_and_one_node_of_four_resumes_it(tmp_pa
     resumed = ranks(one, 4)
     assert {r["env"]["GROUP_RANK"] for r in resumed} == {"0"}
     assert {r["env"]["LOCAL_WORLD_SIZE"] for r in resumed} == {"4"}
+    assert {r["control_plane"]["path"] for r in resumed} == {"gather"}   # one node: one level
     union = every_id(records, slice(None, STOP)) + every_id(resumed)
     assert len(union) == len(set(union)) and set(base_ids(union)) == expected   # exactly once
     assert [r["steps"] for r in resumed] == [r["steps"][STOP:] for r in records]

@@ -7,12 +7,14 @@ without torch.distributed.
 from __future__ import annotations
 
 import datetime
+from dataclasses import dataclass
 from typing import Callable, Optional, Protocol, TypeVar
 
 import numpy as np
 
 from ..errors import DistributedError
 from ..pipeline.workers import DaemonExecutor
+from .launch import node_size
 
 T = TypeVar("T")
 
@@ -31,8 +33,30 @@ class Comm(Protocol):
     def scatter(self, arrays: Optional[list[np.ndarray]]) -> np.ndarray: ...
 
 
+MIN_GATHER_CAPACITY = 1024
+WORD = 8   # bytes per int64 value
+
+
+class Traffic:
+    """The control plane's bytes through this rank (gather and scatter, both levels), as the
+    messages are sized (padding included): what `stats()["control_plane"]` reports."""
+    def __init__(self):
+        self.sent = self.received = self.rounds = 0
+
+    def snapshot(self) -> dict:
+        return {"bytes_sent": self.sent, "bytes_received": self.received,
+                "collectives": self.rounds}
+
+
 class LocalComm:
     rank, world = 0, 1
+    path, nodes = "local", None
+
+    def __init__(self):
+        self.traffic = Traffic()
+
+    def layout(self) -> dict:
+        return {"path": self.path}
 
     def all_gather(self, array):
         return [array]
@@ -50,18 +74,52 @@ class LocalComm:
         return [np.asarray(sends[0], dtype=dtype)]
 
 
-MIN_GATHER_CAPACITY = 1024
+@dataclass(frozen=True)
+class Nodes:
+    """The two-level gather's layout: nodes of `size` consecutive ranks, this rank's `node` and
+    its index in it (`local`; 0: the node's leader), the node's group, and the leaders'
+    group (None on the other ranks)."""
+    size: int
+    count: int
+    node: int
+    local: int
+    group: object
+    leaders: object
 
 
 class GlooComm:
     """Collectives on the loader's gloo group. Buffers are filled in NumPy and received into
     `torch.empty`: a torch fill or copy of a large tensor runs on torch's OpenMP threads, whose
-    spin-waiting afterwards doubled the loader's CPU time per step (measured at 2 ranks)."""
-    def __init__(self, group, rank: int, world: int, timeout_s: float):
+    spin-waiting afterwards doubled the loader's CPU time per step (measured at 2 ranks).
+
+    With `nodes` (more than one node), `gather` and `scatter` go through one leader per node:
+    a rank's summary goes to its node's leader, each leader sends its node's to rank 0 in one
+    message, and the replies come back the same way. Rank 0 then receives one message per
+    node, and no message crosses nodes more than once."""
+    def __init__(self, group, rank: int, world: int, timeout_s: float,
+                 nodes: Optional[Nodes] = None):
         self.group, self.rank, self.world, self.timeout_s = group, rank, world, timeout_s
+        self.nodes = nodes
         self.gather_capacity = MIN_GATHER_CAPACITY   # values per rank in all_gather's 1st round
         self.next_gather_capacity = MIN_GATHER_CAPACITY   # rank 0, gather: from the sizes seen
         self.scatter_capacity = MIN_GATHER_CAPACITY  # values per rank in scatter's 1st round
+        # two levels: the leaders' messages (a node's summaries, a node's replies)
+        self.leader_capacity = self.next_leader_capacity = MIN_GATHER_CAPACITY
+        self.leader_scatter_capacity = MIN_GATHER_CAPACITY
+        self.traffic = Traffic()
+
+    @property
+    def path(self) -> str:
+        """How `gather` and `scatter` go: "gather" (to rank 0), or "node_gather" (through one
+        leader per node)."""
+        return "gather" if self.nodes is None else "node_gather"
+
+    def layout(self) -> dict:
+        out = {"path": self.path}
+        if self.nodes is not None:
+            out.update(nodes=self.nodes.count, node_size=self.nodes.size, node=self.nodes.node,
+                       leader=self.nodes.local == 0)
+        return out
 
     def _run(self, what: str, fn: Callable[[], T]) -> T:
         try:
@@ -87,6 +145,7 @@ class GlooComm:
             message = _head_message(array, cap)
             out = [torch.empty(1 + cap, dtype=torch.int64) for _ in range(self.world)]
             dist.all_gather(out, torch.from_numpy(message), group=self.group)
+            self._all_gathered(message.nbytes)
             sizes = [int(o[0]) for o in out]
             longest = max(sizes)
             self.gather_capacity = max(MIN_GATHER_CAPACITY, 2 * longest)
@@ -97,69 +156,99 @@ class GlooComm:
             rest[:max(n - cap, 0)] = array[cap:]
             tails = [torch.empty(longest - cap, dtype=torch.int64) for _ in range(self.world)]
             dist.all_gather(tails, torch.from_numpy(rest), group=self.group)
+            self._all_gathered(rest.nbytes)
             return [np.concatenate([head, tail[:max(size - cap, 0)].numpy()])
                     for head, tail, size in zip(heads, tails, sizes)]
         return self._run("all_gather", gather)
+
+    def _all_gathered(self, nbytes: int) -> None:
+        """An all_gather's logical bytes: this rank's message to, and one from, every other."""
+        self.traffic.rounds += 1
+        self.traffic.sent += (self.world - 1) * nbytes
+        self.traffic.received += (self.world - 1) * nbytes
 
     def gather(self, array: np.ndarray) -> Optional[list[Optional[np.ndarray]]]:
         """Every rank's int64 array on rank 0 (None elsewhere), in one fixed-size message of
         `gather_capacity` values. An array longer than that arrives as None: rank 0 raises the
         capacity (`scatter` tells every rank) and the caller gathers again."""
-        import torch
-        import torch.distributed as dist
         array = np.ascontiguousarray(array, dtype=np.int64)
-        cap = self.gather_capacity
+        if self.nodes is not None:
+            return self._run("gather", lambda: self._node_gather(array))
 
         def gather():
-            message = _head_message(array, cap)
-            out = ([torch.empty(1 + cap, dtype=torch.int64) for _ in range(self.world)]
-                   if self.rank == 0 else None)
-            dist.gather(torch.from_numpy(message), out, group=self.group, group_dst=0)
-            if self.rank != 0:
+            got = _gather_fixed(self.group, self.rank, self.world, array, self.gather_capacity,
+                                self.traffic)
+            if got is None:
                 return None
-            sizes = [int(o[0]) for o in out]
+            arrays, sizes = got
             self.next_gather_capacity = max(MIN_GATHER_CAPACITY, 2 * max(sizes))
-            return [o[1:1 + size].numpy() if size <= cap else None
-                    for o, size in zip(out, sizes)]
+            return arrays
         return self._run("gather", gather)
+
+    def _node_gather(self, array: np.ndarray) -> Optional[list[Optional[np.ndarray]]]:
+        """The two-level gather: to the node's leader, then each node's (packed) to rank 0."""
+        nodes = self.nodes
+        got = _gather_fixed(nodes.group, nodes.local, nodes.size, array, self.gather_capacity,
+                            self.traffic)
+        if got is None:   # not a leader
+            return None
+        arrays, sizes = got
+        packed = _pack(arrays, sizes)
+        got = _gather_fixed(nodes.leaders, nodes.node, nodes.count, packed,
+                            self.leader_capacity, self.traffic)
+        if got is None:   # a leader other than rank 0
+            return None
+        out, longest, unseen = [], 0, False
+        for message in got[0]:
+            if message is None:   # the node's message outgrew the leaders' capacity
+                out += [None] * nodes.size
+                unseen = True
+                continue
+            node_arrays, node_sizes = _unpack(message)
+            out += node_arrays
+            longest = max(longest, *node_sizes)
+        # (a node not seen: its ranks' lengths unknown, so the capacity does not shrink)
+        self.next_gather_capacity = max(MIN_GATHER_CAPACITY, 2 * longest,
+                                        self.gather_capacity if unseen else 0)
+        self.next_leader_capacity = max(MIN_GATHER_CAPACITY, 2 * max(got[1]))
+        return out
 
     def scatter(self, arrays: Optional[list[np.ndarray]]) -> np.ndarray:
         """Rank 0's `arrays[r]` on rank r, whatever their lengths: one collective in the steady
         state. Each message holds the array's length, the longest one's, the next gather
         capacity (rank 0 saw every rank's length) and the first `scatter_capacity` values; the
         values past that go in a second round, padded to the longest."""
-        import torch
-        import torch.distributed as dist
-        cap = self.scatter_capacity
+        if self.nodes is not None:
+            return self._run("scatter", lambda: self._node_scatter(arrays))
 
         def scatter():
-            head = torch.empty(3 + cap, dtype=torch.int64)
+            mine, longest, (self.gather_capacity,) = _scatter_fixed(
+                self.group, self.rank, arrays, self.scatter_capacity,
+                [self.next_gather_capacity], self.traffic)
+            self.scatter_capacity = max(MIN_GATHER_CAPACITY, 2 * longest)
+            return mine
+        return self._run("scatter", scatter)
+
+    def _node_scatter(self, arrays: Optional[list[np.ndarray]]) -> np.ndarray:
+        """The two-level scatter: each node's replies (packed) to its leader, then to each."""
+        nodes = self.nodes
+        members = None
+        if nodes.local == 0:
             parts = None
             if self.rank == 0:
-                longest = max(a.shape[0] for a in arrays)
-                parts = []
-                for a in arrays:
-                    message = np.zeros(3 + cap, dtype=np.int64)
-                    message[:3] = (a.shape[0], longest, self.next_gather_capacity)
-                    message[3:3 + min(a.shape[0], cap)] = a[:cap]
-                    parts.append(torch.from_numpy(message))
-            dist.scatter(head, parts, group=self.group, group_src=0)
-            n, longest, self.gather_capacity = (int(v) for v in head[:3])
-            self.scatter_capacity = max(MIN_GATHER_CAPACITY, 2 * longest)
-            out = head[3:3 + min(n, cap)].numpy()
-            if longest <= cap:
-                return out
-            tail = torch.empty(longest - cap, dtype=torch.int64)
-            rests = None
-            if self.rank == 0:
-                rests = []
-                for a in arrays:
-                    rest = np.zeros(longest - cap, dtype=np.int64)
-                    rest[:max(a.shape[0] - cap, 0)] = a[cap:]
-                    rests.append(torch.from_numpy(rest))
-            dist.scatter(tail, rests, group=self.group, group_src=0)
-            return np.concatenate([out, tail[:max(n - cap, 0)].numpy()])
-        return self._run("scatter", scatter)
+                parts = [_pack(arrays[n * nodes.size:(n + 1) * nodes.size])
+                         for n in range(nodes.count)]
+            packed, longest, (gather_cap, self.leader_capacity) = _scatter_fixed(
+                nodes.leaders, nodes.node, parts, self.leader_scatter_capacity,
+                [self.next_gather_capacity, self.next_leader_capacity], self.traffic)
+            self.leader_scatter_capacity = max(MIN_GATHER_CAPACITY, 2 * longest)
+            self.next_gather_capacity = gather_cap   # what the node's ranks are told next
+            members = _unpack(packed)[0]
+        mine, longest, (self.gather_capacity,) = _scatter_fixed(
+            nodes.group, nodes.local, members, self.scatter_capacity,
+            [self.next_gather_capacity], self.traffic)
+        self.scatter_capacity = max(MIN_GATHER_CAPACITY, 2 * longest)
+        return mine
 
     def broadcast(self, array: Optional[np.ndarray], size: int) -> np.ndarray:
         """Rank 0's `array` (None elsewhere), zero-padded to `size`, which every rank knows (so
@@ -177,6 +266,11 @@ class GlooComm:
             else:
                 data = torch.empty(size, dtype=torch.int64)
             dist.broadcast(data, group=self.group, group_src=0)   # the group's rank 0
+            self.traffic.rounds += 1
+            if self.rank == 0:
+                self.traffic.sent += (self.world - 1) * size * WORD
+            else:
+                self.traffic.received += size * WORD
             return data.numpy()
         return self._run("broadcast", bcast)
 
@@ -213,11 +307,13 @@ class GlooComm:
         return self._run("all_to_all", exchange)
 
 
-def connect(timeout_s: float, topology=None) -> Comm:
+def connect(timeout_s: float, topology=None, by_node: bool = False) -> Comm:
     """LocalComm when torch.distributed is not initialized (or world size 1); otherwise a new
     gloo group over the same ranks, or, with a `collective.topology.Topology`, over this rank's
-    DP group (the ranks sharing its (PP, CP, TP) coordinate). Every rank must construct its
-    Loader in the same order, because creating a group is itself collective."""
+    DP group (the ranks sharing its (PP, CP, TP) coordinate). `by_node` (no topology): when the
+    job spans more than one node (`launch.node_size`), `gather` and `scatter` go through one
+    leader per node, on groups of their own. Every rank must construct its Loader in the same
+    order, because creating a group is itself collective."""
     try:
         import torch.distributed as dist
     except ImportError:   # pragma: no cover - torch without distributed
@@ -227,7 +323,15 @@ def connect(timeout_s: float, topology=None) -> Comm:
     timeout = datetime.timedelta(seconds=timeout_s)
     if topology is None:
         group = dist.new_group(backend="gloo", timeout=timeout)
-        return GlooComm(group, dist.get_rank(), dist.get_world_size(), timeout_s)
+        rank, world = dist.get_rank(), dist.get_world_size()
+        nodes, size = None, node_size(world) if by_node else None
+        if size is not None:   # every rank makes every group, in the same order
+            node_group, _ = dist.new_subgroups(group_size=size, backend="gloo", timeout=timeout)
+            leaders = dist.new_group(ranks=list(range(0, world, size)), backend="gloo",
+                                     timeout=timeout)
+            nodes = Nodes(size, world // size, rank // size, rank % size, node_group,
+                          leaders if rank % size == 0 else None)
+        return GlooComm(group, rank, world, timeout_s, nodes)
     if topology.dp == 1:   # every DP group is one rank: nothing to agree on
         return LocalComm()
     mine = None
@@ -274,3 +378,87 @@ def _head_message(array: np.ndarray, cap: int) -> np.ndarray:
     message[0] = array.shape[0]
     message[1:1 + min(array.shape[0], cap)] = array[:cap]
     return message
+
+
+def _gather_fixed(group, rank: int, size: int, array: np.ndarray, cap: int, traffic: Traffic):
+    """`array` from every rank of `group` to its rank 0, in one message of 1 + `cap` values:
+    there, (arrays, sizes) with None for an array longer than `cap`; None on the others."""
+    import torch
+    import torch.distributed as dist
+    message = _head_message(array, cap)
+    out = [torch.empty(1 + cap, dtype=torch.int64) for _ in range(size)] if rank == 0 else None
+    dist.gather(torch.from_numpy(message), out, group=group, group_dst=0)
+    traffic.rounds += 1
+    if rank != 0:
+        traffic.sent += message.nbytes
+        return None
+    traffic.received += (size - 1) * message.nbytes
+    sizes = [int(o[0]) for o in out]
+    return [o[1:1 + n].numpy() if n <= cap else None for o, n in zip(out, sizes)], sizes
+
+
+def _scatter_fixed(group, rank: int, arrays: Optional[list[np.ndarray]], cap: int,
+                   header: list[int], traffic: Traffic) -> tuple[np.ndarray, int, list[int]]:
+    """`arrays[r]` from `group`'s rank 0 to its rank r; returns (this rank's array, the longest
+    array's length, `header`'s values as rank 0 sent them). One message of the length, the
+    longest, the header and `cap` values; what is past `cap` in a second round, padded to the
+    longest."""
+    import torch
+    import torch.distributed as dist
+    h = 2 + len(header)
+    head = torch.empty(h + cap, dtype=torch.int64)
+    parts = None
+    if rank == 0:
+        longest = max(a.shape[0] for a in arrays)
+        parts = []
+        for a in arrays:
+            message = np.zeros(h + cap, dtype=np.int64)
+            message[:h] = (a.shape[0], longest, *header)
+            message[h:h + min(a.shape[0], cap)] = a[:cap]
+            parts.append(torch.from_numpy(message))
+    dist.scatter(head, parts, group=group, group_src=0)
+    n, longest, *values = (int(v) for v in head[:h])
+    sent = (len(arrays) - 1) * (h + cap) * WORD if rank == 0 else 0
+    received = 0 if rank == 0 else (h + cap) * WORD
+    out = head[h:h + min(n, cap)].numpy()
+    traffic.rounds += 1
+    if longest > cap:
+        tail = torch.empty(longest - cap, dtype=torch.int64)
+        rests = None
+        if rank == 0:
+            rests = []
+            for a in arrays:
+                rest = np.zeros(longest - cap, dtype=np.int64)
+                rest[:max(a.shape[0] - cap, 0)] = a[cap:]
+                rests.append(torch.from_numpy(rest))
+        dist.scatter(tail, rests, group=group, group_src=0)
+        traffic.rounds += 1
+        sent += (len(arrays) - 1) * (longest - cap) * WORD if rank == 0 else 0
+        received += 0 if rank == 0 else (longest - cap) * WORD
+        out = np.concatenate([out, tail[:max(n - cap, 0)].numpy()])
+    traffic.sent += sent
+    traffic.received += received
+    return out, longest, values
+
+
+def _pack(arrays: list[Optional[np.ndarray]], sizes: Optional[list[int]] = None) -> np.ndarray:
+    """A node's arrays in one: their count, each one's length (-1 - its length: it outgrew the
+    gather, and is not there), then their values."""
+    sizes = [a.shape[0] for a in arrays] if sizes is None else sizes
+    lengths = [n if a is not None else -1 - n for a, n in zip(arrays, sizes)]
+    return np.concatenate([np.array([len(arrays), *lengths], np.int64),
+                           *[a.astype(np.int64) for a in arrays if a is not None]])
+
+
+def _unpack(message: np.ndarray) -> tuple[list[Optional[np.ndarray]], list[int]]:
+    count = int(message[0])
+    at, arrays, sizes = 1 + count, [], []
+    for n in message[1:1 + count].tolist():
+        if n < 0:
+            arrays.append(None)
+            sizes.append(-1 - n)
+            continue
+        arrays.append(message[at:at + n])
+        sizes.append(n)
+        at += n
+    return arrays, sizes

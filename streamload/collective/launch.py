@@ -57,3 +57,13 @@ def check_launch(environ: Mapping[str, str] = os.environ) -> None:
         "torch.distributed.init_process_group(...) on every rank before building the Loader "
         "(the trainer's own group, e.g. init_process_group('nccl'); the loader makes a gloo "
         "group of its own from it)")
+
+
+def node_size(world: int, environ: Mapping[str, str] = os.environ) -> Optional[int]:
+    """Ranks per node, when the job spans more than one node: LOCAL_WORLD_SIZE (torchrun sets
+    it; under SLURM, srun plus torchrun does), if it divides the world size and is below it
+    (a node: that many consecutive global ranks). None: one node, or not known."""
+    size = _number(environ.get("LOCAL_WORLD_SIZE"))
+    if 1 < size < world and world % size == 0:
+        return size
+    return None

@@ -162,8 +162,8 @@ class LocalPlan:
     """One rank's reply from rank 0: the step's outcome, the plan entries this rank takes from
     its buffers or receives (in plan order, as `Summaries` and `PlanMessage` over just them, so
     `Delivery` and `exchange_tokens` work on them as on the whole plan), the job-wide totals,
-    the mix, this rank's buffers for the next step when they changed, and the state when rank
-    0 sent it (`state_every`)."""
+    the mix, and this rank's buffers for the next step when they changed. (The state travels
+    on the side of the round: `state_relay`.)"""
     outcome: int
     finished: bool
     epoch: int
@@ -174,7 +174,6 @@ class LocalPlan:
     units: Optional[np.ndarray]          # float64 [S]: the mixer's realized units
     mix: Optional[tuple]                 # (target [S] or None, tail, ran_out [S])
     budgets: Optional[np.ndarray]        # int64 [S, 3]: capacity, window, in flight
-    state: Optional[bytes]
 
 
 def _f64(values) -> np.ndarray:
@@ -185,11 +184,11 @@ def encode_local_plan(outcome: int, epoch: int, step: int, *, finished: bool = F
                       c: Optional[Candidates] = None, ids: Optional[np.ndarray] = None,
                       plan: Optional[PlanMessage] = None, entries: Optional[np.ndarray] = None,
                       totals: Optional[StepTotals] = None, units=None, mix=None,
-                      budgets=None, state: Optional[bytes] = None) -> np.ndarray:
+                      budgets=None) -> np.ndarray:
     """Rank 0: one rank's reply. `entries`: the plan entries (indices into `plan`) it needs."""
     n = 0 if entries is None else entries.shape[0]
     parts = [np.array([OK, outcome, int(finished), epoch, step, n, int(budgets is not None),
-                       -1 if state is None else len(state), int(totals is not None)],
+                       int(totals is not None)],
                       dtype=np.int64)]
     if n:
         take = plan.take[entries]
@@ -210,19 +209,15 @@ def encode_local_plan(outcome: int, epoch: int, step: int, *, finished: bool = F
                   np.asarray(mix.ran_out, np.int64)]
     if budgets is not None:
         parts.append(np.asarray(budgets, np.int64).reshape(-1))
-    if state is not None:
-        padded = state + b"\0" * (-len(state) % 8)
-        parts.append(np.frombuffer(padded, dtype="<i8").astype(np.int64))
     return np.concatenate(parts)
 
 
 def decode_local_plan(array: np.ndarray, num_sources: int, ranks: int,
                       micro_batches: int) -> LocalPlan:
     S, R, M = num_sources, ranks, micro_batches
-    _, outcome, finished, epoch, step, n, has_budgets, state_len, has_totals = \
-        (int(v) for v in array[:9])
-    at = 9
-    summaries = plan = totals = units = mix = budgets = state = None
+    _, outcome, finished, epoch, step, n, has_budgets, has_totals = (int(v) for v in array[:8])
+    at = 8
+    summaries = plan = totals = units = mix = budgets = None
     if n:
         rows = array[at:at + n * ENTRY_FIELDS].reshape(n, ENTRY_FIELDS)
         at += n * ENTRY_FIELDS
@@ -256,9 +251,6 @@ def decode_local_plan(array: np.ndarray, num_sources: int, ranks: int,
     if has_budgets:
         budgets = array[at:at + 3 * S].reshape(S, 3)
         at += 3 * S
-    if state_len >= 0:
-        words = -(-state_len // 8)
-        state = np.ascontiguousarray(array[at:at + words]).astype("<i8").tobytes()[:state_len]
     if plan is None and outcome == 0:   # a step that took nothing from or for this rank
         c = Candidates(np.zeros(0, np.int64), np.zeros(0, np.int32), np.zeros(0, np.int32),
                        np.zeros(0, np.int32), np.zeros(0, np.int32), np.zeros(0), S, R)
@@ -266,4 +258,4 @@ def decode_local_plan(array: np.ndarray, num_sources: int, ranks: int,
         plan = PlanMessage(outcome, np.zeros(0, np.int64), np.zeros(0, np.int64),
                            np.zeros(0, np.int64), np.zeros(0, np.int64))
     return LocalPlan(outcome, bool(finished), epoch, step, summaries, plan, totals, units, mix,
-                     budgets, state)
+                     budgets)

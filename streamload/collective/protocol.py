@@ -9,7 +9,7 @@ left to catch dead or frozen processes only.
 from __future__ import annotations
 
 import asyncio
-from typing import Awaitable, Callable, Optional, TypeVar
+from typing import Awaitable, Callable, Optional, Protocol, TypeVar
 
 import numpy as np
 
@@ -109,8 +109,8 @@ class Agreement:
 
     # -- control_plane="gather": windows to rank 0, each rank's own reply back ------------------
     async def gather_step(self, local: Callable[[], Awaitable[np.ndarray]],
-                          plan: Optional[Callable[[list[np.ndarray]], list[np.ndarray]]]
-                          ) -> np.ndarray:
+                          plan: Optional[Callable[[list[np.ndarray]], list[np.ndarray]]],
+                          side: Optional["Sideband"] = None) -> np.ndarray:
         """Gather `local()`'s array to rank 0 once every rank has one; rank 0 turns them into
         one reply per rank (`plan`, given on rank 0 only), and each rank returns its own.
 
@@ -118,29 +118,50 @@ class Agreement:
         heartbeat, FAILED with its error, CLOSING), and rank 0 replies to all with what it saw
         before anything else: gather again (a rank waiting, or a summary that outgrew the
         gather's capacity), stop (a rank failed: every rank raises, naming it; a rank closed),
-        or the plan."""
+        or the plan.
+
+        `side`: words that ride on every round whatever its status (`Sideband`): each rank's
+        `side.outgoing()` goes to rank 0 with its array, rank 0's `side.answer` gives each
+        rank words back with its reply, which `side.receive` takes before the reply's status
+        is acted on. While `side.wake` is set a rank does not wait for `local()` to gather."""
         async def exchange(array, error, closing):
-            gathered = await self.run(lambda: self.comm.gather(array))
+            message = array if side is None else _framed(side.outgoing(), array)
+            gathered = await self.run(lambda: self.comm.gather(message))
             replies = None
             if self.comm.rank == 0:
+                words = None
+                if side is not None:
+                    words = [None if g is None else _unframe(g)[0] for g in gathered]
+                    gathered = [None if g is None else _unframe(g)[1] for g in gathered]
                 replies = _control_replies(gathered, self.comm.world)
+                final = replies is not None and int(replies[0][0]) == CLOSING   # the run ends
                 if replies is None:
                     replies = plan(gathered)
+                if side is not None:
+                    replies = [_framed(w, r) for w, r in zip(side.answer(words, final), replies)]
             mine = await self.run(lambda: self.comm.scatter(replies))
+            if side is not None:
+                words, mine = _unframe(mine)
+                side.receive(words)
             return mine if _check_reply(mine, self.comm.rank, error, closing) else None
-        return await self._rounds(local, exchange)
+        return await self._rounds(local, exchange, None if side is None else side.wake)
 
-    async def _rounds(self, local: Callable[[], Awaitable[np.ndarray]], exchange):
+    async def _rounds(self, local: Callable[[], Awaitable[np.ndarray]], exchange,
+                      wake: Optional[asyncio.Event] = None):
         """Rounds of `exchange(array, error, closing)` until one returns a result: each round this
-        rank sends CLOSING, WAITING (`local()` not ready within the heartbeat), FAILED (it
-        raised: told to every rank, then re-raised here) or `local()`'s array."""
+        rank sends CLOSING, WAITING (`local()` not ready within the heartbeat, or when `wake`
+        is set), FAILED (it raised: told to every rank, then re-raised here) or `local()`'s
+        array."""
         task = asyncio.ensure_future(local())
         try:
             while True:
-                closing_wait = asyncio.ensure_future(self.closing.wait())
-                await asyncio.wait({task, closing_wait}, timeout=self.heartbeat_s,
+                waits = {asyncio.ensure_future(self.closing.wait())}
+                if wake is not None:
+                    waits.add(asyncio.ensure_future(wake.wait()))
+                await asyncio.wait({task, *waits}, timeout=self.heartbeat_s,
                                    return_when=asyncio.FIRST_COMPLETED)
-                closing_wait.cancel()
+                for wait in waits:
+                    wait.cancel()
                 error, closing = None, self.closing.is_set()
                 if closing:
                     array = encode_closing()
@@ -158,6 +179,27 @@ class Agreement:
             if not task.done():
                 task.cancel()
                 await asyncio.gather(task, return_exceptions=True)
+
+
+class Sideband(Protocol):
+    """Words every rank exchanges with rank 0 on each round of `gather_step`, whatever the
+    round's status (the runtime's state requests, `state_relay.StateRelay`)."""
+    wake: asyncio.Event   # set: this rank has something to say, so it gathers without waiting
+
+    def outgoing(self) -> np.ndarray: ...
+    def answer(self, words: list[Optional[np.ndarray]], final: bool) -> list[np.ndarray]: ...
+    def receive(self, words: np.ndarray) -> None: ...
+
+
+def _framed(words: np.ndarray, array: np.ndarray) -> np.ndarray:
+    """A side word count, the side words, then the array."""
+    return np.concatenate([np.array([words.shape[0]], np.int64), words.astype(np.int64),
+                           array.astype(np.int64)])
+
+
+def _unframe(message: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    n = int(message[0])
+    return message[1:1 + n], message[1 + n:]
 
 
 def _control_replies(gathered: list, world: int) -> Optional[list[np.ndarray]]:
