@@ -48,6 +48,7 @@ from .plan.cost import CostModel
 from .plan.memory import SourceBudget
 from .plan.mix_spec import Mixture
 from .peers import encode_end, encode_step
+from .vision.cost import visual_counts
 from .vision.hybrid import encoder_model, window_costs
 from .job import JobModel, StepSnapshot, data_options, listing_crc
 from .watch import RunWatch
@@ -280,7 +281,9 @@ class Runtime:
             extra = CostModel.extra_cost(self.sample_costs.get(self.sources[s].name), lengths)
             if self._encoders[s] is not None:   # an image source under hybrid balancing
                 extra = extra + window_costs(items, self._encoders[s])
-            windows.append(SourceWindow(lengths, fields[:, 1], fields[:, 2:], done, extra))
+            visual = visual_counts(items) if self.sources[s].images is not None else None
+            windows.append(SourceWindow(lengths, fields[:, 1], fields[:, 2:], done, extra,
+                                        visual))
         return encode_summary(windows)
 
     async def _wait_ready(self, s: int) -> None:
