@@ -35,6 +35,7 @@ from ..tokenizer import TextTokenizer, TokenizerError
 from ..vision.options import Images
 from ..vision.probe import ImageProblem, probe
 from ..vision.exchange import ImageRef
+from ..vision.fit import over_row_caps
 from ..vision.rule import ImageRefused
 from .buffer import Item
 from .transform import TokenIdError, TransformCounts, token_ids, utf8_bytes
@@ -133,16 +134,8 @@ class ImageItems:
 
     def _over_row_caps(self, refs: list[ImageRef]) -> Optional[str]:
         """A sample that alone exceeds a cap per row fits no row: refused, never dropped."""
-        if self.max_images_per_row is not None and len(refs) > self.max_images_per_row:
-            return (f"{len(refs)} images, more than max_images_per_row="
-                    f"{self.max_images_per_row}: the sample fits no row; raise the cap")
-        patches = sum(g[0] * g[1] * g[2] for g in (ref.placement.grid for ref in refs))
-        if self.max_patches_per_row is not None and patches > self.max_patches_per_row:
-            return (f"{patches} encoder patches in {len(refs)} image(s), more than "
-                    f"max_patches_per_row={self.max_patches_per_row}: the sample fits no row; "
-                    f"raise the cap or lower images.max_pixels (the rule resizes to at most "
-                    f"max_pixels / patch_size**2 patches per image)")
-        return None
+        return over_row_caps([g[0] * g[1] * g[2] for g in (r.placement.grid for r in refs)],
+                             self.max_images_per_row, self.max_patches_per_row)
 
     def _tokenize(self, samples: list[ImageText], problems: Problems,
                   records: list[RawRecord]) -> list[Optional[list[np.ndarray]]]:
