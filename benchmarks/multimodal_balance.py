@@ -180,6 +180,50 @@ def token_baseline(corpus: Corpus, R: int, seed: int) -> dict:
     return {**score(enc, bb), "fill": round(fill, 4), "samples": int(keep.sum())}
 
 
+def energon_baseline(corpus: Corpus, R: int, seed: int, buffer: int = 64) -> dict:
+    """What a Megatron-Energon user gets: each DP rank reads its own samples (a shuffled
+    stream per rank) and packs them by token count only, in packing buffers of `buffer`
+    samples, first-fit decreasing into rows of at most C tokens (the greedy knapsack of
+    Megatron-LM's multimodal example's `select_samples_to_pack`); a rank takes its next M rows
+    per step. Full steps only: the epoch ends with the rank that runs out first."""
+    backbone, encoder = sample_costs(corpus)
+    order = np.random.default_rng(seed + 1).permutation(corpus.fused.size)
+    per_rank_rows = []
+    for r in range(R):
+        mine = order[r::R]
+        rows = []   # (encoder, backbone, tokens, samples) per row, in order
+        for at in range(0, mine.size, buffer):
+            chunk = mine[at:at + buffer]
+            chunk = chunk[np.argsort(-corpus.fused[chunk], kind="stable")]
+            room, enc, bb, tok, count = [], [], [], [], []
+            for i in chunk.tolist():
+                length = int(corpus.fused[i])
+                k = next((j for j, left in enumerate(room) if left >= length), None)
+                if k is None:
+                    room.append(C)
+                    enc.append(0.0)
+                    bb.append(0.0)
+                    tok.append(0)
+                    count.append(0)
+                    k = len(room) - 1
+                room[k] -= length
+                enc[k] += float(encoder[i])
+                bb[k] += float(backbone[i])
+                tok[k] += length
+                count[k] += 1
+            rows += list(zip(enc, bb, tok, count))
+        per_rank_rows.append(rows)
+    steps = max(min(len(rows) for rows in per_rank_rows) // M, 1)
+    enc = np.array([[sum(row[0] for row in rows[t * M:(t + 1) * M]) for rows in per_rank_rows]
+                    for t in range(steps)])
+    bb = np.array([[sum(row[1] for row in rows[t * M:(t + 1) * M]) for rows in per_rank_rows]
+                   for t in range(steps)])
+    tokens = sum(row[2] for rows in per_rank_rows for row in rows[:steps * M])
+    samples = sum(row[3] for rows in per_rank_rows for row in rows[:steps * M])
+    return {**score(enc, bb), "fill": round(tokens / (steps * R * M * C), 4),
+            "samples": int(samples)}
+
+
 # -- R=64: the job model on item lengths, with the encoder cost as the loader hands it ------
 def loader_options(mode: str, seed: int = 0) -> dict:
     return dict(micro_batch_tokens=C, micro_batches=M, cost_a=COST_A, cost_b=COST_B,
@@ -187,67 +231,41 @@ def loader_options(mode: str, seed: int = 0) -> dict:
                 seed=seed)
 
 
-def simulate(corpus: Corpus, R: int, mode: str, seed: int = 0) -> dict:
+SHARD_SAMPLES = 64   # samples per (virtual) shard of the simulated source
+
+
+def simulate(corpus: Corpus, R: int, mode: str, seed: int = 0, **options) -> dict:
+    """The dry run itself (`commands.dryrun.simulate`, what `streamload plan` runs) on the
+    corpus as its scan would read it: each sample's fused length and its images' patches
+    (`SourceScan.image_patches`), in shards of SHARD_SAMPLES dealt to ranks as the loader deals
+    them. Each step's encoder and backbone cost per rank come from its report."""
     import streamload as sl
+    from streamload.commands.dryrun import SourceScan
+    from streamload.commands.dryrun import simulate as dry_run
     from streamload.configfile import LoaderSpec
-    from streamload.job import JobModel
-    from streamload.plan.windows import Block, ItemQueue, Windows
-    from streamload.vision.hybrid import encoder_model
-    spec = LoaderSpec("multimodal", [sl.Source("/bench/mm/", name="mm")],
-                      loader_options(mode, seed))
-    config = spec.config()
-    backbone, encoder = sample_costs(corpus)
-    model = encoder_model(config)   # what the runtime adds for an image source (None: backbone)
-    extra = (model.sample_costs(corpus.patches) if model is not None
-             else np.zeros(corpus.fused.size))
-    order = np.random.default_rng(seed + 1).permutation(corpus.fused.size)
-    dealt = [order[r::R] for r in range(R)]
-    job = JobModel.build(config, spec.sources, None, R, track=False)
-    job.listed([[""] * R])
-
-    def feed(r):
-        done = [False]
-
-        def f():
-            if done[0]:
-                return None
-            done[0] = True
-            idx = dealt[r]
-            ids = np.stack([np.zeros(idx.size, np.int64), idx.astype(np.int64),
-                            np.full(idx.size, -1, np.int64)], axis=1)
-            return Block.of(corpus.fused[idx], ids)
-        return f
-    windows = Windows([[ItemQueue(feed(r))] for r in range(R)])
-    job.start(windows.holding())
-    enc_steps, bb_steps, fills, plan_s = [], [], [], []
-    taken_total = 0
-    while True:
-        offer = windows.offer(job.window_tokens())
-        sample = offer.ids[:, 1]
-        c = dataclasses.replace(offer.candidates, extra_cost=extra[sample].astype(np.float64))
-        step = job.begin(c, offer.exhausted)
-        if step.outcome != "continue" or len(c) == 0:
-            break
-        started = time.process_time()
-        a = job.assign(step)
-        plan_s.append(time.process_time() - started)
-        take = np.asarray(a.take, np.int64)
-        if take.size == 0:
-            break
-        job.commit(step, take, a.length, offer.ids)
-        windows.commit(offer, take, a.length, step.index)
-        items = sample[take]
-        if not np.array_equal(np.asarray(a.length), corpus.fused[items]):
-            raise AssertionError("an image sample was cut")
-        rank = np.asarray(a.rank, np.int64)
-        enc_steps.append(np.bincount(rank, weights=encoder[items], minlength=R))
-        bb_steps.append(np.bincount(rank, weights=backbone[items], minlength=R))
-        fills.append(float(corpus.fused[items].sum()) / (R * M * C))
-        taken_total += take.size
-    res = score(np.array(enc_steps), np.array(bb_steps))
-    res.update({"fill": round(float(np.mean(fills)), 4), "samples": int(taken_total),
-                "all_samples_once": bool(taken_total == corpus.fused.size),
-                "plan_ms_mean": round(1e3 * float(np.mean(plan_s)), 2)})
+    spec = LoaderSpec("multimodal", [sl.Source("/bench/mm/", name="mm",
+                                               images=images_options())],
+                      {**loader_options(mode, seed), **options})
+    n = corpus.fused.size
+    shard_items = np.diff(np.append(np.arange(0, n, SHARD_SAMPLES), n))
+    scan = SourceScan("mm", "webdataset", "scan", corpus.fused.astype(np.int64),
+                      shard_items.astype(np.int64), shards=shard_items.size,
+                      shards_read=shard_items.size, documents=n,
+                      image_patches=[tuple(p) for p in corpus.patches])
+    started = time.process_time()
+    reports = dry_run(spec, [scan], steps=10 ** 6, ranks=R)
+    cpu = time.process_time() - started
+    enc = np.array([r.encoder_cost for r in reports])
+    bb = np.array([r.backbone_cost for r in reports])
+    taken = int(sum(int(r.samples.sum()) for r in reports))
+    res = score(enc, bb)
+    res.update({"fill": round(float(np.mean([r.fill for r in reports])), 4), "samples": taken,
+                "all_samples_once": taken == n,
+                "row_images_max": int(max(r.row_visual[..., 0].max() for r in reports)),
+                "row_patches_max": int(max(r.row_visual[..., 1].max() for r in reports)),
+                "plan_ms_mean": round(1e3 * float(np.mean([r.plan_seconds for r in reports])),
+                                      2),
+                "sim_cpu_s": round(cpu, 1)})
     return res
 
 
@@ -335,17 +353,21 @@ def loader_run(root: Path, corpus: Corpus, R: int, mode: str, seed: int = 0) -> 
     return res
 
 
-def row(mode: str, where: str, R: int, res: dict, base: dict | None) -> dict:
+def row(mode: str, where: str, R: int, res: dict, base: dict | None,
+        energon: dict | None = None) -> dict:
     out = {"mode": where, "ranks": R, "balancing": mode, **res}
     out["speedup_vs_token_baseline"] = round(res["efficiency"] / base["efficiency"], 4) \
         if base else 1.0
+    if energon is not None:
+        out["speedup_vs_energon_ffd"] = round(res["efficiency"] / energon["efficiency"], 4)
     out.pop("time", None)
     out.pop("work", None)
     return out
 
 
 def print_row(r: dict) -> None:
-    keys = ("efficiency", "speedup_vs_token_baseline", "encoder_efficiency",
+    keys = ("efficiency", "speedup_vs_token_baseline", "speedup_vs_energon_ffd",
+            "encoder_efficiency",
             "backbone_efficiency", "encoder_imbalance", "backbone_imbalance", "fill", "steps")
     print(f"{r['mode']:>6} R={r['ranks']:<4} {r['balancing']:>14} " +
           " ".join(f"{k}={r.get(k)}" for k in keys), file=sys.stderr, flush=True)
@@ -365,7 +387,16 @@ def main(argv=None) -> int:
     ap.add_argument("--capacity", type=int, default=C, help="C, tokens per row (sim only)")
     ap.add_argument("--max-pixels", type=int, default=MAX_PIXELS,
                     help="the resizing rule's pixel budget per image (sim only)")
+    ap.add_argument("--lookahead", type=int, default=None,
+                    help="the lookahead planner's window W in steps (default: the loader's)")
+    ap.add_argument("--max-images-per-row", type=int, default=None)
+    ap.add_argument("--max-patches-per-row", type=int, default=None)
+    ap.add_argument("--packing-buffer", type=int, default=64,
+                    help="samples per packing buffer of the Energon-like baseline")
     args = ap.parse_args(argv)
+    extra = {k: v for k, v in (("lookahead", args.lookahead),
+                               ("max_images_per_row", args.max_images_per_row),
+                               ("max_patches_per_row", args.max_patches_per_row)) if v}
     if (args.capacity, args.max_pixels) != (C, MAX_PIXELS):
         if not args.no_loader:
             ap.error("--capacity and --max-pixels change the simulation only: add --no-loader")
@@ -380,11 +411,14 @@ def main(argv=None) -> int:
         base = token_baseline(corpus, R, args.seed)
         results.append(row("token_baseline", "sim", R, base, None))
         print_row(results[-1])
+        energon = energon_baseline(corpus, R, args.seed, args.packing_buffer)
+        results.append(row("energon_ffd", "sim", R, energon, base))
+        print_row(results[-1])
         for mode in modes:
             started = time.process_time()
-            res = simulate(corpus, R, mode, args.seed)
+            res = simulate(corpus, R, mode, args.seed, **extra)
             res["cpu_s"] = round(time.process_time() - started, 1)
-            results.append(row(mode, "sim", R, res, base))
+            results.append(row(mode, "sim", R, res, base, energon))
             print_row(results[-1])
     if not args.no_loader:
         corpus = make_corpus(args.loader_samples, args.seed + 7)
@@ -405,7 +439,8 @@ def main(argv=None) -> int:
                 print_row(results[-1])
     print(json.dumps({"corpora": corpora, "results": results,
                       "cost": {"cost_a": COST_A, "cost_b": COST_B, "encoder_cost_a": ENC_A,
-                               "encoder_cost_b": ENC_B}, "C": C, "M": M,
+                               "encoder_cost_b": ENC_B}, "C": C, "M": M, "options": extra,
+                      "packing_buffer": args.packing_buffer,
                       "max_pixels": MAX_PIXELS}))
     return 0
 

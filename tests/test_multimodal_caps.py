@@ -71,11 +71,14 @@ def test_enforce_moves_an_item_to_a_row_with_room_before_leaving_it_out():
     assert sorted(take.tolist()) == [0, 1, 2, 3]             # moved, none left out
     load = row_visual(c, take, rank, row, geometry)
     assert load[0, :, 0].tolist() == [6, 3]
-    # With no row that takes it, the item stays in its buffer (left out of this step).
-    take, *_ = enforce(c, np.arange(3), np.zeros(3, np.int32), np.zeros(3, np.int32),
-                       c.length[:3], Geometry(ranks=1, micro_batches=1, capacity=1000),
-                       RowCaps(images=6))
-    assert len(take) == 2
+    # With no row that takes it, the item stays in its buffer (left out of this step), and
+    # the row takes the text item of the window instead (the step stays as full).
+    one_row = Geometry(ranks=1, micro_batches=1, capacity=1000)
+    take, rank, row, length = enforce(c, np.arange(3), np.zeros(3, np.int32),
+                                      np.zeros(3, np.int32), c.length[:3], one_row,
+                                      RowCaps(images=6))
+    assert len(take) == 3 and 3 in take.tolist() and int(length.sum()) == 300
+    assert row_visual(c, take, rank, row, one_row)[0, 0, 0] == 6
 
 
 def test_the_caps_are_validated():

@@ -9,10 +9,13 @@ the caps, changing it only where a row is over one:
 1. rows over a cap give up items, the ones with the most of the capped quantity first, young
    before overdue (an item that waited `force_age` steps stays where it can), until the row
    obeys;
-2. each item given up goes to the row with the most room (tokens, images, patches) that takes
-   it, of its rank first, then any rank (first fit over rows sorted by their load);
+2. each item given up goes to a row of its rank that takes it (tokens, images, patches), else
+   to the least loaded rank's (under the planner's cost model): the plan's balance kept;
 3. an item no row takes stays in its buffer, offered again next step with age + 1, like any
-   item the plan leaves out.
+   item the plan leaves out;
+4. the rows then take, up to the tokens the caps took out, the windows' other whole items
+   (oldest first), each on the least loaded rank whose row takes it: the step stays about as
+   full as the plan made it.
 
 A row keeps at least its last item, and every single item obeys the caps (a sample that alone
 exceeds one is refused when it is read, `pipeline/images.py`), so a plan never goes empty. The
@@ -61,15 +64,18 @@ def row_visual(c: Candidates, take, rank, row, geometry: Geometry) -> np.ndarray
 
 
 def enforce(c: Candidates, take, rank, row, length, geometry: Geometry, caps: RowCaps,
-            force_age: Optional[int] = None):
+            force_age: Optional[int] = None, cost=None, eligible: Optional[np.ndarray] = None):
     """(take, rank, row, length) obeying `caps` (see the module): unchanged when no row is
-    over a cap."""
+    over a cap. `cost` (the planner's CostModel): moves and the refill go to the least loaded
+    rank that takes them (None: the row with the most room). `eligible` (bool per source): the
+    sources the refill may take from (None: all)."""
     take = np.asarray(take, np.int64)
     if not caps.active or take.size == 0 or (c.images is None and c.patches is None):
         return take, rank, row, length
     R, M, C = geometry.ranks, geometry.micro_batches, geometry.capacity
     limit = caps.limits()
-    visual = item_visual(c)[take].astype(np.float64)
+    all_visual = item_visual(c).astype(np.float64)
+    visual = all_visual[take]
     slot = np.asarray(rank, np.int64) * M + np.asarray(row, np.int64)
     load = np.stack([np.bincount(slot, visual[:, k], minlength=R * M) for k in range(2)], 1)
     over = np.flatnonzero((load > limit).any(axis=1))
@@ -77,6 +83,9 @@ def enforce(c: Candidates, take, rank, row, length, geometry: Geometry, caps: Ro
         return take, rank, row, length
     length = np.asarray(length, np.int64)
     tokens = np.bincount(slot, length, minlength=R * M).astype(np.int64)
+    weight = (cost.doc_cost(c.length) + c.extra_cost) if cost is not None else \
+        c.length.astype(np.float64)
+    rank_load = np.bincount(slot // M, weight[take], minlength=R).astype(np.float64)
     overdue = np.zeros(take.size, bool) if force_age is None else c.age[take] >= force_age
     # Share of each cap an item takes: the row gives up its largest shares first.
     share = np.where(np.isfinite(limit), visual / np.where(np.isfinite(limit), limit, 1), 0)
@@ -91,22 +100,60 @@ def enforce(c: Candidates, take, rank, row, length, geometry: Geometry, caps: Ro
             keep[i] = False
             load[s] -= visual[i]
             tokens[s] -= length[i]
+            rank_load[s // M] -= weight[take[i]]
             moved.append(i)
-    # Re-place what the over rows gave up: most overdue and largest first, into the row with
-    # the most token room that obeys every cap with it, its own rank first.
+    removed = int(length[~keep].sum())
+
+    def place(v, n, w, home: Optional[int]) -> int:
+        """The slot for an item of visual `v`, `n` tokens, cost `w`: a row of rank `home` that
+        takes it, else the least loaded rank's; -1: none takes it."""
+        fits = (tokens + n <= C) & ((load + v) <= limit).all(axis=1)
+        if not fits.any():
+            return -1
+        if home is not None and fits[home * M:(home + 1) * M].any():
+            pool = home * M + np.flatnonzero(fits[home * M:(home + 1) * M])
+        else:
+            pool = np.flatnonzero(fits)
+            pool = pool[rank_load[pool // M] == rank_load[pool // M].min()]
+        target = int(pool[np.argmin(tokens[pool])])
+        load[target] += v
+        tokens[target] += n
+        rank_load[target // M] += w
+        return target
+
+    # Re-place what the over rows gave up: overdue and largest first, in a row of the same
+    # rank when one takes it (the plan's balance kept), else on the least loaded rank.
     moved.sort(key=lambda i: (not overdue[i], -share[i].max(), -length[i], i))
     new_slot = slot.copy()
-    holder = c.rank[take].astype(np.int64)
     for i in moved:
-        fits = (tokens + length[i] <= C) & ((load + visual[i]) <= limit).all(axis=1)
-        if not fits.any():
-            continue
-        home = fits & (np.arange(R * M) // M == holder[i])
-        pool = np.flatnonzero(home) if home.any() else np.flatnonzero(fits)
-        target = int(pool[np.argmin(tokens[pool])])
-        keep[i] = True
-        new_slot[i] = target
-        load[target] += visual[i]
-        tokens[target] += length[i]
-    return (take[keep], (new_slot[keep] // M).astype(np.int32),
-            (new_slot[keep] % M).astype(np.int32), length[keep])
+        target = place(visual[i], length[i], weight[take[i]], int(slot[i]) // M)
+        if target >= 0:
+            keep[i] = True
+            new_slot[i] = target
+            removed -= int(length[i])
+    take, new_slot, length = take[keep], new_slot[keep], length[keep]
+    # Refill, up to the tokens the caps took out: the windows' other items in order (oldest
+    # first), whole, on the least loaded rank whose row takes them.
+    if removed > 0:
+        free = np.ones(len(c), bool)
+        free[take] = False
+        if eligible is not None:
+            free &= np.asarray(eligible, bool)[c.source]
+        free &= ~c.divisible
+        extra_take, extra_slot = [], []
+        for i in np.flatnonzero(free)[np.argsort(-c.age[free], kind="stable")].tolist():
+            if c.length[i] > removed:
+                continue
+            target = place(all_visual[i], int(c.length[i]), float(weight[i]), None)
+            if target < 0:
+                continue
+            extra_take.append(i)
+            extra_slot.append(target)
+            removed -= int(c.length[i])
+            if removed <= 0:
+                break
+        if extra_take:
+            take = np.concatenate([take, np.asarray(extra_take, np.int64)])
+            new_slot = np.concatenate([new_slot, np.asarray(extra_slot, np.int64)])
+            length = np.concatenate([length, c.length[extra_take]])
+    return (take, (new_slot // M).astype(np.int32), (new_slot % M).astype(np.int32), length)

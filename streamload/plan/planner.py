@@ -183,5 +183,5 @@ class Planner:
         # The caps per row last: every method plans by tokens and cost, then the rows over a
         # cap give up items (`caps.enforce`; a plan that obeys them is left as it is).
         take, rank, row, length = enforce(c, take, rank, row, length, self.geometry, self.caps,
-                                          self.force_age)
+                                          self.force_age, self.cost, eligible)
         return finish(c, take, rank, row, self.geometry, self.cost, length)
