@@ -32,7 +32,10 @@ Modes:
   * token_baseline: the samples shuffled, packed in order into rows of at most C tokens (a
               sample that does not fit starts the next row), rows dealt round-robin, M per
               rank per step (what a per-worker packer by token count gives; no cost model);
-              full steps only (the remainder is dropped, as long_context.py's baseline does).
+              full steps only (the remainder is dropped, as long_context.py's baseline does);
+  * energon_ffd: each rank packs its own shuffled stream by token count, first-fit
+              decreasing within packing buffers of --packing-buffer samples (an Energon
+              `select_samples_to_pack` greedy knapsack), M rows per rank per step.
 
 Efficiency = the perfectly balanced time for the same work / the actual time, summed over the
 epoch's steps: a step's bound is its work (encoder + backbone) over R ranks, its time the
@@ -40,11 +43,12 @@ slowest rank's encoder + backbone (benchmarks/long_context.py's definition at P 
 encoder_efficiency / backbone_efficiency: the same for each part alone (how evenly each part
 is spread), encoder_imbalance / backbone_imbalance: max/mean over ranks, averaged over steps.
 
-R=64 ("sim"): the loader's job model (`job.JobModel`: the planner, the head windows of
-`plan.windows`, the deal) driven on item lengths as the dry run drives it
-(`commands.dryrun.simulate`; the dry run itself reads no image corpus), each item's encoder
-cost handed to the planner through `Candidates.extra_cost` exactly as the loader's runtime does
-(`vision.hybrid.encoder_model` / `EncoderCost.sample_costs`). R=2, 4 ("loader"): real gloo ranks
+R=64 ("sim"): the dry run itself (`commands.dryrun.simulate`, what `streamload plan` runs),
+fed the corpus as its scan reads an image source: each sample's fused length and its images'
+patches (`SourceScan.image_patches`), in shards of SHARD_SAMPLES dealt as the loader deals
+them; the dry run hands each item's encoder cost to the planner as the loader's runtime does,
+keeps the caps per row (--max-images-per-row, --max-patches-per-row) and reports each step's
+encoder and backbone cost per rank. R=2, 4 ("loader"): real gloo ranks
 running `streamload.Loader` over a WebDataset of real JPEGs (flat colours, so decoding stays
 cheap on a loaded machine) of the same kind of corpus; costs measured from the delivered
 micro-batches (`cu_seqlens`, `image_grid`, `image_document`).
