@@ -81,6 +81,23 @@ def test_enforce_moves_an_item_to_a_row_with_room_before_leaving_it_out():
     assert row_visual(c, take, rank, row, one_row)[0, 0, 0] == 6
 
 
+@pytest.mark.core
+def test_summaries_carry_each_image_items_images_and_patches():
+    from streamload.collective.messages import SourceWindow, decode_summaries, encode_summary
+    ids = lambda n: np.stack([np.zeros(n), np.arange(n), np.full(n, -1)], 1).astype(np.int64)
+    text = SourceWindow(np.array([5, 6]), np.zeros(2, np.int64), ids(2), False)
+    pics = SourceWindow(np.array([7, 8, 9]), np.zeros(3, np.int64), ids(3), True,
+                        np.array([1.0, 0.0, 2.5]), np.array([[2, 0, 3], [40, 0, 96]]))
+    out = decode_summaries([encode_summary([text, pics]), encode_summary([text, pics])], 2)
+    c = out.candidates
+    assert c.images.tolist() == [0, 0, 0, 0, 2, 0, 3, 2, 0, 3]   # by source, then rank
+    assert c.patches.tolist() == [0, 0, 0, 0, 40, 0, 96, 40, 0, 96]
+    assert c.extra_cost.tolist()[4:7] == [1.0, 0.0, 2.5]
+    assert out.exhausted.tolist() == [[False, True], [False, True]]
+    plain = decode_summaries([encode_summary([text])], 1).candidates
+    assert plain.images is None and plain.patches is None   # a text job carries none
+
+
 def test_the_caps_are_validated():
     with pytest.raises(ConfigError, match="max_images_per_row"):
         sl.LoaderConfig(micro_batch_tokens=1024, max_images_per_row=0)
@@ -91,10 +108,10 @@ def test_the_caps_are_validated():
 CAPS = dict(max_images_per_row=5, max_patches_per_row=200)
 
 
-def capped_job(rank, world, root):
+def capped_job(rank, world, root, control_plane="all_gather"):
     with sl.Loader([sl.Source(root, name=SOURCE, images=options())], micro_batch_tokens=512,
                    micro_batches=2, epochs=1, seed=3, decode_images_in="threads",
-                   planner="balanced", **CAPS) as loader:
+                   planner="balanced", control_plane=control_plane, **CAPS) as loader:
         ids, rows = [], []
         for batch in loader:
             for mb in batch.micro_batches:
@@ -105,12 +122,13 @@ def capped_job(rank, world, root):
 
 
 @pytest.mark.timeout(240)
-def test_a_loaders_rows_obey_the_caps_and_every_sample_comes_once(tmp_path):
+@pytest.mark.parametrize("control_plane", ["all_gather", "gather"])
+def test_a_loaders_rows_obey_the_caps_and_every_sample_comes_once(tmp_path, control_plane):
     # 0-3 images per sample of up to 16 patches each (imagecorpus): rows of 512 tokens hold
     # up to ~8 samples, so uncapped rows go past 5 images (and 200 patches).
     write_tar(tmp_path / "part-0.tar", range(0, 40))
     write_tar(tmp_path / "part-1.tar", range(1000, 1040))
-    out = run_ranks(capped_job, 2, str(tmp_path))
+    out = run_ranks(capped_job, 2, str(tmp_path), control_plane)
     ids = out[0][0] + out[1][0]
     assert len(ids) == len(set(ids)) == 80
     rows = out[0][1] + out[1][1]
