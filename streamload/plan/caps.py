@@ -11,11 +11,20 @@ the caps, changing it only where a row is over one:
    obeys;
 2. each item given up goes to a row of its rank that takes it (tokens, images, patches), else
    to the least loaded rank's (under the planner's cost model): the plan's balance kept;
-3. an item no row takes stays in its buffer, offered again next step with age + 1, like any
-   item the plan leaves out;
-4. the rows then take, up to the tokens the caps took out, the windows' other whole items
+3. an overdue item no row takes as it is takes the place of young items: a row whose overdue
+   items leave room for it (its rank's, else the least loaded rank's) gives up young items,
+   largest share first, which are re-placed like the rest;
+4. a young item no row takes stays in its buffer, offered again next step with age + 1, like
+   any item the plan leaves out;
+5. the rows then take, up to the tokens the caps took out, the windows' other whole items
    (oldest first), each on the least loaded rank whose row takes it: the step stays about as
    full as the plan made it.
+
+The deferral bound under caps: an overdue item is left out only when every row's overdue items
+alone leave it no room (tokens, images or patches), i.e. when the step's overdue items do not
+pack into the rows under the caps; it is then offered next step, still overdue, and placed
+oldest first. In particular at most R*M overdue items per step (each within the caps, as every
+item is) always keep their place: one row at least holds no other overdue item.
 
 A row keeps at least its last item, and every single item obeys the caps (a sample that alone
 exceeds one is refused when it is read, `pipeline/images.py`), so a plan never goes empty. The
@@ -121,9 +130,49 @@ def enforce(c: Candidates, take, rank, row, length, geometry: Geometry, caps: Ro
         rank_load[target // M] += w
         return target
 
-    # Re-place what the over rows gave up: overdue and largest first, in a row of the same
-    # rank when one takes it (the plan's balance kept), else on the least loaded rank.
-    moved.sort(key=lambda i: (not overdue[i], -share[i].max(), -length[i], i))
+    def evict_for(i: int, home: int) -> Optional[tuple]:
+        """Make a row take overdue item i by giving up young items (largest share first): the
+        row of rank `home`, else of the least loaded rank, that needs the fewest tokens out.
+        Returns (the row, the items given up), the row's load updated for i too, or None when
+        no row's overdue items leave room for i."""
+        held = keep & (np.arange(take.size) != i)
+        fixed = held & overdue
+        fixed_load = np.stack([np.bincount(new_slot[fixed], visual[fixed, k], minlength=R * M)
+                               for k in range(2)], 1)
+        fixed_tokens = np.bincount(new_slot[fixed], length[fixed], minlength=R * M)
+        room = (fixed_tokens + length[i] <= C) & ((fixed_load + visual[i]) <= limit).all(axis=1)
+        if not room.any():
+            return None
+        slots = np.flatnonzero(room)
+        at_home = slots[slots // M == home]
+        if at_home.size:
+            slots = at_home
+        else:
+            slots = slots[rank_load[slots // M] == rank_load[slots // M].min()]
+        need = np.maximum(tokens[slots] + length[i] - C, 0)
+        target = int(slots[np.argmin(need)])
+        young = np.flatnonzero(held & ~overdue & (new_slot == target))
+        young = young[np.lexsort((-length[young], -share[young].max(axis=1)))]
+        out = []
+        for j in young.tolist():
+            if tokens[target] + length[i] <= C and (load[target] + visual[i] <= limit).all():
+                break
+            keep[j] = False
+            load[target] -= visual[j]
+            tokens[target] -= length[j]
+            rank_load[target // M] -= weight[take[j]]
+            out.append(j)
+        load[target] += visual[i]
+        tokens[target] += length[i]
+        rank_load[target // M] += weight[take[i]]
+        return target, out
+
+    # Re-place what the over rows gave up: overdue (oldest first) and largest first, in a row
+    # of the same rank when one takes it (the plan's balance kept), else on the least loaded
+    # rank.
+    age = c.age[take]
+    moved.sort(key=lambda i: (not overdue[i], -int(age[i]) if overdue[i] else 0,
+                              -share[i].max(), -length[i], i))
     new_slot = slot.copy()
     for i in moved:
         target = place(visual[i], length[i], weight[take[i]], int(slot[i]) // M)
@@ -131,6 +180,23 @@ def enforce(c: Candidates, take, rank, row, length, geometry: Geometry, caps: Ro
             keep[i] = True
             new_slot[i] = target
             removed -= int(length[i])
+        elif overdue[i]:
+            # No row takes an overdue item as it is: a row gives up young items for it (the
+            # deferral bound kept), and they go where a row takes them, else back to their
+            # buffer. Only when every row's overdue items leave no room does it wait a step.
+            made = evict_for(i, int(slot[i]) // M)
+            if made is None:
+                continue
+            keep[i] = True
+            new_slot[i], evicted = made
+            removed -= int(length[i])
+            for j in evicted:
+                target = place(visual[j], length[j], weight[take[j]], None)
+                if target >= 0:
+                    keep[j] = True
+                    new_slot[j] = target
+                else:
+                    removed += int(length[j])
     take, new_slot, length = take[keep], new_slot[keep], length[keep]
     # Refill, up to the tokens the caps took out: the windows' other items in order (oldest
     # first), whole, on the least loaded rank whose row takes them.
