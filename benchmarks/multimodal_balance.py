@@ -23,7 +23,12 @@ pixels: up to 4096 patches, 1024 visual tokens per image); text of 10 to 6,000 t
 (log-uniform), cut so a sample fits one row of C tokens. The encoder's share of the compute and
 the images' share (encoder plus their visual tokens in the backbone) are reported.
 
-Geometry: rows of C = 16384 tokens, M = 2 micro-batches per rank, one epoch.
+--corpus documents: pages and screenshots (A4 / letter scans, desktop and phone screenshots,
+slides, charts: DOC_SIZES), 1-4 per sample (15% with none), under a ~2 MP Qwen2-VL rule
+(max_pixels = 2560 x 28^2), text of 10 to 2,000 tokens: the encoder carries 38% of the compute
+(the photos corpus: 25%), the images (encoder plus their visual tokens) 95%.
+
+Geometry: rows of C = 16384 tokens, M = 2 micro-batches per rank (--micro-batches), one epoch.
 
 Modes:
   * hybrid:   the loader's default for image sources (`image_cost="hybrid"`): the encoder's
@@ -40,6 +45,11 @@ Modes:
 Efficiency = the perfectly balanced time for the same work / the actual time, summed over the
 epoch's steps: a step's bound is its work (encoder + backbone) over R ranks, its time the
 slowest rank's encoder + backbone (benchmarks/long_context.py's definition at P = 1).
+The epoch's last step, the same rule as benchmarks/long_context.py: the loader's planners
+(hybrid, backbone) are scored over every step they plan, the last, partial one included (it
+holds what is left); the baselines pack full steps only and drop the remainder (a part-empty
+last step would count against them). `efficiency_but_last` scores the planners without their
+last step, for reference (long_context.py reports `fill_but_last` alike).
 encoder_efficiency / backbone_efficiency: the same for each part alone (how evenly each part
 is spread), encoder_imbalance / backbone_imbalance: max/mean over ranks, averaged over steps.
 
@@ -80,6 +90,17 @@ COST_A, COST_B = 1.0 / 49152, 1.0
 ENC_A, ENC_B = 12.0 * 32 * 1280 / 42e9, 3.6e9 / 42e9
 SIZES = [(320, 240), (640, 480), (800, 600), (1024, 768), (1280, 720), (1920, 1080),
          (480, 640), (768, 1024), (1080, 1920), (1600, 400), (2048, 512)]
+# --corpus documents: pages and screenshots (A4 / letter scans at 150-300 dpi, desktop and
+# phone screenshots, slides, charts), 1-4 per sample (15% with none), under a ~2 MP rule
+# (Qwen2-VL max_pixels = 2560 x 28^2: up to 10,240 patches, 2,560 visual tokens per image),
+# text of 10 to 2,000 tokens (questions, answers, OCR snippets).
+DOC_SIZES = [(1240, 1754), (1275, 1650), (1654, 2339), (2480, 3508), (1280, 800), (1366, 768),
+             (1920, 1080), (2560, 1440), (1170, 2532), (1080, 2400), (1024, 768), (800, 600)]
+CORPORA = {
+    # name: (sizes, images per sample 1..k, share with none, text_max, max_pixels)
+    "photos": (SIZES, 8, 0.25, 6000, 1024 * 28 * 28),
+    "documents": (DOC_SIZES, 4, 0.15, 2000, 2560 * 28 * 28),
+}
 IMAGE_ID, BEGIN_ID, END_ID = 300, 301, 302
 
 
@@ -97,13 +118,14 @@ class Corpus:
     fused: np.ndarray           # int64 [n] fused length (text + visual tokens + markers)
 
 
-def make_corpus(n: int, seed: int = 0, text_max: int = 6000) -> Corpus:
+def make_corpus(n: int, seed: int = 0, kind: str = "photos") -> Corpus:
+    table, most, none, text_max, _ = CORPORA[kind]
     rng = np.random.default_rng(seed)
     opts = images_options()
     text, sizes, patches, fused = [], [], [], []
     for _ in range(n):
-        k = 0 if rng.random() < 0.25 else int(rng.integers(1, 9))
-        wh = [SIZES[int(rng.integers(len(SIZES)))] for _ in range(k)]
+        k = 0 if rng.random() < none else int(rng.integers(1, most + 1))
+        wh = [table[int(rng.integers(len(table)))] for _ in range(k)]
         placed = [opts.place(h, w) for w, h in wh]
         visual = sum(p.tokens + 2 for p in placed)   # + the begin and end markers
         t = int(np.exp(rng.uniform(np.log(10), np.log(text_max))))
@@ -247,6 +269,13 @@ def simulate(corpus: Corpus, R: int, mode: str, seed: int = 0, **options) -> dic
     from streamload.commands.dryrun import SourceScan
     from streamload.commands.dryrun import simulate as dry_run
     from streamload.configfile import LoaderSpec
+    # The scan refuses a sample that alone exceeds a cap per row (the loader does too); this
+    # corpus skips the scan, so it refuses the caps instead.
+    for cap, per_sample in (("max_images_per_row", max(map(len, corpus.patches))),
+                            ("max_patches_per_row", max(map(sum, corpus.patches)))):
+        if options.get(cap) is not None and per_sample > options[cap]:
+            raise SystemExit(f"{cap}={options[cap]}: a sample of this corpus alone holds "
+                             f"{per_sample} (the loader would refuse it); raise the cap")
     spec = LoaderSpec("multimodal", [sl.Source("/bench/mm/", name="mm",
                                                images=images_options())],
                       {**loader_options(mode, seed), **options})
@@ -378,7 +407,7 @@ def print_row(r: dict) -> None:
 
 
 def main(argv=None) -> int:
-    global C, MAX_PIXELS
+    global C, M, MAX_PIXELS
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--sim-ranks", default="64")
     ap.add_argument("--sim-steps", type=int, default=32,
@@ -397,20 +426,30 @@ def main(argv=None) -> int:
     ap.add_argument("--max-patches-per-row", type=int, default=None)
     ap.add_argument("--packing-buffer", type=int, default=64,
                     help="samples per packing buffer of the Energon-like baseline")
+    ap.add_argument("--micro-batches", type=int, default=M,
+                    help="M, rows per rank per step (sim only)")
+    ap.add_argument("--corpus", choices=sorted(CORPORA), default="photos",
+                    help="photos: the default corpus; documents: pages and screenshots under "
+                         "a ~2 MP rule (sim only; its own max pixels unless --max-pixels)")
     args = ap.parse_args(argv)
+    corpus_pixels = CORPORA[args.corpus][4]
+    if args.corpus != "photos" and args.max_pixels == MAX_PIXELS:
+        args.max_pixels = corpus_pixels
     extra = {k: v for k, v in (("lookahead", args.lookahead),
                                ("max_images_per_row", args.max_images_per_row),
                                ("max_patches_per_row", args.max_patches_per_row)) if v}
-    if (args.capacity, args.max_pixels) != (C, MAX_PIXELS):
+    if (args.capacity, args.max_pixels, args.micro_batches, args.corpus) != \
+            (C, MAX_PIXELS, M, "photos"):
         if not args.no_loader:
-            ap.error("--capacity and --max-pixels change the simulation only: add --no-loader")
-        C, MAX_PIXELS = args.capacity, args.max_pixels
+            ap.error("--capacity, --max-pixels, --micro-batches and --corpus change the "
+                     "simulation only: add --no-loader")
+        C, MAX_PIXELS, M = args.capacity, args.max_pixels, args.micro_batches
     results, corpora = [], {}
     modes = ("hybrid", "backbone")
     for R in [int(x) for x in args.sim_ranks.split(",") if x]:
-        mean_fused = make_corpus(2000, args.seed).fused.mean()
+        mean_fused = make_corpus(2000, args.seed, args.corpus).fused.mean()
         n = int(args.sim_steps * R * M * C / mean_fused)
-        corpus = make_corpus(n, args.seed)
+        corpus = make_corpus(n, args.seed, args.corpus)
         corpora[f"sim_R{R}"] = shares(corpus)
         base = token_baseline(corpus, R, args.seed)
         results.append(row("token_baseline", "sim", R, base, None))
@@ -444,7 +483,7 @@ def main(argv=None) -> int:
     print(json.dumps({"corpora": corpora, "results": results,
                       "cost": {"cost_a": COST_A, "cost_b": COST_B, "encoder_cost_a": ENC_A,
                                "encoder_cost_b": ENC_B}, "C": C, "M": M, "options": extra,
-                      "packing_buffer": args.packing_buffer,
+                      "packing_buffer": args.packing_buffer, "corpus": args.corpus,
                       "max_pixels": MAX_PIXELS}))
     return 0
 
