@@ -23,7 +23,12 @@ pixels: up to 4096 patches, 1024 visual tokens per image); text of 10 to 6,000 t
 (log-uniform), cut so a sample fits one row of C tokens. The encoder's share of the compute and
 the images' share (encoder plus their visual tokens in the backbone) are reported.
 
-Geometry: rows of C = 16384 tokens, M = 2 micro-batches per rank, one epoch.
+--corpus documents: pages and screenshots (A4 / letter scans, desktop and phone screenshots,
+slides, charts: DOC_SIZES), 1-4 per sample (15% with none), under a ~2 MP Qwen2-VL rule
+(max_pixels = 2560 x 28^2), text of 10 to 2,000 tokens: the encoder carries 38% of the compute
+(the photos corpus: 25%), the images (encoder plus their visual tokens) 95%.
+
+Geometry: rows of C = 16384 tokens, M = 2 micro-batches per rank (--micro-batches), one epoch.
 
 Modes:
   * hybrid:   the loader's default for image sources (`image_cost="hybrid"`): the encoder's
@@ -32,19 +37,28 @@ Modes:
   * token_baseline: the samples shuffled, packed in order into rows of at most C tokens (a
               sample that does not fit starts the next row), rows dealt round-robin, M per
               rank per step (what a per-worker packer by token count gives; no cost model);
-              full steps only (the remainder is dropped, as long_context.py's baseline does).
+              full steps only (the remainder is dropped, as long_context.py's baseline does);
+  * energon_ffd: each rank packs its own shuffled stream by token count, first-fit
+              decreasing within packing buffers of --packing-buffer samples (an Energon
+              `select_samples_to_pack` greedy knapsack), M rows per rank per step.
 
 Efficiency = the perfectly balanced time for the same work / the actual time, summed over the
 epoch's steps: a step's bound is its work (encoder + backbone) over R ranks, its time the
 slowest rank's encoder + backbone (benchmarks/long_context.py's definition at P = 1).
+The epoch's last step, the same rule as benchmarks/long_context.py: the loader's planners
+(hybrid, backbone) are scored over every step they plan, the last, partial one included (it
+holds what is left); the baselines pack full steps only and drop the remainder (a part-empty
+last step would count against them). `efficiency_but_last` scores the planners without their
+last step, for reference (long_context.py reports `fill_but_last` alike).
 encoder_efficiency / backbone_efficiency: the same for each part alone (how evenly each part
 is spread), encoder_imbalance / backbone_imbalance: max/mean over ranks, averaged over steps.
 
-R=64 ("sim"): the loader's job model (`job.JobModel`: the planner, the head windows of
-`plan.windows`, the deal) driven on item lengths as the dry run drives it
-(`commands.dryrun.simulate`; the dry run itself reads no image corpus), each item's encoder
-cost handed to the planner through `Candidates.extra_cost` exactly as the loader's runtime does
-(`vision.hybrid.encoder_model` / `EncoderCost.sample_costs`). R=2, 4 ("loader"): real gloo ranks
+R=64 ("sim"): the dry run itself (`commands.dryrun.simulate`, what `streamload plan` runs),
+fed the corpus as its scan reads an image source: each sample's fused length and its images'
+patches (`SourceScan.image_patches`), in shards of SHARD_SAMPLES dealt as the loader deals
+them; the dry run hands each item's encoder cost to the planner as the loader's runtime does,
+keeps the caps per row (--max-images-per-row, --max-patches-per-row) and reports each step's
+encoder and backbone cost per rank. R=2, 4 ("loader"): real gloo ranks
 running `streamload.Loader` over a WebDataset of real JPEGs (flat colours, so decoding stays
 cheap on a loaded machine) of the same kind of corpus; costs measured from the delivered
 micro-batches (`cu_seqlens`, `image_grid`, `image_document`).
@@ -76,6 +90,17 @@ COST_A, COST_B = 1.0 / 49152, 1.0
 ENC_A, ENC_B = 12.0 * 32 * 1280 / 42e9, 3.6e9 / 42e9
 SIZES = [(320, 240), (640, 480), (800, 600), (1024, 768), (1280, 720), (1920, 1080),
          (480, 640), (768, 1024), (1080, 1920), (1600, 400), (2048, 512)]
+# --corpus documents: pages and screenshots (A4 / letter scans at 150-300 dpi, desktop and
+# phone screenshots, slides, charts), 1-4 per sample (15% with none), under a ~2 MP rule
+# (Qwen2-VL max_pixels = 2560 x 28^2: up to 10,240 patches, 2,560 visual tokens per image),
+# text of 10 to 2,000 tokens (questions, answers, OCR snippets).
+DOC_SIZES = [(1240, 1754), (1275, 1650), (1654, 2339), (2480, 3508), (1280, 800), (1366, 768),
+             (1920, 1080), (2560, 1440), (1170, 2532), (1080, 2400), (1024, 768), (800, 600)]
+CORPORA = {
+    # name: (sizes, images per sample 1..k, share with none, text_max, max_pixels)
+    "photos": (SIZES, 8, 0.25, 6000, 1024 * 28 * 28),
+    "documents": (DOC_SIZES, 4, 0.15, 2000, 2560 * 28 * 28),
+}
 IMAGE_ID, BEGIN_ID, END_ID = 300, 301, 302
 
 
@@ -93,13 +118,14 @@ class Corpus:
     fused: np.ndarray           # int64 [n] fused length (text + visual tokens + markers)
 
 
-def make_corpus(n: int, seed: int = 0, text_max: int = 6000) -> Corpus:
+def make_corpus(n: int, seed: int = 0, kind: str = "photos") -> Corpus:
+    table, most, none, text_max, _ = CORPORA[kind]
     rng = np.random.default_rng(seed)
     opts = images_options()
     text, sizes, patches, fused = [], [], [], []
     for _ in range(n):
-        k = 0 if rng.random() < 0.25 else int(rng.integers(1, 9))
-        wh = [SIZES[int(rng.integers(len(SIZES)))] for _ in range(k)]
+        k = 0 if rng.random() < none else int(rng.integers(1, most + 1))
+        wh = [table[int(rng.integers(len(table)))] for _ in range(k)]
         placed = [opts.place(h, w) for w, h in wh]
         visual = sum(p.tokens + 2 for p in placed)   # + the begin and end markers
         t = int(np.exp(rng.uniform(np.log(10), np.log(text_max))))
@@ -180,6 +206,50 @@ def token_baseline(corpus: Corpus, R: int, seed: int) -> dict:
     return {**score(enc, bb), "fill": round(fill, 4), "samples": int(keep.sum())}
 
 
+def energon_baseline(corpus: Corpus, R: int, seed: int, buffer: int = 64) -> dict:
+    """What a Megatron-Energon user gets: each DP rank reads its own samples (a shuffled
+    stream per rank) and packs them by token count only, in packing buffers of `buffer`
+    samples, first-fit decreasing into rows of at most C tokens (the greedy knapsack of
+    Megatron-LM's multimodal example's `select_samples_to_pack`); a rank takes its next M rows
+    per step. Full steps only: the epoch ends with the rank that runs out first."""
+    backbone, encoder = sample_costs(corpus)
+    order = np.random.default_rng(seed + 1).permutation(corpus.fused.size)
+    per_rank_rows = []
+    for r in range(R):
+        mine = order[r::R]
+        rows = []   # (encoder, backbone, tokens, samples) per row, in order
+        for at in range(0, mine.size, buffer):
+            chunk = mine[at:at + buffer]
+            chunk = chunk[np.argsort(-corpus.fused[chunk], kind="stable")]
+            room, enc, bb, tok, count = [], [], [], [], []
+            for i in chunk.tolist():
+                length = int(corpus.fused[i])
+                k = next((j for j, left in enumerate(room) if left >= length), None)
+                if k is None:
+                    room.append(C)
+                    enc.append(0.0)
+                    bb.append(0.0)
+                    tok.append(0)
+                    count.append(0)
+                    k = len(room) - 1
+                room[k] -= length
+                enc[k] += float(encoder[i])
+                bb[k] += float(backbone[i])
+                tok[k] += length
+                count[k] += 1
+            rows += list(zip(enc, bb, tok, count))
+        per_rank_rows.append(rows)
+    steps = max(min(len(rows) for rows in per_rank_rows) // M, 1)
+    enc = np.array([[sum(row[0] for row in rows[t * M:(t + 1) * M]) for rows in per_rank_rows]
+                    for t in range(steps)])
+    bb = np.array([[sum(row[1] for row in rows[t * M:(t + 1) * M]) for rows in per_rank_rows]
+                   for t in range(steps)])
+    tokens = sum(row[2] for rows in per_rank_rows for row in rows[:steps * M])
+    samples = sum(row[3] for rows in per_rank_rows for row in rows[:steps * M])
+    return {**score(enc, bb), "fill": round(tokens / (steps * R * M * C), 4),
+            "samples": int(samples)}
+
+
 # -- R=64: the job model on item lengths, with the encoder cost as the loader hands it ------
 def loader_options(mode: str, seed: int = 0) -> dict:
     return dict(micro_batch_tokens=C, micro_batches=M, cost_a=COST_A, cost_b=COST_B,
@@ -187,67 +257,48 @@ def loader_options(mode: str, seed: int = 0) -> dict:
                 seed=seed)
 
 
-def simulate(corpus: Corpus, R: int, mode: str, seed: int = 0) -> dict:
+SHARD_SAMPLES = 64   # samples per (virtual) shard of the simulated source
+
+
+def simulate(corpus: Corpus, R: int, mode: str, seed: int = 0, **options) -> dict:
+    """The dry run itself (`commands.dryrun.simulate`, what `streamload plan` runs) on the
+    corpus as its scan would read it: each sample's fused length and its images' patches
+    (`SourceScan.image_patches`), in shards of SHARD_SAMPLES dealt to ranks as the loader deals
+    them. Each step's encoder and backbone cost per rank come from its report."""
     import streamload as sl
+    from streamload.commands.dryrun import SourceScan
+    from streamload.commands.dryrun import simulate as dry_run
     from streamload.configfile import LoaderSpec
-    from streamload.job import JobModel
-    from streamload.plan.windows import Block, ItemQueue, Windows
-    from streamload.vision.hybrid import encoder_model
-    spec = LoaderSpec("multimodal", [sl.Source("/bench/mm/", name="mm")],
-                      loader_options(mode, seed))
-    config = spec.config()
-    backbone, encoder = sample_costs(corpus)
-    model = encoder_model(config)   # what the runtime adds for an image source (None: backbone)
-    extra = (model.sample_costs(corpus.patches) if model is not None
-             else np.zeros(corpus.fused.size))
-    order = np.random.default_rng(seed + 1).permutation(corpus.fused.size)
-    dealt = [order[r::R] for r in range(R)]
-    job = JobModel.build(config, spec.sources, None, R, track=False)
-    job.listed([[""] * R])
-
-    def feed(r):
-        done = [False]
-
-        def f():
-            if done[0]:
-                return None
-            done[0] = True
-            idx = dealt[r]
-            ids = np.stack([np.zeros(idx.size, np.int64), idx.astype(np.int64),
-                            np.full(idx.size, -1, np.int64)], axis=1)
-            return Block.of(corpus.fused[idx], ids)
-        return f
-    windows = Windows([[ItemQueue(feed(r))] for r in range(R)])
-    job.start(windows.holding())
-    enc_steps, bb_steps, fills, plan_s = [], [], [], []
-    taken_total = 0
-    while True:
-        offer = windows.offer(job.window_tokens())
-        sample = offer.ids[:, 1]
-        c = dataclasses.replace(offer.candidates, extra_cost=extra[sample].astype(np.float64))
-        step = job.begin(c, offer.exhausted)
-        if step.outcome != "continue" or len(c) == 0:
-            break
-        started = time.process_time()
-        a = job.assign(step)
-        plan_s.append(time.process_time() - started)
-        take = np.asarray(a.take, np.int64)
-        if take.size == 0:
-            break
-        job.commit(step, take, a.length, offer.ids)
-        windows.commit(offer, take, a.length, step.index)
-        items = sample[take]
-        if not np.array_equal(np.asarray(a.length), corpus.fused[items]):
-            raise AssertionError("an image sample was cut")
-        rank = np.asarray(a.rank, np.int64)
-        enc_steps.append(np.bincount(rank, weights=encoder[items], minlength=R))
-        bb_steps.append(np.bincount(rank, weights=backbone[items], minlength=R))
-        fills.append(float(corpus.fused[items].sum()) / (R * M * C))
-        taken_total += take.size
-    res = score(np.array(enc_steps), np.array(bb_steps))
-    res.update({"fill": round(float(np.mean(fills)), 4), "samples": int(taken_total),
-                "all_samples_once": bool(taken_total == corpus.fused.size),
-                "plan_ms_mean": round(1e3 * float(np.mean(plan_s)), 2)})
+    # The scan refuses a sample that alone exceeds a cap per row (the loader does too); this
+    # corpus skips the scan, so it refuses the caps instead.
+    for cap, per_sample in (("max_images_per_row", max(map(len, corpus.patches))),
+                            ("max_patches_per_row", max(map(sum, corpus.patches)))):
+        if options.get(cap) is not None and per_sample > options[cap]:
+            raise SystemExit(f"{cap}={options[cap]}: a sample of this corpus alone holds "
+                             f"{per_sample} (the loader would refuse it); raise the cap")
+    spec = LoaderSpec("multimodal", [sl.Source("/bench/mm/", name="mm",
+                                               images=images_options())],
+                      {**loader_options(mode, seed), **options})
+    n = corpus.fused.size
+    shard_items = np.diff(np.append(np.arange(0, n, SHARD_SAMPLES), n))
+    scan = SourceScan("mm", "webdataset", "scan", corpus.fused.astype(np.int64),
+                      shard_items.astype(np.int64), shards=shard_items.size,
+                      shards_read=shard_items.size, documents=n,
+                      image_patches=[tuple(p) for p in corpus.patches])
+    started = time.process_time()
+    reports = dry_run(spec, [scan], steps=10 ** 6, ranks=R)
+    cpu = time.process_time() - started
+    enc = np.array([r.encoder_cost for r in reports])
+    bb = np.array([r.backbone_cost for r in reports])
+    taken = int(sum(int(r.samples.sum()) for r in reports))
+    res = score(enc, bb)
+    res.update({"fill": round(float(np.mean([r.fill for r in reports])), 4), "samples": taken,
+                "all_samples_once": taken == n,
+                "row_images_max": int(max(r.row_visual[..., 0].max() for r in reports)),
+                "row_patches_max": int(max(r.row_visual[..., 1].max() for r in reports)),
+                "plan_ms_mean": round(1e3 * float(np.mean([r.plan_seconds for r in reports])),
+                                      2),
+                "sim_cpu_s": round(cpu, 1)})
     return res
 
 
@@ -335,24 +386,28 @@ def loader_run(root: Path, corpus: Corpus, R: int, mode: str, seed: int = 0) -> 
     return res
 
 
-def row(mode: str, where: str, R: int, res: dict, base: dict | None) -> dict:
+def row(mode: str, where: str, R: int, res: dict, base: dict | None,
+        energon: dict | None = None) -> dict:
     out = {"mode": where, "ranks": R, "balancing": mode, **res}
     out["speedup_vs_token_baseline"] = round(res["efficiency"] / base["efficiency"], 4) \
         if base else 1.0
+    if energon is not None:
+        out["speedup_vs_energon_ffd"] = round(res["efficiency"] / energon["efficiency"], 4)
     out.pop("time", None)
     out.pop("work", None)
     return out
 
 
 def print_row(r: dict) -> None:
-    keys = ("efficiency", "speedup_vs_token_baseline", "encoder_efficiency",
+    keys = ("efficiency", "speedup_vs_token_baseline", "speedup_vs_energon_ffd",
+            "encoder_efficiency",
             "backbone_efficiency", "encoder_imbalance", "backbone_imbalance", "fill", "steps")
     print(f"{r['mode']:>6} R={r['ranks']:<4} {r['balancing']:>14} " +
           " ".join(f"{k}={r.get(k)}" for k in keys), file=sys.stderr, flush=True)
 
 
 def main(argv=None) -> int:
-    global C, MAX_PIXELS
+    global C, M, MAX_PIXELS
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--sim-ranks", default="64")
     ap.add_argument("--sim-steps", type=int, default=32,
@@ -365,26 +420,48 @@ def main(argv=None) -> int:
     ap.add_argument("--capacity", type=int, default=C, help="C, tokens per row (sim only)")
     ap.add_argument("--max-pixels", type=int, default=MAX_PIXELS,
                     help="the resizing rule's pixel budget per image (sim only)")
+    ap.add_argument("--lookahead", type=int, default=None,
+                    help="the lookahead planner's window W in steps (default: the loader's)")
+    ap.add_argument("--max-images-per-row", type=int, default=None)
+    ap.add_argument("--max-patches-per-row", type=int, default=None)
+    ap.add_argument("--packing-buffer", type=int, default=64,
+                    help="samples per packing buffer of the Energon-like baseline")
+    ap.add_argument("--micro-batches", type=int, default=M,
+                    help="M, rows per rank per step (sim only)")
+    ap.add_argument("--corpus", choices=sorted(CORPORA), default="photos",
+                    help="photos: the default corpus; documents: pages and screenshots under "
+                         "a ~2 MP rule (sim only; its own max pixels unless --max-pixels)")
     args = ap.parse_args(argv)
-    if (args.capacity, args.max_pixels) != (C, MAX_PIXELS):
+    corpus_pixels = CORPORA[args.corpus][4]
+    if args.corpus != "photos" and args.max_pixels == MAX_PIXELS:
+        args.max_pixels = corpus_pixels
+    extra = {k: v for k, v in (("lookahead", args.lookahead),
+                               ("max_images_per_row", args.max_images_per_row),
+                               ("max_patches_per_row", args.max_patches_per_row)) if v}
+    if (args.capacity, args.max_pixels, args.micro_batches, args.corpus) != \
+            (C, MAX_PIXELS, M, "photos"):
         if not args.no_loader:
-            ap.error("--capacity and --max-pixels change the simulation only: add --no-loader")
-        C, MAX_PIXELS = args.capacity, args.max_pixels
+            ap.error("--capacity, --max-pixels, --micro-batches and --corpus change the "
+                     "simulation only: add --no-loader")
+        C, MAX_PIXELS, M = args.capacity, args.max_pixels, args.micro_batches
     results, corpora = [], {}
     modes = ("hybrid", "backbone")
     for R in [int(x) for x in args.sim_ranks.split(",") if x]:
-        mean_fused = make_corpus(2000, args.seed).fused.mean()
+        mean_fused = make_corpus(2000, args.seed, args.corpus).fused.mean()
         n = int(args.sim_steps * R * M * C / mean_fused)
-        corpus = make_corpus(n, args.seed)
+        corpus = make_corpus(n, args.seed, args.corpus)
         corpora[f"sim_R{R}"] = shares(corpus)
         base = token_baseline(corpus, R, args.seed)
         results.append(row("token_baseline", "sim", R, base, None))
         print_row(results[-1])
+        energon = energon_baseline(corpus, R, args.seed, args.packing_buffer)
+        results.append(row("energon_ffd", "sim", R, energon, base))
+        print_row(results[-1])
         for mode in modes:
             started = time.process_time()
-            res = simulate(corpus, R, mode, args.seed)
+            res = simulate(corpus, R, mode, args.seed, **extra)
             res["cpu_s"] = round(time.process_time() - started, 1)
-            results.append(row(mode, "sim", R, res, base))
+            results.append(row(mode, "sim", R, res, base, energon))
             print_row(results[-1])
     if not args.no_loader:
         corpus = make_corpus(args.loader_samples, args.seed + 7)
@@ -405,7 +482,8 @@ def main(argv=None) -> int:
                 print_row(results[-1])
     print(json.dumps({"corpora": corpora, "results": results,
                       "cost": {"cost_a": COST_A, "cost_b": COST_B, "encoder_cost_a": ENC_A,
-                               "encoder_cost_b": ENC_B}, "C": C, "M": M,
+                               "encoder_cost_b": ENC_B}, "C": C, "M": M, "options": extra,
+                      "packing_buffer": args.packing_buffer, "corpus": args.corpus,
                       "max_pixels": MAX_PIXELS}))
     return 0
 

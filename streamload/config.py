@@ -200,6 +200,12 @@ class LoaderConfig(msgspec.Struct, kw_only=True):
     # The default coefficients: a ViT-600M-like encoder (32 layers, width 1280, bidirectional)
     # against a 7B-like backbone at cost_b = 1 (`vision.cost.EncoderCost.relative_to`).
     image_cost: Literal["hybrid", "backbone"] = "hybrid"
+    # Caps per row on what it feeds the vision encoder (OmniBal's caps per packed group):
+    # at most this many images and encoder patches in any micro-batch row. None: no cap (a
+    # row's tokens are capped at micro_batch_tokens anyway). The planner obeys them
+    # (`plan/caps.py`); a sample that alone exceeds one is a record error naming it.
+    max_images_per_row: Optional[int] = None
+    max_patches_per_row: Optional[int] = None
     encoder_cost_a: float = 12.0 * 32 * 1280 / 42e9
     encoder_cost_b: float = 3.6e9 / 42e9
 
@@ -224,7 +230,8 @@ class LoaderConfig(msgspec.Struct, kw_only=True):
                     "tokenizer_processes", "image_workers"):
             positive_int(key)
         for key in ("epochs", "max_deferral", "memory_budget", "buffer_tokens",
-                    "pipeline_stages", "state_every"):
+                    "pipeline_stages", "state_every", "max_images_per_row",
+                    "max_patches_per_row"):
             if getattr(self, key) is not None:
                 positive_int(key)
         if self.buffer_tokens is not None and self.buffer_tokens < self.micro_batch_tokens:

@@ -19,11 +19,13 @@ from .batch import Batch, MicroBatch
 from .collective.comm import Comm
 from .collective.exchange import exchange_tokens
 from .collective.messages import PlanMessage, StepTotals, Summaries, step_totals
+from .formats.base import Problems
 from .metrics import SourceMetrics, StepMetrics
 from .mixreport import StepMix
 from .pipeline.buffer import SourceBuffer
 from .pipeline.image_batches import ImageBatches
 from .pipeline.recycle import ArrayRecycler
+from .pipeline.skips import SkipLedger
 from .plan.cost import CostModel
 from .plan.packing import pack_rows, row_memory_words, split_row_memory
 from .plan.types import Geometry
@@ -36,11 +38,14 @@ class Delivery:
     def __init__(self, comm: Comm, geometry: Geometry, cost: CostModel, source_names: Sequence[str],
                  source_metrics: Sequence[SourceMetrics], step_metrics: StepMetrics,
                  batches_held: int, *, pad_to: Optional[str] = None, pad_token_id: int = 0,
-                 encoder_sources: Optional[np.ndarray] = None):
+                 encoder_sources: Optional[np.ndarray] = None, on_error: str = "raise",
+                 skip_ledgers: Optional[Sequence[Optional[SkipLedger]]] = None):
         """`batches_held`: packed steps alive at once (queued, held by the trainer, packing).
         `pad_to="capacity"`: every row padded to C tokens with `pad_token_id`.
         `encoder_sources`: bool [S], the sources whose extra cost is the vision encoder's (the
-        Batch's encoder / backbone split); None: none."""
+        Batch's encoder / backbone split); None: none. `on_error` and `skip_ledgers` (one per
+        source, None for a text source): what an image that does not decode at delivery
+        becomes (a DataError, or a skip counted under the source's limit)."""
         self.comm, self.geometry, self.cost = comm, geometry, cost
         self.source_names = list(source_names)
         self.source_metrics, self.step_metrics = source_metrics, step_metrics
@@ -54,6 +59,9 @@ class Delivery:
                                          batches_held)
         self.images: Optional[ImageBatches] = None   # `use_images`
         self.encoder_sources = encoder_sources
+        self.on_error = on_error
+        self.skip_ledgers = list(skip_ledgers) if skip_ledgers is not None else \
+            [None] * len(self.source_names)
 
     def use_images(self, images: ImageBatches) -> None:
         """Steps carry images: every rank of the job calls this before the first step."""
@@ -97,10 +105,39 @@ class Delivery:
             refs_here = await collective(
                 lambda: exchange_images(self.comm, holder, plan.rank, refs))
         sources = c.source[plan.take[entries]]
-        rows = pack_rows(tokens, plan.row[entries], M, self.geometry.capacity,
-                         out=split_row_memory(self._row_memory.take(), self._step_size),
-                         pad_to_capacity=self._pad, pad_token_id=self._pad_token_id)
+        received = lengths[entries]
+        memory = self._row_memory.take()
         source_list, id_list = sources.tolist(), summaries.ids[plan.take[entries]].tolist()
+        rows, micro_batches = self._pack(tokens, plan.row[entries], source_list, id_list,
+                                         memory)
+        if self.images is not None:
+            micro_batches, failed = await self.images.attach(micro_batches, rows, entries,
+                                                             refs_here)
+            if failed:   # raises under on_error="raise"; under "skip" the samples leave
+                keep = self._skip_undecodable(failed, source_list, id_list)
+                entries, received, sources = entries[keep], received[keep], sources[keep]
+                source_list, id_list = sources.tolist(), [id_list[k] for k in keep.tolist()]
+                rows, micro_batches = self._pack([tokens[k] for k in keep.tolist()],
+                                                 plan.row[entries], source_list, id_list, memory)
+                micro_batches, _ = await self.images.attach(micro_batches, rows, entries,
+                                                            refs_here)
+            self._count_kept(sources)
+        if totals is None:
+            totals = step_totals(c, plan, self.cost, self.geometry, self.encoder_sources)
+        self._count(totals, sources, received)
+        return Batch(step, epoch, micro_batches, totals.rank_tokens, totals.row_cost.sum(axis=1),
+                     row_cost=totals.row_cost, pipeline_stages=self.geometry.pipeline_stages,
+                     max_deferral=totals.deferral_max, source_tokens=totals.source_tokens,
+                     exchanged_tokens=totals.exchanged, mix=mix,
+                     encoder_cost=None if totals.encoder_cost is None
+                     else totals.encoder_cost.sum(axis=1))
+
+    def _pack(self, tokens: list, row_of: np.ndarray, source_list: list, id_list: list,
+              memory: np.ndarray) -> tuple[list, list[MicroBatch]]:
+        """The received items packed into their rows (in `memory`), and a MicroBatch each."""
+        rows = pack_rows(tokens, row_of, self.geometry.micro_batches, self.geometry.capacity,
+                         out=split_row_memory(memory, self._step_size),
+                         pad_to_capacity=self._pad, pad_token_id=self._pad_token_id)
         micro_batches = []
         for row in rows:
             ids = [self._sample_id(source_list[k], *id_list[k]) for k in row.item_indices.tolist()]
@@ -109,22 +146,35 @@ class Delivery:
                 position_ids=torch.from_numpy(row.position_ids),
                 labels=torch.from_numpy(row.labels), loss_mask=torch.from_numpy(row.loss_mask),
                 sample_ids=ids, max_seqlen=row.max_seqlen, padding=row.padding))
-        if self.images is not None:
-            def name_of(k: int) -> tuple:
-                source, (shard, record, _) = source_list[k], id_list[k]
-                names = self.shard_names[source]
-                return self.source_names[source], names[shard % len(names)], record
-            micro_batches = await self.images.attach(micro_batches, rows, entries, refs_here,
-                                                     name_of)
-        if totals is None:
-            totals = step_totals(c, plan, self.cost, self.geometry, self.encoder_sources)
-        self._count(totals, sources, lengths[entries])
-        return Batch(step, epoch, micro_batches, totals.rank_tokens, totals.row_cost.sum(axis=1),
-                     row_cost=totals.row_cost, pipeline_stages=self.geometry.pipeline_stages,
-                     max_deferral=totals.deferral_max, source_tokens=totals.source_tokens,
-                     exchanged_tokens=totals.exchanged, mix=mix,
-                     encoder_cost=None if totals.encoder_cost is None
-                     else totals.encoder_cost.sum(axis=1))
+        return rows, micro_batches
+
+    def _skip_undecodable(self, failed: dict[int, str], source_list: list,
+                          id_list: list) -> np.ndarray:
+        """on_error applied to the received items whose images did not decode (`failed`: {k:
+        why}): a DataError naming the first (source, shard, record, member), or under "skip"
+        each counted in its source's ledger (the skip limit text has). Returns the indices of
+        the received items kept. The samples were planned and taken from their buffers: they
+        count as consumed (exactly-once holds; a resume does not bring them back)."""
+        for k in sorted(failed):
+            source, (shard, record, _) = source_list[k], id_list[k]
+            names = self.shard_names[source]
+            shard_name = names[shard % len(names)]
+            problems = Problems(self.source_names[source], shard_name, self.on_error)
+            problems.record(record, failed[k])   # raises under on_error="raise"
+            self.skip_ledgers[source].add(shard_name, problems.take(), kept=0)
+        return np.array([k for k in range(len(source_list)) if k not in failed], np.int64)
+
+    def end_epoch(self) -> None:
+        """The skip limit's end-of-epoch check on what failed at delivery (`SkipLedger`)."""
+        for ledger in self.skip_ledgers:
+            if ledger is not None:
+                ledger.check(final=True)
+
+    def _count_kept(self, sources: np.ndarray) -> None:
+        """The image samples delivered, for the skip limit of what failed at delivery."""
+        for source, n in enumerate(np.bincount(sources, minlength=len(self.source_names))):
+            if n and self.skip_ledgers[source] is not None:
+                self.skip_ledgers[source].kept += int(n)
 
     def _count(self, totals: StepTotals, sources: np.ndarray, received: np.ndarray) -> None:
         """Delivery counters: this rank's per source, the job's per step."""

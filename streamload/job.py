@@ -91,11 +91,41 @@ def data_mismatches(saved: DataOptions, now: DataOptions) -> list[tuple[str, str
     for old in saved.sources:
         new = current.get(old.name)
         for key in () if new is None else ("text_field", "tokens_field", "format",
-                                           "on_exhausted", "repeat", "images"):
+                                           "on_exhausted", "repeat"):
             if getattr(old, key) != getattr(new, key):
                 out.append((key, f"source {old.name!r} {key}: saved with {getattr(old, key)!r}, "
                                  f"this loader has {getattr(new, key)!r}"))
+        if new is not None:
+            out += image_mismatches(old.name, old.images, new.images)
     return out
+
+
+# An image source's options that do not decide its items: the memory budget's estimate only.
+_IMAGE_OPTIONS_NOT_DATA = ("encoded_bytes_per_token",)
+
+
+def image_mismatches(name: str, saved: Optional[str], now: Optional[str]
+                     ) -> list[tuple[str, str]]:
+    """An image source's options (`SourceData.images`, JSON) compared field by field: the
+    resizing rule (resize, size, patch_size, merge_size, temporal_patch_size, min/max_pixels)
+    decides every sample's tokens, the ids, placeholder and fields the tokens themselves, and
+    max_images / max_source_pixels which samples are refused. Keys `images.<field>`."""
+    if saved == now:
+        return []
+    if saved is None or now is None:
+        return [("images", f"source {name!r} images: saved with {_rule(saved)}, this loader "
+                           f"has {_rule(now)}")]
+    old, new = msgspec.json.decode(saved), msgspec.json.decode(now)
+    out = []
+    for key in sorted(set(old) | set(new)):
+        if key not in _IMAGE_OPTIONS_NOT_DATA and old.get(key) != new.get(key):
+            out.append((f"images.{key}", f"source {name!r} images.{key}: saved with "
+                                         f"{old.get(key)!r}, this loader has {new.get(key)!r}"))
+    return out
+
+
+def _rule(images: Optional[str]) -> str:
+    return "no images (a text source)" if images is None else f"images {images}"
 
 
 def check_resume(state: LoaderState, seed: int, data: DataOptions) -> None:

@@ -401,15 +401,23 @@ class Loader:
 
     def _use_images(self, config: LoaderConfig) -> None:
         """A job with an image source: every step moves and decodes images
-        (`pipeline/image_batches.py`). Its batches are built on each DP rank alone."""
+        (`pipeline/image_batches.py`) on each DP rank's builder. Under broadcast delivery the
+        images travel to the DP rank's other ranks with the rest of the step (`peers.py`);
+        with pipeline parallelism only the first stage keeps them (`stage_view`). Context
+        parallelism is refused: a CP rank holds only its part of each row's image positions,
+        and how the encoder's work and outputs would be split over the CP group is the
+        model's choice, which the loader cannot make."""
         options = [s.images for s in self.sources]
         if all(o is None for o in options):
             return
-        if self.topology is not None and (self.topology.broadcast or self.topology.cp > 1
-                                          or self.topology.pp > 1):
-            raise ConfigError.at("images", "image sources are not supported yet with "
-                                           "broadcast delivery, context or pipeline parallelism")
+        if self.topology is not None and self.topology.cp > 1:
+            raise ConfigError.at("parallel.cp", f"image sources are not supported with "
+                                 f"context parallelism (cp={self.topology.cp}): the loader "
+                                 f"would split each row's image positions over the CP ranks, "
+                                 f"but not its images; use cp=1 for an image job, or tp/pp")
         geometry = shared_geometry([s.name for s in self.sources], options)
+        if self.comm is None:   # a Follower: its DP rank's builder sends it the images
+            return
         self._runtime.delivery.use_images(
             ImageBatches(geometry, config.image_workers, config.decode_images_in))
 

@@ -27,8 +27,14 @@ from .errors import DistributedError
 from .mixreport import StepMix
 from .stage_view import needs_view, stage_view
 from .state import LoaderState, decode_state
+from .vision.batch import VisionMicroBatch
 
 TENSORS = ("tokens", "cu_seqlens", "position_ids", "labels", "loss_mask")
+# A multimodal row's (`vision.batch.VisionMicroBatch`): its images travel to the peers too (TP
+# peers need the same pixels; a pipeline's later stages drop them in `stage_view`).
+VISION_TENSORS = ("image_mask", "pixel_values", "image_grid", "vision_cu_seqlens",
+                  "image_document")
+VISION_GEOMETRY = ("patch_size", "merge_size", "temporal_patch_size")
 
 
 class StepMessage(msgspec.Struct, frozen=True):
@@ -51,10 +57,14 @@ class StepMessage(msgspec.Struct, frozen=True):
 def encode_step(batch: Batch, state: bytes) -> bytes:
     rows = []
     for mb in batch.micro_batches:
+        vision = isinstance(mb, VisionMicroBatch)
         row = {name: [str(t.numpy().dtype), t.numpy().tobytes()]
-               for name in TENSORS if (t := getattr(mb, name, None)) is not None}
+               for name in TENSORS + (VISION_TENSORS if vision else ())
+               if (t := getattr(mb, name, None)) is not None}
         row.update(sample_ids=mb.sample_ids, max_seqlen=mb.max_seqlen,
                    padding=getattr(mb, "padding", 0))
+        if vision:
+            row.update(vision=True, **{name: getattr(mb, name) for name in VISION_GEOMETRY})
         rows.append(row)
     return msgspec.msgpack.encode(StepMessage(
         "step", step=batch.step, epoch=batch.epoch, rank_tokens=batch.rank_tokens.tolist(),
@@ -76,11 +86,17 @@ def encode_end(error: Optional[BaseException] = None) -> bytes:
 def decode_step(message: StepMessage) -> Batch:
     micro_batches = []
     for row in message.micro_batches:
+        vision = row.get("vision", False)
         fields = {name: torch.from_numpy(np.frombuffer(row[name][1], dtype=row[name][0]).copy())
-                  for name in TENSORS if name in row}
+                  for name in TENSORS + (VISION_TENSORS if vision else ()) if name in row}
         extra = {"padding": row["padding"]} if "padding" in MicroBatch.__dataclass_fields__ else {}
-        micro_batches.append(MicroBatch(**fields, sample_ids=list(row["sample_ids"]),
-                                        max_seqlen=row["max_seqlen"], **extra))
+        if vision:
+            for name, width in (("pixel_values", 3 * row["patch_size"] ** 2), ("image_grid", 3)):
+                fields[name] = fields[name].reshape(fields[name].numel() // width, width)
+            extra.update({name: row[name] for name in VISION_GEOMETRY})
+        kind = VisionMicroBatch if vision else MicroBatch
+        micro_batches.append(kind(**fields, sample_ids=list(row["sample_ids"]),
+                                  max_seqlen=row["max_seqlen"], **extra))
     return Batch(message.step, message.epoch, micro_batches,
                  np.asarray(message.rank_tokens, dtype=np.float64),
                  np.asarray(message.rank_cost, dtype=np.float64),

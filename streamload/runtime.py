@@ -44,6 +44,7 @@ from .mixreport import MixTally, MixTracker, StepMix
 from .pipeline.autoscale import Autoscaler, Knobs, MemoryGate
 from .pipeline.buffer import SourceBuffer, UnreadBuffer
 from .pipeline.fetch import SourceFetcher
+from .pipeline.skips import SkipLedger
 from .pipeline.supervisor import Supervisor
 from .pipeline.transform import tokenizer_pool
 from .pipeline.workers import DaemonExecutor, run_detached
@@ -51,6 +52,7 @@ from .plan.cost import CostModel
 from .plan.memory import SourceBudget
 from .plan.mix_spec import Mixture
 from .peers import encode_end, encode_step
+from .vision.cost import visual_counts
 from .vision.hybrid import encoder_model, window_costs
 from .job import JobModel, StepSnapshot, data_options, listing_crc
 from .watch import RunWatch
@@ -121,7 +123,13 @@ class Runtime:
                                  # the encoder's part of a step's cost: the extra cost of the
                                  # sources the planner gave an encoder cost
                                  encoder_sources=np.array([e is not None for e in self._encoders],
-                                                          bool))
+                                                          bool),
+                                 # an image that fails to decode at delivery, under the
+                                 # source's skip limit (`Delivery._skip_undecodable`)
+                                 on_error=config.on_error,
+                                 skip_ledgers=[SkipLedger(s.name, s.uri, config.max_skip_fraction,
+                                                          m) if s.images is not None else None
+                                               for s, m in zip(sources, self.source_metrics)])
         # Each source's concurrency knobs, capped by what its start-up memory allows.
         self.budgets = self.stepper.memory.initial(self.stepper.mixer.max_shares())
         self.knobs = [Knobs(min(config.shard_prefetch, max_shards), min(config.range_readahead, max_ranges),
@@ -303,7 +311,9 @@ class Runtime:
             extra = CostModel.extra_cost(self.sample_costs.get(self.sources[s].name), lengths)
             if self._encoders[s] is not None:   # an image source under hybrid balancing
                 extra = extra + window_costs(items, self._encoders[s])
-            windows.append(SourceWindow(lengths, fields[:, 1], fields[:, 2:], done, extra))
+            visual = visual_counts(items) if self.sources[s].images is not None else None
+            windows.append(SourceWindow(lengths, fields[:, 1], fields[:, 2:], done, extra,
+                                        visual))
         return encode_summary(windows)
 
     async def _wait_ready(self, s: int) -> None:
@@ -335,6 +345,7 @@ class Runtime:
                 self.watch.stopped(c)
                 return
             if outcome == "end_epoch":
+                self.delivery.end_epoch()   # the skip limit of what failed at delivery
                 for s, buffer in enumerate(self.buffers):
                     if not job.endless(s):   # an endless stream has no end marker
                         buffer.next_epoch()
@@ -387,6 +398,7 @@ class Runtime:
             if outcome == "stop":
                 return
             if outcome == "end_epoch":
+                self.delivery.end_epoch()
                 for s, buffer in enumerate(self.buffers):
                     if self.sources[s].on_exhausted != "restart":   # endless: no end marker
                         buffer.next_epoch()

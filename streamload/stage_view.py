@@ -8,6 +8,9 @@ fields its pipeline stage uses.
   keeps the attention metadata (cu_seqlens, max_seqlen), which middle stages receive alone, or
   not at all (`Parallel(pipeline_middle="nothing")`). A field a stage does not receive is None.
 - TP peers of a DP rank get the identical view.
+- Images (a multimodal row): the first stage keeps them (its vision encoder's output goes into
+  the image positions of its tokens); the others get None. Context parallelism is refused for
+  image sources (`Loader._use_images`).
 
 Runs on the loop's thread, after delivery, so the trainer's thread only takes the result.
 """
@@ -24,6 +27,10 @@ from .collective.topology import Topology
 from .plan.context_parallel import cp_split
 
 PER_TOKEN = ("tokens", "position_ids", "labels", "loss_mask")
+# A multimodal row's images (`vision.batch.VisionMicroBatch`): the vision encoder runs on the
+# first stage, which scatters its output into the image positions; later stages get None.
+IMAGE_FIELDS = ("image_mask", "pixel_values", "image_grid", "vision_cu_seqlens",
+                "image_document")
 FIRST_STAGE = ("tokens", "position_ids")
 LAST_STAGE = ("labels", "loss_mask")
 
@@ -61,6 +68,8 @@ def stage_view(batch: Batch, topology: Topology, pad_token_id: int = 0) -> Batch
         changes["cu_seqlens"] = cu_seqlens if metadata else None
         changes["max_seqlen"] = int(max_seqlen) if metadata else 0
         changes["padding"] = padding if "tokens" in present else 0   # what num_tokens leaves out
+        if not topology.first_stage and hasattr(mb, "pixel_values"):
+            changes.update(dict.fromkeys(IMAGE_FIELDS))
         views.append(dataclasses.replace(mb, **changes))
     return dataclasses.replace(batch, micro_batches=views)
 

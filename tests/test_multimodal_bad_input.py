@@ -10,6 +10,7 @@ import zlib
 import pytest
 
 import streamload as sl
+from distributed import run_ranks
 from imagecorpus import add_member, image_bytes, noise_bytes, options, write_tar
 from test_multimodal_formats import documents, read_all
 
@@ -110,8 +111,51 @@ def test_a_sample_longer_than_a_row_is_refused_or_dropped_and_counted(tmp_path):
 def test_an_image_that_reads_but_does_not_decode_fails_its_step_by_name(tmp_path):
     with_member(tmp_path / "part-0.tar", range(4), {2: ("9.png", png_that_does_not_inflate())})
     with pytest.raises(sl.DataError) as error:
-        read_all(source(tmp_path), on_error="skip")
+        read_all(source(tmp_path))
     message = str(error.value)
     for part in (f"source {SOURCE!r}", "shard 'part-0.tar'", "record 2",
-                 "image member '000002.9.png' does not decode"):
+                 "image member '000002.9.png' does not decode", 'on_error="skip"'):
         assert part in message, message
+
+
+def undecodable_job(rank, world, root, max_skip_fraction):
+    with sl.Loader([sl.Source(root, name=SOURCE, images=options())], micro_batch_tokens=512,
+                   micro_batches=2, epochs=1, seed=1, on_error="skip",
+                   max_skip_fraction=max_skip_fraction, decode_images_in="threads") as loader:
+        ids, images = [], 0
+        for batch in loader:
+            for mb in batch.micro_batches:
+                ids += mb.sample_ids
+                # the rows left are whole: one image per image_document, patches all there
+                if mb.num_images:
+                    assert int(mb.vision_cu_seqlens[-1]) == mb.pixel_values.shape[0]
+                    assert int(mb.image_document.max()) < len(mb.sample_ids)
+                images += mb.num_images
+        stats = loader.stats()["sources"][SOURCE]
+        return ids, images, stats["skipped_records"], stats["skip_reasons"]
+
+
+@pytest.mark.timeout(240)
+def test_under_skip_an_image_that_does_not_decode_leaves_its_row_counted_exactly_once(tmp_path):
+    """The header reads, the pixels do not (found at delivery, on the rank the plan sent the
+    sample to): under on_error="skip" the sample leaves its row, every other sample comes once,
+    and the skip is counted by the rank that delivered it."""
+    bad = {2: ("9.png", png_that_does_not_inflate()), 6: ("9.png", png_that_does_not_inflate())}
+    with_member(tmp_path / "part-0.tar", range(0, 12), bad)
+    write_tar(tmp_path / "part-1.tar", range(1000, 1012))
+    out = run_ranks(undecodable_job, 2, str(tmp_path), 0.5)
+    ids = out[0][0] + out[1][0]
+    assert len(ids) == len(set(ids)) == 22
+    assert f"{SOURCE}/part-0.tar/2" not in ids and f"{SOURCE}/part-0.tar/6" not in ids
+    assert out[0][2] + out[1][2] == 2
+    reasons = " ".join(out[0][3] + out[1][3])
+    assert "part-0.tar/2: image member '000002.9.png' does not decode" in reasons, reasons
+    assert "member '000006.9.png'" in reasons
+
+
+@pytest.mark.timeout(120)
+def test_the_skip_limit_holds_for_images_that_do_not_decode(tmp_path):
+    with_member(tmp_path / "part-0.tar", range(6),
+                {s: ("9.png", png_that_does_not_inflate()) for s in range(6)})
+    with pytest.raises(sl.DataError, match="on_error='skip' skipped every one|skipped all"):
+        read_all(source(tmp_path), on_error="skip", max_skip_fraction=0.5)

@@ -76,3 +76,33 @@ def test_images_follow_their_samples_when_rank_0_plans_alone(tmp_path):
     out = run_ranks(gather_job, 2, str(tmp_path))
     ids = out[0][0] + out[1][0]
     assert len(ids) == len(set(ids)) == 80 and out[0][1] > 0
+
+
+@pytest.mark.parametrize("rule, field, saved, now", [
+    (dict(max_pixels=56 * 56), "max_pixels", 12544, 3136),
+    (dict(patch_size=16, merge_size=1, min_pixels=16 * 16), "merge_size", 2, 1),
+    (dict(resize="fixed", size=(56, 56)), "resize", "'dynamic'", "'fixed'"),
+])
+def test_a_resume_with_another_image_rule_is_refused_naming_source_and_field(
+        tmp_path, rule, field, saved, now):
+    """The image rule decides every sample's token count, so the saved positions would name
+    other items under another rule: the Loader refuses the state, naming source and field."""
+    write_tar(tmp_path / "part-0.tar", range(0, 12))
+    with loader_for(str(tmp_path)) as loader:
+        state = next(iter(loader)) and loader.state_dict()
+    other = sl.Loader([sl.Source(str(tmp_path), name="pics", images=options(**rule))],
+                      micro_batch_tokens=256, micro_batches=1, epochs=1, seed=5,
+                      decode_images_in="threads")
+    with other, pytest.raises(sl.ConfigError) as err:
+        other.load_state_dict(state)
+        next(iter(other))
+    assert err.value.key == f"images.{field}"
+    assert f"source 'pics' images.{field}: saved with {saved}, this loader has {now}" \
+        in str(err.value)
+    # The memory budget's estimate is not data: that resume goes on.
+    with sl.Loader([sl.Source(str(tmp_path), name="pics",
+                              images=options(encoded_bytes_per_token=999))],
+                   micro_batch_tokens=256, micro_batches=1, epochs=1, seed=5,
+                   decode_images_in="threads") as same:
+        same.load_state_dict(state)
+        assert sum(1 for _ in same) > 0

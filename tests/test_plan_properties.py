@@ -9,6 +9,7 @@ loop must deliver every item of a finite corpus exactly once with bounded deferr
 from __future__ import annotations
 
 import copy
+import dataclasses
 import os
 
 import numpy as np
@@ -95,9 +96,10 @@ def test_plan_invariants_and_determinism(problem, method, max_age):
 
 
 def _with_overdue(c: Candidates, geometry: Geometry, targets: np.ndarray, force_age: int,
-                  rng: np.random.Generator) -> Candidates:
-    """Make some items overdue, at most half the step's capacity and within every source's
-    target (so that taking all of them is feasible for any method that honours the bound)."""
+                  rng: np.random.Generator, max_items: int | None = None) -> Candidates:
+    """Make some items overdue (at most `max_items`), at most half the step's capacity and
+    within every source's target (so that taking all of them is feasible for any method that
+    honours the bound). Every other field (images, patches) is kept."""
     age = np.zeros(len(c), dtype=np.int32)
     budget_total = geometry.step_tokens / 2
     budget = np.minimum(targets, budget_total) * 0.9
@@ -105,13 +107,13 @@ def _with_overdue(c: Candidates, geometry: Geometry, targets: np.ndarray, force_
     for i in rng.permutation(len(c)):
         s = c.source[i]
         if rng.random() < 0.5 and spent[s] + c.length[i] <= budget[s] \
-                and spent.sum() + c.length[i] <= budget_total:
+                and spent.sum() + c.length[i] <= budget_total \
+                and (max_items is None or int((age >= force_age).sum()) < max_items):
             age[i] = force_age + int(rng.integers(0, 2))
             spent[s] += c.length[i]
         else:
             age[i] = int(rng.integers(0, force_age))
-    return Candidates(c.length, c.source, c.rank, c.position, age, c.extra_cost,
-                      c.num_sources, c.num_ranks)
+    return dataclasses.replace(c, age=age)
 
 
 @SETTINGS

@@ -294,6 +294,16 @@ def test_a_resume_with_another_image_rule_is_refused_naming_the_source():
     saved = msgspec.json.decode(msgspec.json.encode(options()), type=type(options()))
     assert data_mismatches(saved, options()) == []
     problems = data_mismatches(saved, options(max_pixels=256 * 28 * 28))
-    assert [key for key, _ in problems] == ["images"]
-    assert "source 'pairs' images: saved with" in problems[0][1]
-    assert "200704" in problems[0][1] and "802816" in problems[0][1]
+    assert problems == [("images.max_pixels", "source 'pairs' images.max_pixels: saved with "
+                                              "802816, this loader has 200704")]
+    # Every field of the rule is named; the memory budget's estimate is not data.
+    problems = data_mismatches(saved, options(patch_size=16, merge_size=1, max_pixels=512 * 512,
+                                              encoded_bytes_per_token=1024))
+    assert [key for key, _ in problems] == ["images.max_pixels", "images.merge_size",
+                                            "images.patch_size"]
+    fixed = options(resize="fixed", size=(448, 448))
+    assert [key for key, _ in data_mismatches(saved, fixed)] == ["images.resize", "images.size"]
+    text = data_options(sl.LoaderConfig(micro_batch_tokens=4096),
+                        [sl.Source("/data/pairs")], None)
+    assert data_mismatches(saved, text)[0][1].startswith(
+        "source 'pairs' images: saved with images {")

@@ -28,6 +28,9 @@ class SourceWindow:
     ids: np.ndarray       # int64 [n, 3]
     exhausted: bool       # the window holds the rest of this epoch for this source
     extra_cost: np.ndarray = None   # float64 [n], from the source's sample-cost hook (or zeros)
+    # int64 [2, n]: each item's images and encoder patches (an image source; None: text), for
+    # the caps per row (`plan/caps.py`)
+    visual: np.ndarray = None
 
 
 @dataclass(frozen=True)
@@ -41,11 +44,15 @@ class Summaries:
 def encode_summary(windows: list[SourceWindow]) -> np.ndarray:
     parts = [np.array([OK], dtype=np.int64)]
     for w in windows:
-        parts.append(np.array([w.lengths.shape[0], int(w.exhausted)], dtype=np.int64))
+        # The second word: bit 0, exhausted; bit 1, the window's images and patches follow.
+        flags = int(w.exhausted) | (2 if w.visual is not None else 0)
+        parts.append(np.array([w.lengths.shape[0], flags], dtype=np.int64))
         extra = np.zeros(w.lengths.shape[0]) if w.extra_cost is None else w.extra_cost
         parts += [w.lengths.astype(np.int64), w.ages.astype(np.int64),
                   w.ids.astype(np.int64).reshape(-1),
                   np.ascontiguousarray(extra, dtype=np.float64).view(np.int64)]
+        if w.visual is not None:
+            parts.append(np.asarray(w.visual, np.int64).reshape(-1))
     return np.concatenate(parts)
 
 
@@ -54,11 +61,14 @@ def decode_summaries(gathered: list[np.ndarray], num_sources: int) -> Summaries:
     ages = [[None] * num_sources for _ in gathered]
     ids = [[None] * num_sources for _ in gathered]
     extra = [[None] * num_sources for _ in gathered]
+    visual = [[None] * num_sources for _ in gathered]
+    any_visual = False
     exhausted = np.zeros((len(gathered), num_sources), dtype=bool)
     for r, array in enumerate(gathered):
         at = 1
         for s in range(num_sources):
-            n, done = int(array[at]), bool(array[at + 1])
+            n, flags = int(array[at]), int(array[at + 1])
+            done = bool(flags & 1)
             at += 2
             lengths[r][s] = array[at:at + n]
             ages[r][s] = array[at + n:at + 2 * n]
@@ -67,9 +77,17 @@ def decode_summaries(gathered: list[np.ndarray], num_sources: int) -> Summaries:
                 array[at + (2 + ID_FIELDS) * n:at + (3 + ID_FIELDS) * n]).view(np.float64)
             exhausted[r, s] = done
             at += (3 + ID_FIELDS) * n
+            if flags & 2:
+                visual[r][s] = array[at:at + 2 * n].reshape(2, n)
+                any_visual = True
+                at += 2 * n
+            else:
+                visual[r][s] = np.zeros((2, n), np.int64)
     # A piece of a split document (chunk >= 0, `pieces`) may be cut to fill a row.
     divisible = [[i[:, 2] >= 0 for i in per_rank] for per_rank in ids]
-    return Summaries(Candidates.from_windows(lengths, ages, extra, divisible),
+    images = [[v[0] for v in per_rank] for per_rank in visual] if any_visual else None
+    patches = [[v[1] for v in per_rank] for per_rank in visual] if any_visual else None
+    return Summaries(Candidates.from_windows(lengths, ages, extra, divisible, images, patches),
                      flatten_windows(ids, np.int64).reshape(-1, ID_FIELDS),
                      exhausted)
 

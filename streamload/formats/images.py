@@ -98,24 +98,29 @@ def member_text(data: bytes, member: str, field: Optional[str]
     return value, None
 
 
-def measure_image_records(records: list, tokenizer, images, problems) -> list[int]:
+def measure_image_records(records: list, tokenizer, images, problems,
+                          with_patches: bool = False) -> list:
     """The length of each image-text record as the loader counts it (`document_lengths` of a
     source with images): its text pieces' tokens (UTF-8 bytes without a tokenizer) plus each
     image's tokens, from its header (`Images.place`). An image that does not probe is reported
-    to `problems` and its record left out, as the loader leaves it out."""
+    to `problems` and its record left out, as the loader leaves it out. `with_patches`: each
+    record as (index, sample key, length, its images' patches) instead (the dry run's encoder cost and
+    caps per row)."""
     import numpy as np
     from ..vision.probe import ImageProblem, probe
     from ..vision.rule import ImageRefused
     out = []
     for record in records:
-        sample, visual, problem = record.payload, 0, None
+        sample, visual, problem, patches = record.payload, 0, None, []
         for blob in sample.images:
             try:
                 header = probe(blob.data)
-                visual += images.image_tokens(images.place(header.height, header.width))
+                placement = images.place(header.height, header.width)
             except (ImageProblem, ImageRefused) as exc:
                 problem = f"sample {sample.key!r}: image member {blob.member!r}: {exc}"
                 break
+            visual += images.image_tokens(placement)
+            patches.append(placement.grid[0] * placement.grid[1] * placement.grid[2])
         if problem is not None:
             problems.record(record.index, problem)
             continue
@@ -124,5 +129,6 @@ def measure_image_records(records: list, tokenizer, images, problems) -> list[in
             text = sum(len(t.encode("utf-8")) for t in texts)
         else:
             text = sum(int(np.size(ids)) for ids in tokenizer.encode_texts(texts)) if texts else 0
-        out.append(text + visual)
+        out.append((record.index, sample.key, text + visual, tuple(patches)) if with_patches
+                   else text + visual)
     return out

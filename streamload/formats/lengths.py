@@ -80,14 +80,26 @@ async def stream_lengths(fmt, store: ObjectStore, shard: ObjectInfo, *, problems
     """`fmt.document_lengths` by reading the shard's records: decode, measure (see the module
     docstring). With `limit`, reading stops once that many documents are measured.
     `open_options` go to `fmt.open` (an indexed format's `index`)."""
+    out = await stream_measures(fmt, store, shard, problems=problems, tokenizer=tokenizer,
+                                limit=limit, chunk_bytes=chunk_bytes,
+                                images=getattr(fmt, "images", None), **open_options)
+    return DocumentLengths(np.array(out, dtype=np.int64), "scan")
+
+
+async def stream_measures(fmt, store: ObjectStore, shard: ObjectInfo, *, problems: Problems,
+                          tokenizer: Optional[TextTokenizer], limit: Optional[int],
+                          chunk_bytes: int, images=None, with_patches: bool = False,
+                          **open_options) -> list:
+    """Each record's length, read as `stream_lengths` reads them; for image-text records
+    (`images`: the source's `Images`) with `with_patches`, (index, key, length, patches per image)
+    (`formats.images.measure_image_records`)."""
     if limit is not None and limit < 0:
         raise ConfigError.at("limit", f"must be >= 0, got {limit}")
-    out: list[int] = []
+    out: list = []
     if limit == 0:
-        return DocumentLengths(np.zeros(0, np.int64), "scan")
+        return out
     stream = await fmt.open(store, shard, problems=problems, chunk_bytes=chunk_bytes,
                             **open_options)
-    images = getattr(fmt, "images", None)   # image-text records: text plus visual tokens
 
     async def add(records: list[RawRecord]) -> bool:
         """Measure `records` (no more than the limit needs); True once the limit is reached."""
@@ -95,8 +107,9 @@ async def stream_lengths(fmt, store: ObjectStore, shard: ObjectInfo, *, problems
         while at < len(records) and (limit is None or len(out) < limit):
             # The records the limit still needs (a bad one, left out, calls for one more).
             end = len(records) if limit is None else at + limit - len(out)
-            if images is not None:
-                out.extend(measure_image_records(records[at:end], tokenizer, images, problems))
+            if images is not None:   # image-text records: text plus visual tokens
+                out.extend(measure_image_records(records[at:end], tokenizer, images, problems,
+                                                 with_patches))
             else:
                 out.extend(await measure_records(records[at:end], tokenizer, problems=problems))
             at = end
@@ -107,4 +120,4 @@ async def stream_lengths(fmt, store: ObjectStore, shard: ObjectInfo, *, problems
             break
     else:
         await add(stream.finish())
-    return DocumentLengths(np.array(out, dtype=np.int64), "scan")
+    return out

@@ -51,7 +51,8 @@ class SourceFetcher:
         self.skips = SkipLedger(source.name, source.uri, config.max_skip_fraction, metrics)
         # An image source's records become items here, text and headers (`images.py`).
         self.image_items = None if source.images is None else ImageItems(
-            source.images, tokenizer, config.micro_batch_tokens, config.long_documents)
+            source.images, tokenizer, config.micro_batch_tokens, config.long_documents,
+            config.max_images_per_row, config.max_patches_per_row)
 
     async def run(self, start_epoch: int = 0) -> None:
         epoch = start_epoch

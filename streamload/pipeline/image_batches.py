@@ -13,19 +13,20 @@ Every image source of a loader shares one encoder geometry (patch, merge, frames
 one `pixel_values` tensor holds a row's images whatever source they came from.
 
 An image whose header was read at fetch time (`pipeline/images.py`) but that does not decode
-is a DataError naming the source, the shard, the record and the member, whatever on_error
-says: the sample was planned, and a row does not lose a sample silently.
+is reported as data (`attach` returns it: the received item and why); the delivery applies
+on_error to it (a DataError naming the source, the shard, the record and the member, or under
+"skip" the sample left out of its row, counted under the skip limit).
 """
 from __future__ import annotations
 
 import asyncio
 import multiprocessing
 from concurrent.futures import Executor, ProcessPoolExecutor
-from typing import Callable, Optional, Sequence
+from typing import Optional, Sequence
 
 import numpy as np
 
-from ..errors import ConfigError, DataError
+from ..errors import ConfigError
 from ..vision.batch import vision_row
 from ..vision.decode import SharedPixels, decode_one
 from ..vision.options import Images
@@ -73,10 +74,10 @@ class ImageBatches:
             self._pool = None
 
     async def attach(self, micro_batches: list, rows: list, entries: np.ndarray,
-                     here: dict[int, tuple], name_of: Callable[[int], tuple]) -> list:
+                     here: dict[int, tuple]) -> tuple[list, dict[int, str]]:
         """Each of `micro_batches` (one per packed row of `rows`, whose `item_indices` index
-        `entries`) with its images (`here`: plan entry -> ImageRefs, from the exchange).
-        `name_of(k)` -> (source name, shard name, record) of the k-th received item.
+        `entries`) with its images (`here`: plan entry -> ImageRefs, from the exchange), and
+        the images that did not decode: {k: why} for the k-th received item (empty: none).
 
         The step's `pixel_values` are allocated once, at their size (known from the
         placements), and each image is a job of its own that writes its patches in place:
@@ -112,16 +113,15 @@ class ImageBatches:
             at += sum(sizes)
             out.append(vision_row(mb, pixels, grids, [position[k] for k, _ in refs], o))
         try:
-            if jobs:
-                await self._decode(jobs, name_of)
+            failed = await self._decode(jobs) if jobs else {}
         finally:
             if shared is not None:
                 shared.unlink()
-        return out
+        return out, failed
 
-    async def _decode(self, jobs: list, name_of: Callable[[int], tuple]) -> None:
+    async def _decode(self, jobs: list) -> dict[int, str]:
         """Decode every job's image in the workers, largest first (the step ends with small
-        ones); a failure is a DataError naming it."""
+        ones). Returns the failures, {k: why} (an item's first image that failed)."""
         o, pool = self.options, self._executor()
         pending = {}
         for j in sorted(range(len(jobs)), key=lambda j: -jobs[j][1]):
@@ -130,6 +130,7 @@ class ImageBatches:
             pending[asyncio.wrap_future(pool.submit(
                 decode_one, ref.data, tuple(ref.placement), o.patch_size, o.merge_size,
                 into))] = j
+        failed: dict[int, str] = {}
         try:
             while pending:
                 done, _ = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
@@ -137,12 +138,11 @@ class ImageBatches:
                     where, _, ref, k = jobs[pending.pop(future)]
                     result = future.result()
                     if isinstance(result, str):
-                        source, shard, record = name_of(k)
-                        raise DataError(f"image member {ref.member!r} does not decode: "
-                                        f"{result}", source=source, shard=shard,
-                                        record=record, skippable=False)
-                    if result is not None:   # sent back: into its place
+                        failed.setdefault(k, f"image member {ref.member!r} does not decode: "
+                                             f"{result}")
+                    elif result is not None:   # sent back: into its place
                         where[1][...] = result
         finally:
-            for future in pending:   # a failure: the rest is not needed
+            for future in pending:   # cancelled (the loader closes): the rest is not needed
                 future.cancel()
+        return failed

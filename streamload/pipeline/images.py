@@ -16,7 +16,9 @@ and placements (`ImageItem.images`) to the rank the plan sends it to, which deco
 (`vision.decode`, in worker processes) when it builds its batch.
 
 An image sample is never split: one longer than a row (`micro_batch_tokens`) is a record error
-naming it and its visual tokens (with long_documents="drop": dropped and counted). A problem
+naming it and its visual tokens (with long_documents="drop": dropped and counted); so is one
+with more images or patches than a row may hold (`max_images_per_row`, `max_patches_per_row`:
+the caps per row the planner obeys, `plan/caps.py`). A problem
 with one image (bytes that are no image, a truncated JPEG, a source image over
 `max_source_pixels`) is a record error naming the sample's key and the member: a DataError,
 or with on_error="skip" a counted skip under the source's skip limit (`SkipLedger`).
@@ -33,6 +35,7 @@ from ..tokenizer import TextTokenizer, TokenizerError
 from ..vision.options import Images
 from ..vision.probe import ImageProblem, probe
 from ..vision.exchange import ImageRef
+from ..vision.fit import over_row_caps
 from ..vision.rule import ImageRefused
 from .buffer import Item
 from .transform import TokenIdError, TransformCounts, token_ids, utf8_bytes
@@ -58,9 +61,11 @@ class ImageItems:
     """The transform of one image source (see the module); called on a transform thread."""
 
     def __init__(self, images: Images, tokenizer: Optional[TextTokenizer], capacity: int,
-                 long_documents: str):
+                 long_documents: str, max_images_per_row: Optional[int] = None,
+                 max_patches_per_row: Optional[int] = None):
         self.images, self.tokenizer = images, tokenizer
         self.capacity, self.long_documents = capacity, long_documents
+        self.max_images_per_row, self.max_patches_per_row = max_images_per_row, max_patches_per_row
         self._begin = np.asarray(images.image_begin_ids, dtype=np.int32)
         self._end = np.asarray(images.image_end_ids, dtype=np.int32)
 
@@ -125,7 +130,12 @@ class ImageItems:
             except (ImageProblem, ImageRefused) as exc:
                 return [], f"image member {blob.member!r}: {exc}"
             refs.append(ImageRef(blob.member, blob.data, placement))
-        return refs, None
+        return refs, self._over_row_caps(refs)
+
+    def _over_row_caps(self, refs: list[ImageRef]) -> Optional[str]:
+        """A sample that alone exceeds a cap per row fits no row: refused, never dropped."""
+        return over_row_caps([g[0] * g[1] * g[2] for g in (r.placement.grid for r in refs)],
+                             self.max_images_per_row, self.max_patches_per_row)
 
     def _tokenize(self, samples: list[ImageText], problems: Problems,
                   records: list[RawRecord]) -> list[Optional[list[np.ndarray]]]:

@@ -31,7 +31,8 @@ SKIP_LIMIT_RECORDS = 100   # records a rank reads of a source before a share of 
 class SkipLedger:
     def __init__(self, source: str, uri: str, max_fraction: float, metrics: SourceMetrics):
         self.source, self.uri, self.max_fraction, self.metrics = source, uri, max_fraction, metrics
-        self.kept = 0   # records read and kept (the skipped ones are metrics.skipped_records)
+        self.kept = 0   # records read and kept
+        self.skipped_records = self.skipped_shards = 0   # this ledger's (the metrics sum them)
 
     def add(self, shard: str, skips: list[tuple[Optional[int], str]], kept: int) -> None:
         """Count `skips` of `shard` ((record or None for the rest of the shard, reason)) and
@@ -40,8 +41,10 @@ class SkipLedger:
         for record, reason in skips:
             if record is None:
                 m.skipped_shards += 1
+                self.skipped_shards += 1
             else:
                 m.skipped_records += 1
+                self.skipped_records += 1
             where = f"{self.source}/{shard}" + (f"/{record}" if record is not None else "")
             m.skip_reasons.append(f"{where}: {reason}")
             if m.first_skip is None:
@@ -56,7 +59,7 @@ class SkipLedger:
         epoch, when fewer than SKIP_LIMIT_RECORDS records may be all there is."""
         if self.max_fraction >= 1.0:
             return
-        skipped, shards = self.metrics.skipped_records, self.metrics.skipped_shards
+        skipped, shards = self.skipped_records, self.skipped_shards
         read = skipped + self.kept
         if self.kept == 0 and (skipped >= SKIP_LIMIT_RECORDS or (final and skipped)):
             problem = (f"skipped all of the first {skipped} record(s) it read" if not final

@@ -20,6 +20,7 @@ from typing import Literal
 import numpy as np
 
 from .balance import assign_balanced
+from .caps import RowCaps, enforce
 from .cost import CostModel
 from .fill import FULL, Leftovers, epoch_cost, step_overhead_cost, top_up
 from .lookahead import select_lookahead
@@ -63,6 +64,7 @@ class Planner:
     max_age: int | None = None   # an item offered this many steps is selected first
     lookahead: int = 8           # W: steps the lookahead method plans over
     step_overhead: float = 0.05  # per-step overhead, as a fraction of a rank's full linear step
+    caps: RowCaps = RowCaps()    # images / patches per row (`caps.py`); none by default
 
     def __post_init__(self):
         # `method` and `lookahead` come validated from LoaderConfig (config.py).
@@ -178,4 +180,8 @@ class Planner:
             take = np.array([first], dtype=np.int64)
             rank, row = np.zeros(1, dtype=np.int32), np.zeros(1, dtype=np.int32)
             length = c.length[take]
+        # The caps per row last: every method plans by tokens and cost, then the rows over a
+        # cap give up items (`caps.enforce`; a plan that obeys them is left as it is).
+        take, rank, row, length = enforce(c, take, rank, row, length, self.geometry, self.caps,
+                                          self.force_age, self.cost, eligible)
         return finish(c, take, rank, row, self.geometry, self.cost, length)

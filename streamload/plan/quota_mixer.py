@@ -220,7 +220,7 @@ class QuotaMixer:
             tokens = token_targets(c.length, c.rank, c.position, virtual, b.num_virtual,
                                    virtual_targets)
         relabelled = Candidates(c.length, virtual, c.rank, c.position, c.age, c.extra_cost,
-                                b.num_virtual, c.num_ranks, c.divisible)
+                                b.num_virtual, c.num_ranks, c.divisible, c.images, c.patches)
         return StepQuota(self.step, relabelled, virtual_targets, tokens,
                          None if self.by_tokens else np.ones(len(c)), b.virtual_source,
                          b.virtual_quota, shares, active, targets, fractions, total)

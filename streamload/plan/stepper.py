@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING, Optional, Sequence
 
 import numpy as np
 
+from .caps import RowCaps
 from .cost import CostModel
 from .memory import MemoryPlan, SourceBudget, source_token_bytes
 from .planner import Planner
@@ -66,7 +67,8 @@ class Stepper:
         cost = CostModel(config.cost_a, config.cost_b, config.document_masking)
         planner = Planner(geometry, cost, method=config.planner, seed=config.seed,
                           max_age=config.max_deferral, lookahead=config.lookahead,
-                          step_overhead=config.step_overhead)
+                          step_overhead=config.step_overhead,
+                          caps=RowCaps(config.max_images_per_row, config.max_patches_per_row))
         mixer = QuotaMixer.from_sources(mixture, sources, capacity=config.micro_batch_tokens)
         # Built here, so a budget too small for the geometry fails when the Loader is built.
         memory = MemoryPlan(config, mixer.max_shares(), [s.name for s in sources], world,

@@ -63,6 +63,10 @@ class Candidates:
     # bool: a piece of a document longer than C, which the planner may cut to fill a row (the
     # rest stays in its buffer). Whole documents are never cut. None: no item is.
     divisible: np.ndarray | None = None
+    # What each item feeds a vision encoder, for the caps per row (`caps.py`): int64 images and
+    # patches. None: no item has images (a text job).
+    images: np.ndarray | None = None
+    patches: np.ndarray | None = None
 
     def __post_init__(self):
         if self.divisible is None:
@@ -74,9 +78,11 @@ class Candidates:
     @staticmethod
     def from_windows(windows: list[list[np.ndarray]], ages: list[list[np.ndarray]] | None = None,
                      extra_costs: list[list[np.ndarray]] | None = None,
-                     divisible: list[list[np.ndarray]] | None = None) -> "Candidates":
+                     divisible: list[list[np.ndarray]] | None = None,
+                     images: list[list[np.ndarray]] | None = None,
+                     patches: list[list[np.ndarray]] | None = None) -> "Candidates":
         """Build from windows[rank][source] -> int lengths (ages / extra costs / divisible
-        flags alike, optional)."""
+        flags / images / patches alike, optional)."""
         num_ranks = len(windows)
         num_sources = len(windows[0]) if windows else 0
         sizes = [[len(w) for w in per_rank] for per_rank in windows]
@@ -95,7 +101,9 @@ class Candidates:
             flatten_windows([[np.arange(n, dtype=np.int32) for n in row] for row in sizes],
                             np.int32),
             field(ages, np.int32), field(extra_costs, np.float64), num_sources, num_ranks,
-            field(divisible, bool, False))
+            field(divisible, bool, False),
+            None if images is None else field(images, np.int64),
+            None if patches is None else field(patches, np.int64))
 
     @cached_property
     def _source_bounds(self) -> np.ndarray | None:

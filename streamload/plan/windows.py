@@ -211,12 +211,22 @@ class Windows:
         return np.array([[q.has_items for q in rank] for rank in self.queues],
                         dtype=bool).reshape(self.ranks, self.sources)
 
-    def offer(self, window_tokens: np.ndarray) -> Offer:
+    def offer(self, window_tokens: np.ndarray,
+              attributes: Optional[Callable[[int, np.ndarray], tuple]] = None) -> Offer:
+        """This step's windows as candidates. `attributes(source, ids)` -> (extra cost,
+        images, patches) of the items with those ids (an image source's encoder cost and
+        what the caps per row count); None: lengths only."""
         views = [[q.window(int(window_tokens[r, s])) for s, q in enumerate(rank)]
                  for r, rank in enumerate(self.queues)]
+        extra = images = patches = None
+        if attributes is not None:
+            found = [[attributes(s, v[2]) for s, v in enumerate(rank)] for rank in views]
+            extra, images, patches = ([[a[k] for a in rank] for rank in found]
+                                      for k in range(3))
         c = Candidates.from_windows([[v[0] for v in rank] for rank in views],
-                                    [[v[1] for v in rank] for rank in views], None,
-                                    [[q.divisible for q in rank] for rank in self.queues])
+                                    [[v[1] for v in rank] for rank in views], extra,
+                                    [[q.divisible for q in rank] for rank in self.queues],
+                                    images, patches)
         ids = flatten_windows([[v[2] for v in rank] for rank in views], np.int64)
         exhausted = np.array([[v[3] for v in rank] for rank in views],
                              dtype=bool).reshape(self.ranks, self.sources)

@@ -54,3 +54,11 @@ def item_patches(items: Iterable) -> list[list[int]]:
     a text item: what `hybrid.window_costs` hands `EncoderCost.sample_costs`."""
     return [[g[0] * g[1] * g[2] for g in (ref.placement.grid for ref in
                                           getattr(item, "images", ()))] for item in items]
+
+
+def visual_counts(items: Sequence) -> np.ndarray:
+    """int64 [2, n]: each buffered item's images and patches (zeros for a text item): what
+    the caps per row count (`plan/caps.py`)."""
+    patches = item_patches(items)
+    return np.array([[len(p) for p in patches], [sum(p) for p in patches]],
+                    dtype=np.int64).reshape(2, len(patches))

@@ -16,6 +16,7 @@ from ...mixreport import MixTally, format_mix
 from ...plan.cost import balanced_time
 from .scan import scan
 from ...plan.stepper import Stepper
+from ...vision.hybrid import imbalance
 from .simulate import StepReport, simulate
 
 DEFAULT_STEPS = 100
@@ -69,6 +70,8 @@ def summarize(spec: LoaderSpec, reports: Sequence[StepReport]) -> dict:
                         "samples": int(sum(int(r.samples[s]) for r in reports))}
                     for s, n in enumerate(names)},
     })
+    if reports[0].encoder_cost is not None:
+        out["images"] = image_summary(reports, spec.config())
     if spec.mixture.quotas:
         lq = np.array([r.length_quota for r in reports])
         lt = np.array([r.length_quota_target for r in reports])
@@ -79,6 +82,42 @@ def summarize(spec: LoaderSpec, reports: Sequence[StepReport]) -> dict:
              "min_step_share": float(lq[:, i].min())}
             for i, q in enumerate(spec.mixture.quotas)]
     return out
+
+
+def image_summary(reports: Sequence[StepReport], config) -> dict:
+    """An image job's encoder and backbone apart (`vision.hybrid.imbalance`: max / mean over
+    ranks, per step): their imbalances (mean and max over steps), the encoder's share of the
+    planned cost, and the largest images and patches of any row against the caps per row."""
+    encoder = [imbalance(r.encoder_cost) for r in reports]
+    backbone = [imbalance(r.backbone_cost) for r in reports]
+    enc = float(sum(float(r.encoder_cost.sum()) for r in reports))
+    total = enc + float(sum(float(r.backbone_cost.sum()) for r in reports))
+    slowest = sum(float((r.encoder_cost + r.backbone_cost).max()) for r in reports)
+    return {"image_cost": config.image_cost,
+            "encoder_share": enc / total if total > 0 else 0.0,
+            # the sequential schedule's balance: the work spread evenly over the ranks, over
+            # the sum of each step's slowest rank (encoder + backbone)
+            "efficiency": total / len(reports[0].rank_cost) / slowest if slowest > 0 else 1.0,
+            "encoder_imbalance_mean": float(np.mean(encoder)),
+            "encoder_imbalance_max": float(np.max(encoder)),
+            "backbone_imbalance_mean": float(np.mean(backbone)),
+            "backbone_imbalance_max": float(np.max(backbone)),
+            "row_images_max": int(max(int(r.row_visual[..., 0].max(initial=0)) for r in reports)),
+            "row_patches_max": int(max(int(r.row_visual[..., 1].max(initial=0)) for r in reports)),
+            "max_images_per_row": config.max_images_per_row,
+            "max_patches_per_row": config.max_patches_per_row}
+
+
+def format_images(images: dict) -> str:
+    caps = lambda cap: "no cap" if cap is None else f"cap {cap:,}"
+    return (f"images ({images['image_cost']}): encoder {images['encoder_share']:.1%} of the "
+            f"cost, efficiency {images['efficiency']:.4f} (encoder then backbone on each rank)"
+            f"; imbalance encoder mean {images['encoder_imbalance_mean']:.4f} max "
+            f"{images['encoder_imbalance_max']:.4f}, backbone mean "
+            f"{images['backbone_imbalance_mean']:.4f} max {images['backbone_imbalance_max']:.4f}"
+            f"; per row at most {images['row_images_max']:,} images "
+            f"({caps(images['max_images_per_row'])}), {images['row_patches_max']:,} patches "
+            f"({caps(images['max_patches_per_row'])})")
 
 
 def step_time_summary(reports: Sequence[StepReport], stages: int) -> dict:
@@ -161,6 +200,8 @@ def format_summary(summary: dict) -> list[str]:
              f"rank and micro-batch, over that)",
              "taken: " + ", ".join(f"{name} {s['tokens']:,} tokens, {s['samples']:,} items"
                                    for name, s in summary["sources"].items())]
+    if summary.get("images"):
+        lines.append(format_images(summary["images"]))
     lines += format_mix(summary["mix"], summary.get("by", "tokens"))
     if summary["mix_step_max_abs_dev"] is not None:
         lines.append(f"  worst single step while every source had data: |realized - target| "
@@ -227,7 +268,10 @@ def run(args: argparse.Namespace) -> int:
         print(f"  {s.name}: {s.format} by {s.method}, {s.shards_read}/{s.shards} shards, "
               f"{s.documents:,} docs -> {s.lengths.size:,} items, {s.tokens:,} tokens"
               + (f" ({long} long documents)" if long else "")
-              + (f", {s.skipped} skipped" if s.skipped else "") + note)
+              + (f", {s.skipped} skipped" if s.skipped else "")
+              + ("" if s.image_patches is None else
+                 f", {sum(map(len, s.image_patches)):,} images of "
+                 f"{sum(map(sum, s.image_patches)):,} patches (from their headers)") + note)
     print()
     for line in format_table(spec, reports, args.every):
         print(line)

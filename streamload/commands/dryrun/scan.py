@@ -1,6 +1,9 @@
 """Reading a configuration's item lengths, as the loader would make its items (the dry run's
 input): each shard's format measures its documents (`ShardFormat.document_lengths`), and the
-loader's own rule for long documents (`pieces.cut_documents`) turns them into items."""
+loader's own rule for long documents (`pieces.cut_documents`) turns them into items. An image
+source's samples are measured with their images' patches, from the headers (no pixel decoded),
+and kept as the loader's transform keeps them: never split, refused over a row or a cap per
+row."""
 from __future__ import annotations
 
 import asyncio
@@ -13,8 +16,10 @@ import numpy as np
 from ...configfile import LoaderSpec
 from ...errors import ConfigError, StorageError
 from ...pieces import cut_documents
-from ...formats.base import DocumentLengths, Problems
+from ...formats.base import LENGTHS_CHUNK_BYTES, DocumentLengths, Problems
 from ...formats.catalog import Shard, list_shards
+from ...formats.lengths import stream_measures
+from ...vision.fit import over_row_caps
 from ...storage import open_store, source_store_options
 
 
@@ -39,6 +44,9 @@ class SourceScan:
     skipped: int = 0             # bad records or shards skipped (on_error="skip")
     complete: bool = True        # False: max_docs cut the scan short; the items are a sample
     divisible: Optional[np.ndarray] = None   # bool per item: a piece of a split document
+    # An image source: each item's images' encoder patches (from the headers: no pixel
+    # decoded), for the encoder's cost and the caps per row; None: a text source.
+    image_patches: Optional[list] = None
 
     @property
     def tokens(self) -> int:
@@ -50,11 +58,39 @@ class SourceScan:
                 "documents": self.documents, "items": int(self.lengths.size),
                 "tokens": self.tokens, "empty": self.empty, "split": self.split,
                 "truncated": self.truncated, "dropped": self.dropped, "skipped": self.skipped,
-                "sampled": not self.complete}
+                "sampled": not self.complete,
+                **({} if self.image_patches is None else {
+                    "images": int(sum(len(p) for p in self.image_patches)),
+                    "patches": int(sum(sum(p) for p in self.image_patches))})}
+
+
+def _image_documents(measured: list, problems: Problems, capacity: int, long_documents: str,
+                     caps: tuple) -> tuple[np.ndarray, list, int]:
+    """An image shard's (index, key, length, patches) as the loader's transform keeps them
+    (`pipeline/images.py`): a sample is never split, one longer than a row is a record error
+    (with long_documents="drop", dropped and counted), so is one over a cap per row. Returns
+    (lengths, patches per item, dropped)."""
+    lengths, patches, dropped = [], [], 0
+    for index, key, length, per_image in measured:
+        problem = over_row_caps(per_image, *caps)
+        if problem is None and length > capacity:
+            if long_documents == "drop":
+                dropped += 1
+                continue
+            problem = (f"{length} tokens ({len(per_image)} image(s)) do not fit a row of "
+                       f"micro_batch_tokens={capacity}; an image sample is never split")
+        if problem is not None:
+            problems.record(index, f"sample {key!r}: {problem}")   # raises under "raise"
+            continue
+        if length:
+            lengths.append(length)
+            patches.append(per_image)
+    return np.array(lengths, np.int64), patches, dropped
 
 
 async def _scan_source(spec: LoaderSpec, index: int, tokenizer, max_docs: Optional[int],
-                       capacity: int, long_documents: str, on_error: str, retry) -> SourceScan:
+                       capacity: int, long_documents: str, on_error: str, retry,
+                       caps: tuple = (None, None)) -> SourceScan:
     source = spec.sources[index]
     options = source_store_options(source.uri, spec.storage_options, source.storage_options)
     store = open_store(source.uri, options or None, retry=retry)
@@ -67,20 +103,33 @@ async def _scan_source(spec: LoaderSpec, index: int, tokenizer, max_docs: Option
                 raise
             raise StorageError(f"source {source.name!r}: {exc}", uri=source.uri) from None
         per_shard: list[np.ndarray] = []
+        shard_patches: list[list] = []   # an image source: per shard, each item's patches
+        image_dropped = 0
         methods, formats = set(), set()
         budget = max_docs
         slots = asyncio.Semaphore(SCAN_CONCURRENCY)
 
-        async def read(shard: Shard, limit: Optional[int]) -> DocumentLengths:
-            nonlocal skipped
+        async def read(shard: Shard, limit: Optional[int]):
+            nonlocal skipped, image_dropped
             async with slots:
                 # One document more than needed tells whether the cap cut the shard short.
                 problems = Problems(source.name, shard.name, on_error)
-                lengths = await shard.format.document_lengths(
-                    store, shard.info, problems=problems, tokenizer=tokenizer,
-                    limit=None if limit is None else limit + 1)
+                limit = None if limit is None else limit + 1
+                if source.images is None:
+                    lengths = await shard.format.document_lengths(
+                        store, shard.info, problems=problems, tokenizer=tokenizer, limit=limit)
+                    skipped += len(problems.take())
+                    return lengths, None
+                # Image-text samples: lengths and patches per image from the headers.
+                measured = await stream_measures(
+                    shard.format, store, shard.info, problems=problems, tokenizer=tokenizer,
+                    limit=limit, chunk_bytes=LENGTHS_CHUNK_BYTES, images=source.images,
+                    with_patches=True)
+                docs, patches, dropped = _image_documents(measured, problems, capacity,
+                                                          long_documents, caps)
+                image_dropped += dropped
                 skipped += len(problems.take())
-                return lengths
+                return DocumentLengths(docs, "scan"), patches
 
         # Shards in listing order, a wave at a time, until max_docs documents are read.
         at, cut = 0, False
@@ -88,12 +137,15 @@ async def _scan_source(spec: LoaderSpec, index: int, tokenizer, max_docs: Option
             wave = shards[at:at + SCAN_CONCURRENCY]
             at += len(wave)
             results = await asyncio.gather(*(read(s, budget) for s in wave))
-            for shard, (docs, method) in zip(wave, results):
+            for shard, ((docs, method), patches) in zip(wave, results):
                 if budget is not None:
                     if docs.size > budget:
                         docs, cut = docs[:budget], True
+                        patches = None if patches is None else patches[:budget]
                     budget -= docs.size
                 per_shard.append(docs)
+                if patches is not None:
+                    shard_patches.append(patches)
                 methods.add(method)
                 formats.add(shard.format.name)
                 if cut:
@@ -104,7 +156,7 @@ async def _scan_source(spec: LoaderSpec, index: int, tokenizer, max_docs: Option
     finally:
         await store.aclose()
 
-    counts = {"empty": 0, "split": 0, "truncated": 0, "dropped": 0}
+    counts = {"empty": 0, "split": 0, "truncated": 0, "dropped": image_dropped}
     items, shard_items, divisible = [], [], []
     for docs in per_shard:
         cuts = cut_documents(docs, capacity, long_documents)   # the loader's rule
@@ -120,7 +172,9 @@ async def _scan_source(spec: LoaderSpec, index: int, tokenizer, max_docs: Option
         shard_items=np.array(shard_items, dtype=np.int64), shards=len(shards),
         shards_read=len(per_shard), documents=int(sum(d.size for d in per_shard)),
         skipped=skipped, complete=complete,
-        divisible=np.concatenate(divisible) if divisible else np.zeros(0, bool), **counts)
+        divisible=np.concatenate(divisible) if divisible else np.zeros(0, bool),
+        image_patches=None if source.images is None else
+        [p for patches in shard_patches for p in patches], **counts)
 
 
 def scan(spec: LoaderSpec, max_docs: Optional[int] = None) -> list[SourceScan]:
@@ -134,7 +188,8 @@ def scan(spec: LoaderSpec, max_docs: Optional[int] = None) -> list[SourceScan]:
     async def all_sources():
         return await asyncio.gather(*(
             _scan_source(spec, s, tokenizer, max_docs, config.micro_batch_tokens,
-                         config.long_documents, config.on_error, config.retry)
+                         config.long_documents, config.on_error, config.retry,
+                         (config.max_images_per_row, config.max_patches_per_row))
             for s in range(len(spec.sources))))
 
     return list(asyncio.run(all_sources()))

@@ -12,9 +12,12 @@ from ...errors import ConfigError
 from ...mixreport import MixTracker, StepMix
 from ...plan.cost import CostModel
 from ...job import JobModel, layout_feed
+from ...plan.caps import row_visual
 from ...plan.types import Candidates, Geometry
 from ...plan.windows import Block, Feed, ItemQueue, Windows
 from ...state import deal
+from ...vision.cost import EncoderCost
+from ...vision.hybrid import encoder_model
 
 from .scan import SourceScan
 
@@ -51,6 +54,21 @@ class StepReport:
     waited_token_steps: int = 0  # their delays weighted by their tokens
     plan_seconds: float = 0.0   # CPU time of the planner (`Stepper.assign`) for this step
     mix: Optional[StepMix] = None   # the configured target, the tail, run-outs (`mixreport`)
+    # An image job: the vision encoder's part of each rank's cost [R] (the rest of rank_cost
+    # is the backbone's), and each row's images and patches [R, M, 2] (the caps per row)
+    # is the backbone's), and each row's images and patches [R, M, 2] (the caps per row).
+    # The encoder's part is measured whether the planner saw it (image_cost="hybrid") or not
+    # ("backbone"): `backbone_cost` is the rest of the planned cost either way.
+    encoder_cost: Optional[np.ndarray] = None
+    backbone_cost: Optional[np.ndarray] = None
+    row_visual: Optional[np.ndarray] = None
+
+    @property
+    def efficiency(self) -> float:
+        """Under the sequential schedule (a rank's time: its encoder's then its backbone's),
+        the step's work spread evenly over the slowest rank's: mean / max of the sums."""
+        total = self.encoder_cost + self.backbone_cost
+        return float(total.mean() / total.max()) if total.max() > 0 else 1.0
 
     @property
     def units(self) -> float:
@@ -76,7 +94,12 @@ class StepReport:
                 "cut_work": round(self.cut_work, 3),
                 "row_cost": None if self.row_cost is None else self.row_cost.tolist(),
                 "step_time": self.step_time, "waited": self.waited,
-                "waited_steps": self.waited_steps, "delay_max": self.delay_max, "plan_ms": round(1e3 * self.plan_seconds, 3)}
+                "waited_steps": self.waited_steps, "delay_max": self.delay_max, "plan_ms": round(1e3 * self.plan_seconds, 3),
+                **({} if self.encoder_cost is None else {
+                    "encoder_cost": [float(c) for c in self.encoder_cost],
+                    "backbone_cost": [float(c) for c in self.backbone_cost],
+                    "row_images_max": int(self.row_visual[..., 0].max(initial=0)),
+                    "row_patches_max": int(self.row_visual[..., 1].max(initial=0))})}
 
 
 class _SourceFeed:
@@ -103,8 +126,36 @@ class _SourceFeed:
                           else np.asarray(divisible, dtype=bool))
         self.by_shards = self.shard_items is not None and not self.sampled
         self._dealt: tuple = (None, None)
+        self._item_cost: Optional[np.ndarray] = None
         if self.by_shards:
             self.starts = np.cumsum(self.shard_items) - self.shard_items
+        # An image source: each item's images, patches and their flat list (`SourceScan`).
+        patches = getattr(data, "image_patches", None)
+        self.images = self.patches = self.image_patches = None
+        if patches is not None:
+            self.images = np.array([len(p) for p in patches], np.int64)
+            self.patches = np.array([sum(p) for p in patches], np.int64)
+            self.image_patches = np.array([n for p in patches for n in p], np.int64)
+
+    def attributes(self, ids: np.ndarray, encoder) -> tuple:
+        """(encoder cost, images, patches) of the items with `ids` (an image source; zeros for
+        a text one): what the loader's runtime gives the planner for them."""
+        n = ids.shape[0]
+        if self.images is None or n == 0:
+            return np.zeros(n), np.zeros(n, np.int64), np.zeros(n, np.int64)
+        if self.by_shards:
+            at = self.starts[ids[:, 0] % self.shard_items.size] + ids[:, 1]
+        else:   # dealt item by item: the record field is the item's index
+            at = ids[:, 1]
+        images, patches = self.images[at], self.patches[at]
+        if encoder is None:
+            return np.zeros(n), images, patches
+        if self._item_cost is None:   # per item: its images' a*P^2 + b*P, summed
+            per_image = encoder.image_costs(self.image_patches)
+            bounds = np.concatenate([[0], np.cumsum(self.images)])
+            self._item_cost = np.add.reduceat(np.append(per_image, 0.0), bounds[:-1]) * \
+                (self.images > 0)
+        return self._item_cost[at], images, patches
 
     @property
     def num_shards(self) -> int:
@@ -123,18 +174,21 @@ class _SourceFeed:
         return Block(lengths, ids, divisible)
 
     def _block(self, items: np.ndarray) -> Block:
-        return Block.of(items >> 1, None, (items & 1).astype(bool))
+        """A block of the items with indices `items`: ids (0, index, -1)."""
+        n = items.size
+        ids = np.stack([np.zeros(n, np.int64), items, np.full(n, -1, np.int64)], axis=1)
+        return Block.of(self.lengths[items], ids, self.divisible[items])
 
     def rank_items(self, pass_index: int, endless: bool = False) -> list[np.ndarray]:
-        """Each rank's coded items (`length * 2 + divisible`) in pass (epoch) `pass_index`, dealt
-        round-robin; an endless source's passes rotate the deal, as the loader's do. Every rank
-        asks for the same pass: the last one is kept."""
+        """Each rank's items (indices) in pass (epoch) `pass_index`, dealt round-robin; an
+        endless source's passes rotate the deal, as the loader's do. Every rank asks for the
+        same pass: the last one is kept."""
         if self._dealt[0] != (pass_index, endless):
             self._dealt = ((pass_index, endless), self._deal(pass_index, endless))
         return self._dealt[1]
 
     def _deal(self, pass_index: int, endless: bool) -> list[np.ndarray]:
-        items = 2 * self.lengths + self.divisible
+        items = np.arange(self.lengths.size, dtype=np.int64)
         if pass_index > 0 and not self.sampled:
             items = items[np.random.default_rng([self.seed, pass_index, self.index])
                           .permutation(items.size)]
@@ -189,13 +243,19 @@ def simulate(spec: LoaderSpec, lengths: Sequence[Union[SourceScan, np.ndarray]],
     endless = [job.endless(s) for s in range(S)]
     windows = Windows([[ItemQueue(feeds[s].feed(job, r, endless[s])) for s in range(S)]
                        for r in range(R)])
+    # An image source: its items' encoder cost (image_cost="hybrid") and images / patches for
+    # the caps per row, as the loader's runtime hands them to the planner.
+    visual = any(f.images is not None for f in feeds)
+    encoder = encoder_model(config)   # None under image_cost="backbone"
+    measured = EncoderCost(config.encoder_cost_a, config.encoder_cost_b)   # reported either way
+    attributes = (lambda s, ids: feeds[s].attributes(ids, encoder)) if visual else None
     # The ranks dealt items of a source: the queues know (a sampled source, an empty shard).
     job.start(windows.holding())
     mix_tracker = MixTracker(S)   # each step's configured target, tail, run-outs (as the loader)
     reports: list[StepReport] = []
     empty_epochs = 0
     while len(reports) < steps:
-        offer = windows.offer(job.window_tokens())
+        offer = windows.offer(job.window_tokens(), attributes)
         c = offer.candidates
         step = job.begin(c, offer.exhausted)
         if step.outcome == "stop":
@@ -219,9 +279,15 @@ def simulate(spec: LoaderSpec, lengths: Sequence[Union[SourceScan, np.ndarray]],
         take = np.asarray(assignment.take, dtype=np.int64)
         mix_tracker.begin(job.stepper, step)
         units = job.commit(step, take, assignment.length, offer.ids)
+        true_encoder = None
+        if visual:   # each candidate's encoder cost, whether the planner saw it or not
+            true_encoder = np.zeros(len(c))
+            for s, feed in enumerate(feeds):
+                mine = c.source == s
+                true_encoder[mine] = feed.attributes(offer.ids[mine], measured)[0]
         reports.append(_report(step.index, job.epoch, c, step.quota, assignment, take, units,
                                job.stepper.geometry, S, job.stepper.cost,
-                               mix_tracker.commit(job.stepper)))
+                               mix_tracker.commit(job.stepper), true_encoder))
         reports[-1].plan_seconds = plan_seconds
         # Taken items leave their windows; the others age.
         delays, tokens = windows.commit(offer, take, assignment.length, step.index)
@@ -233,7 +299,8 @@ def simulate(spec: LoaderSpec, lengths: Sequence[Union[SourceScan, np.ndarray]],
 
 
 def _report(step, epoch, c: Candidates, quota, assignment, take, units, geometry: Geometry,
-            S: int, cost: CostModel, mix: Optional[StepMix] = None) -> StepReport:
+            S: int, cost: CostModel, mix: Optional[StepMix] = None,
+            true_encoder: Optional[np.ndarray] = None) -> StepReport:
     lengths = assignment.length
     rows = np.bincount(np.asarray(assignment.rank, np.int64) * geometry.micro_batches +
                        assignment.row, weights=lengths, minlength=geometry.rows)
@@ -258,6 +325,10 @@ def _report(step, epoch, c: Candidates, quota, assignment, take, units, geometry
     else:
         length_quota = np.zeros(0)
     rank_cost = np.asarray(assignment.rank_cost, dtype=np.float64)
+
+    def per_rank(values: np.ndarray) -> np.ndarray:
+        return np.bincount(np.asarray(assignment.rank, np.int64), weights=values,
+                           minlength=geometry.ranks)
     rank_tokens = np.bincount(np.asarray(assignment.rank, dtype=np.int64), weights=lengths,
                               minlength=geometry.ranks).astype(np.int64)
     mean = float(rank_cost.mean()) if rank_cost.size else 0.0
@@ -272,4 +343,9 @@ def _report(step, epoch, c: Candidates, quota, assignment, take, units, geometry
         fill=float(lengths.sum()) / geometry.step_tokens, active=np.asarray(quota.active),
         cut_work=cost.cut_savings(c.length[take][cut], lengths[cut]),
         row_cost=assignment.row_cost,
-        step_time=float(assignment.step_time.max(initial=0.0)))
+        step_time=float(assignment.step_time.max(initial=0.0)),
+        # the dry run has no sample-cost hooks: an item's extra cost is its encoder's
+        encoder_cost=None if true_encoder is None else per_rank(true_encoder[take]),
+        backbone_cost=None if true_encoder is None else rank_cost - per_rank(c.extra_cost[take]),
+        row_visual=None if true_encoder is None else
+        row_visual(c, take, assignment.rank, assignment.row, geometry))
