@@ -18,7 +18,7 @@ from streamload.formats import (FORMATS, JsonlFormat, RawRecord, TokensFormat, f
 from streamload import pieces
 from streamload.formats.tokens import plan_groups
 from streamload.pieces import cut_documents
-from streamload.pipeline.transform import records_to_items, to_tokens
+from streamload.pipeline.transform import records_to_block, to_tokens
 from streamload.tokenizer import PerDocument
 
 TEXTS = [
@@ -489,7 +489,7 @@ def words(text: str) -> np.ndarray:
 async def fetched_lengths(fmt, path: Path, tokenizer=None) -> list[int]:
     """Token counts of the records the fetch path makes of a shard: read as the fetcher
     reads, texts tokenized as `SourceFetcher._tokenize` does (UTF-8 bytes without a
-    tokenizer), then `to_tokens` as `records_to_items` applies it."""
+    tokenizer), then `to_tokens` as `records_to_block` applies it."""
     records = await read_shard(fmt, path, chunk_bytes=64)
     if tokenizer is not None:
         texts = [r.payload for r in records if isinstance(r.payload, str)]
@@ -611,8 +611,8 @@ async def test_document_lengths_skip_and_raise(tmp_path):
 
 
 @pytest.mark.parametrize("mode", ["split", "truncate", "drop"])
-def test_cut_documents_matches_records_to_items(mode):
-    """Lengths from 10 to 100k tokens, C=4096: the items records_to_items makes (lengths,
+def test_cut_documents_matches_records_to_block(mode):
+    """Lengths from 10 to 100k tokens, C=4096: the items records_to_block makes (lengths,
     chunk ids, tokens, counts) are the ones cut_documents describes."""
     C = 4096
     rng = np.random.default_rng(4)
@@ -621,14 +621,14 @@ def test_cut_documents_matches_records_to_items(mode):
         [0, 10, C - 1, C, C + 1, 2 * C, 2 * C + 1, 100_000, 0]])
     rng.shuffle(lengths)
     records = [RawRecord(3 * i + 1, np.arange(n, dtype=np.int32)) for i, n in enumerate(lengths)]
-    items, counts = records_to_items(records, 5, C, mode)
+    block, counts = records_to_block(records, 5, C, mode)
     cuts = cut_documents(lengths, C, mode)
-    assert [len(i) for i in items] == cuts.lengths.tolist()
-    assert [i.chunk for i in items] == cuts.chunks().tolist()
-    assert [i.record for i in items] == [records[d].index for d in cuts.document.tolist()]
-    for item, start in zip(items, cuts.start.tolist()):
-        assert item.tokens[0] == start                  # the document's tokens from `start`
-    assert [i.chunk >= 0 for i in items] == cuts.divisible.tolist()
+    assert block.length.tolist() == cuts.lengths.tolist()
+    assert block.chunk.tolist() == cuts.chunks().tolist()
+    assert block.record.tolist() == [records[d].index for d in cuts.document.tolist()]
+    for k, start in enumerate(cuts.start.tolist()):
+        assert block.item_tokens(k)[0] == start   # the document's tokens from `start`
+    assert (block.chunk >= 0).tolist() == cuts.divisible.tolist()
     assert (counts.empty, counts.truncated, counts.dropped) == \
         (cuts.empty, cuts.truncated, cuts.dropped) == (2, *(
             [int((lengths > C).sum()), 0] if mode == "truncate" else
