@@ -7,6 +7,7 @@ import json
 import zlib
 from pathlib import Path
 
+import msgspec
 import numpy as np
 import pytest
 import zstandard
@@ -135,6 +136,44 @@ BAD_LINES = [  # (line, what the message says)
     (b'{"text": "bad \xff\xfe utf8"}', "invalid UTF-8"),
     (b'{"text": "ok"} trailing', "invalid JSON"),
 ]
+
+
+JSONL_LINES = [b'{"text": "plain"}', b'{"text": "caf\xc3\xa9 \xe6\x97\xa5"}', b"", b"   ", b"\r",
+               b"\t \r", b"\x0c", b'  {"text": "padded"}  ', b'{"text": "crlf"}\r',
+               b'{"text": "a"} {"text": "b"}', b'{"text": 1}', b"not json", b'{"other": "x"}',
+               b'{"text": "x", "id": 3}', b'{"text": ""}', b'{"te', b'xt": "split"}']
+
+
+@pytest.mark.parametrize("seed", range(12))
+async def test_jsonl_columns_read_what_lines_read(tmp_path, seed):
+    """A range's records come from one msgspec call (`decode_lines`) when it can stand for
+    the lines; whatever the shard holds (blank and whitespace-only lines, CRLF, two values on
+    a line, bad records, a BOM), the records, their line numbers and the skips are the ones
+    read line by line."""
+    rng = np.random.default_rng(seed)
+    weights = np.ones(len(JSONL_LINES))
+    weights[:2] = 12 if seed % 2 else 40   # mostly good lines, so whole ranges decode at once
+    lines = [JSONL_LINES[k] for k in rng.choice(len(JSONL_LINES), 80, p=weights / weights.sum())]
+    raw = (b"\xef\xbb\xbf" if seed % 3 == 0 else b"") + b"\n".join(lines) + \
+        (b"\n" if seed % 4 else b"")
+    path = tmp_path / "mixed.jsonl"
+    path.write_bytes(raw)
+    expected, expected_skips = [], []
+    decode = msgspec.json.Decoder(dict).decode
+    for index, line in enumerate(raw.removeprefix(b"\xef\xbb\xbf").split(b"\n")):
+        if not line or line.isspace():
+            continue
+        try:
+            text = decode(line)["text"]
+            assert isinstance(text, str)
+            expected.append(RawRecord(index, text))
+        except (msgspec.MsgspecError, KeyError, AssertionError, TypeError):
+            expected_skips.append(index)
+    for chunk_bytes in (5, 64, 700, 1 << 20):
+        skips = Skips()
+        records = await read_shard(JsonlFormat(), path, chunk_bytes=chunk_bytes, skips=skips)
+        assert records == expected
+        assert [record for record, _ in skips.calls] == expected_skips
 
 
 def shard_with_bad_line(tmp_path: Path, bad: bytes, suffix: str = ".jsonl") -> Path:

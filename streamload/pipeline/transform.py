@@ -139,9 +139,8 @@ def record_tokens(records: Records, problems: Problems, counts: TransformCounts,
     were gathered from, if so (their own arrays are checked when the buffer fails)."""
     if records.texts is not None:
         texts = records.texts
-        joined = "".join(texts)
-        if joined.isascii():   # one byte per character: lengths without encoding each text
-            data = joined.encode("ascii")
+        if all(map(str.isascii, texts)):   # (a flag of each str) one byte per character
+            data = "".join(texts).encode("ascii")
             lengths = np.fromiter(map(len, texts), np.int64, len(texts))
         else:
             encoded = [t.encode("utf-8") for t in texts]
