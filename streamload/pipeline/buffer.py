@@ -20,7 +20,6 @@ from typing import Iterable, NamedTuple, Optional, Sequence
 
 import numpy as np
 
-from ..formats.base import gather_index
 from ..plan.windows import head_window
 from .changes import Changes
 
@@ -84,11 +83,13 @@ class ItemBlock:
         if self.tokens.nbytes < _COMPACT_MIN_BYTES or \
                 self.total >= _COMPACT_BELOW * self.tokens.shape[0]:
             return self
-        index = gather_index(self.start, self.length)
+        tokens = self.tokens   # (few items: a concatenation of views beats an index gather)
+        kept = np.concatenate([tokens[s:s + n] for s, n in
+                               zip(self.start.tolist(), self.length.tolist())])
         start = np.zeros(len(self), np.int64)
         np.cumsum(self.length[:-1], out=start[1:])
-        return ItemBlock(self.shard, self.tokens[index], start, self.length, self.record,
-                         self.chunk, self.age, self.images)
+        return ItemBlock(self.shard, kept, start, self.length, self.record, self.chunk,
+                         self.age, self.images)
 
     @property
     def nbytes(self) -> int:
