@@ -168,24 +168,34 @@ class SourceBuffer:
 
     # -- producer side -------------------------------------------------------------------
     async def put(self, blocks: Iterable[ItemBlock]) -> None:
-        """Append blocks of items in order; waits while the buffer is at capacity (a block
-        goes in whole, so the buffer may hold up to one block past its capacity)."""
+        """Append blocks of items in order; waits while the buffer is at capacity. As if item
+        by item: an item goes in while the buffer holds less than its capacity, so it never
+        holds more than that plus one item (a block is split where the capacity falls)."""
         for block in blocks:
-            if not len(block):
-                continue
-            if self._tokens >= self.capacity_tokens:
-                self._changes.notify()   # what is appended so far may complete a window
-                started = time.perf_counter()
-                while self._tokens >= self.capacity_tokens and self._error is None:
-                    await self._changes.wait()
-                self.blocked_s += time.perf_counter() - started
-            self._raise_if_failed()
-            self._entries.append(block)
-            self._tokens += block.total
-            self._items += len(block)
-            if self._markers == 0:
-                self._head_tokens += block.total
+            while len(block):
+                if self._tokens >= self.capacity_tokens:
+                    self._changes.notify()   # what is appended so far may complete a window
+                    started = time.perf_counter()
+                    while self._tokens >= self.capacity_tokens and self._error is None:
+                        await self._changes.wait()
+                    self.blocked_s += time.perf_counter() - started
+                self._raise_if_failed()
+                room = self.capacity_tokens - self._tokens
+                if block.total <= room:
+                    part, block = block, block.subset(slice(0, 0))
+                else:   # the items that start below the capacity go now, the rest wait
+                    before = np.cumsum(block.length) - block.length
+                    n = int(np.searchsorted(before, room, side="left"))
+                    part, block = block.subset(slice(0, n)), block.subset(slice(n, None))
+                self._append(part)
         self._changes.notify()
+
+    def _append(self, block: ItemBlock) -> None:
+        self._entries.append(block)
+        self._tokens += block.total
+        self._items += len(block)
+        if self._markers == 0:
+            self._head_tokens += block.total
 
     async def end_epoch(self, epoch: int) -> None:
         """Mark the end of `epoch`; waits while MAX_PENDING_EPOCHS ends are still unconsumed.
