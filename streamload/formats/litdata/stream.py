@@ -14,7 +14,7 @@ import zstandard
 from ...storage.base import ObjectInfo, ObjectStore
 from ...tokenizer import TextTokenizer
 from ..base import (BadShard, MissingField, PlannedStream, Problems, RawRecord, Records,
-                    field_hint, read_exact)
+                    column_dtype, field_hint, read_exact)
 from ..tokens import plan_groups
 from .index import Chunk
 from .layouts import BadRecord, Decoder, Layout, Truncated, inflate
@@ -61,7 +61,7 @@ class LitdataStream(PlannedStream):
         return self._plan.groups if self._plan.mode in ("items", "blocks") else None
 
     def decode(self, chunk: bytes) -> list[RawRecord]:
-        return self.decode_columns(chunk).to_list()
+        return self.decode_columns(chunk).widened(self._decoder.out_dtype).to_list()
 
     def decode_columns(self, chunk: bytes) -> Records:
         """Token blocks as offsets over the range's buffer (a view when the dtype is the one
@@ -144,8 +144,8 @@ class LitdataStream(PlannedStream):
 
     def _blocks(self, first: int, stop: int, chunk: bytes) -> Records:
         size = self._layout.block_size
-        tokens = np.frombuffer(chunk, self._layout.dtype).astype(self._decoder.out_dtype,
-                                                                 copy=False)
+        tokens = np.frombuffer(chunk, self._layout.dtype).astype(
+            column_dtype(self._layout.dtype, self._decoder.out_dtype), copy=False)
         blocks = tokens.reshape(stop - first, size)
         negative = (np.flatnonzero(blocks.min(axis=1) < 0).tolist()
                     if self._layout.dtype.kind == "i" and blocks.size else [])
