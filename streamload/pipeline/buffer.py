@@ -35,7 +35,7 @@ class ItemBlock:
     tokens): item k is `tokens[start[k]:start[k] + length[k]]`, its id (shard, record[k],
     chunk[k]) (`pieces` says what chunk holds), offered age[k] times and not taken. `images`:
     per item, its images (an image source's `ImageRef`s), else None. Columns are int64; a
-    ItemBlock is not changed once made (`take` makes new ones)."""
+    block is not changed once in a buffer (`take` makes new ones)."""
     __slots__ = ("shard", "tokens", "start", "length", "record", "chunk", "age", "images",
                  "total")
 
@@ -79,7 +79,7 @@ class ItemBlock:
 
     def compacted(self) -> "ItemBlock":
         """This block, its items' tokens copied into a buffer of their own when they hold
-        little of the one it shares (one gather)."""
+        little of the one it shares (one concatenation)."""
         if self.tokens.nbytes < _COMPACT_MIN_BYTES or \
                 self.total >= _COMPACT_BELOW * self.tokens.shape[0]:
             return self
@@ -107,9 +107,6 @@ class Window(NamedTuple):
     done: bool
     images: Optional[list] = None
 
-    def __len__(self) -> int:
-        return self.lengths.shape[0]
-
 
 class Taken(NamedTuple):
     """What `SourceBuffer.take` removed, in the order asked: each item's tokens (views) and,
@@ -130,7 +127,7 @@ class EndOfEpoch:
 
 def _columns(blocks: Sequence[ItemBlock], n: int):
     """The first `n` items of `blocks`, as concatenated columns: lengths, ages, ids [n, 3],
-    images (or None), and per item its block and its place in that block."""
+    and images (or None)."""
     if not blocks:
         return _EMPTY, _EMPTY, np.zeros((0, 3), np.int64), None
     lengths = np.concatenate([b.length for b in blocks])[:n]
