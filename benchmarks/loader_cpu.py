@@ -6,23 +6,49 @@
 `benchmarks/throughput.py` shares two cores with the moto server; this reads the same cached
 corpus (`benchmarks/_corpus.py`, generated on first use) from local files, so what it measures
 is the loader: per rank, text MB/s, samples/s, and process CPU per step (everything: the
-step loop, decoding and tokenizing, the collectives, the consumer). Same geometry as the
-throughput benchmark (4 rows of 65,536 tokens, planner "naive", byte tokens). Prints a JSON
-last line: {"results": [{"ranks", "rank", "steps", "mb_per_s", "samples_per_s",
-"cpu_ms_per_step", "stall_s"}]}; samples count the pieces of split documents.
+step loop, decoding and tokenizing, the collectives, the consumer), and the same per thread:
+the loop thread (`streamload-loop`: the step loop and the fetchers' asyncio side), the
+transform threads (decoding, tokenizing) and the trainer's thread (`next()` and this script's
+consumer). The clock and the CPU counters start after `streamload.loader` (torch with it) is
+imported: since `import streamload` stopped importing torch (08bd0f8), `sl.Loader` imports it on
+first use, which added about 1 s of CPU, 2.5 ms per step over 400 steps, to the figures of
+earlier runs that imported only `streamload`. Same geometry as the throughput benchmark (4 rows
+of 65,536 tokens, planner "naive", byte tokens). Prints a JSON last line: {"results":
+[{"ranks", "rank", "steps", "mb_per_s", "samples_per_s", "cpu_ms_per_step", "loop_ms_per_step",
+"transform_ms_per_step", "trainer_ms_per_step", "first_batch_s", "stall_s"}]}; samples count
+the pieces of split documents.
 """
 from __future__ import annotations
 
 import argparse
 import datetime
 import json
+import os
 import socket
 import sys
+import threading
 import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import _corpus  # noqa: E402
+
+
+def thread_cpu_s() -> dict[str, float]:
+    """CPU seconds of this process's live threads, summed by Python thread name (numbered
+    workers, `name-0`, `name-1`, together)."""
+    names = {t.native_id: t.name.rstrip("0123456789").rstrip("-_") for t in threading.enumerate()}
+    tick = os.sysconf("SC_CLK_TCK")
+    out: dict[str, float] = {}
+    for tid in os.listdir("/proc/self/task"):
+        try:
+            with open(f"/proc/self/task/{tid}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except FileNotFoundError:   # the thread ended meanwhile
+            continue
+        name = names.get(int(tid), "other")
+        out[name] = out.get(name, 0.0) + (int(fields[11]) + int(fields[12])) / tick
+    return out
 
 
 def run_rank(rank: int, world: int, port: int, root: str, weights: dict, steps: int, queue) -> None:
@@ -31,24 +57,35 @@ def run_rank(rank: int, world: int, port: int, root: str, weights: dict, steps: 
         dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
                                 world_size=world, timeout=datetime.timedelta(seconds=120))
     import streamload as sl
+    import streamload.loader  # noqa: F401  (the Loader's module and torch: not measured)
     sources = [sl.Source(f"{root}/{name}/", weight=w, name=name) for name, w in weights.items()]
     tokens = samples = done = 0
-    started, cpu0 = time.perf_counter(), time.process_time()
+    first = None
+    started, cpu0, trainer0 = time.perf_counter(), time.process_time(), time.thread_time()
     with sl.Loader(sources, micro_batch_tokens=65536, micro_batches=4, epochs=1, seed=0,
                    planner="naive") as loader:
         for done, batch in enumerate(loader, 1):
+            if first is None:
+                first = time.perf_counter() - started
             for mb in batch.micro_batches:
                 tokens += mb.num_tokens
                 samples += len(mb.sample_ids)
             if done >= steps:
                 break
         elapsed = time.perf_counter() - started
+        cpu, trainer, threads = time.process_time() - cpu0, time.thread_time() - trainer0, \
+            thread_cpu_s()
         stall = loader.stats()["stall_s"]
+    per_step = 1e3 / max(done, 1)
     queue.put({"ranks": world, "rank": rank, "steps": done,
                "mb_per_s": round(tokens / elapsed / 1e6, 2),
                "samples_per_s": round(samples / elapsed),
-               "cpu_ms_per_step": round((time.process_time() - cpu0) / max(done, 1) * 1e3, 2),
-               "stall_s": round(stall, 3)})
+               "cpu_ms_per_step": round(cpu * per_step, 2),
+               "loop_ms_per_step": round(threads.get("streamload-loop", 0.0) * per_step, 2),
+               "transform_ms_per_step": round(threads.get("streamload-transform", 0.0)
+                                              * per_step, 2),
+               "trainer_ms_per_step": round(trainer * per_step, 2),
+               "first_batch_s": round(first or 0.0, 3), "stall_s": round(stall, 3)})
     if world > 1:
         import torch.distributed as dist
         dist.destroy_process_group()
@@ -86,7 +123,10 @@ def main(argv=None) -> int:
     for world in (int(w) for w in args.ranks.split(",")):
         for r in measure(world, root, weights, args.steps):
             print(f"{world} rank(s), rank {r['rank']}: {r['mb_per_s']} MB/s, "
-                  f"{r['samples_per_s']:,} samples/s, {r['cpu_ms_per_step']} ms CPU per step",
+                  f"{r['samples_per_s']:,} samples/s, {r['cpu_ms_per_step']} ms CPU per step "
+                  f"(loop thread {r['loop_ms_per_step']}, transforms "
+                  f"{r['transform_ms_per_step']}, trainer {r['trainer_ms_per_step']}), "
+                  f"first batch {r['first_batch_s']} s",
                   file=sys.stderr)
             results.append(r)
     print(json.dumps({"results": results}))
