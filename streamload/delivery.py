@@ -86,11 +86,11 @@ class Delivery:
             order = np.argsort(positions, kind="stable")
             short = lengths[entries] < c.length[plan.take[entries]]   # cut to fill a row
             cut = dict(zip(positions[short].tolist(), lengths[entries][short].tolist()))
-            items = buffer.take(positions[order], window_sizes[s], cut)
-            mine.update(zip(entries[order].tolist(), (i.tokens for i in items)))
+            taken = buffer.take(positions[order], window_sizes[s], cut)
+            mine.update(zip(entries[order].tolist(), taken.tokens))
             if self.images is not None:
                 refs.update(zip(entries[order].tolist(),
-                                (getattr(i, "images", ()) for i in items)))
+                                taken.images or [()] * len(taken.tokens)))
         entries, tokens = await collective(
             lambda: exchange_tokens(self.comm, holder, plan.rank, lengths, mine))
         if self.images is not None:

@@ -55,7 +55,7 @@ LONG_DOCUMENTS = ("split", "truncate", "drop")
 class Cuts:
     """The items that a run of documents becomes (`cut_documents`), in order: per item, the
     document it comes from, where it starts in that document, how long it is and which piece it
-    is. The loader slices its token arrays by these (`pipeline.transform.records_to_items`); the
+    is. The loader slices its token buffers by these (`pipeline.transform.records_to_block`); the
     dry run uses the lengths alone."""
     lengths: np.ndarray    # int64 [items]: tokens in the item
     document: np.ndarray   # int64 [items]: the item's document (position in the input)

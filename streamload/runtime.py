@@ -271,16 +271,13 @@ class Runtime:
         await asyncio.gather(*(self._wait_ready(s) for s in range(len(self.buffers))))
         windows = []
         for s, buffer in enumerate(self.buffers):
-            items, done = buffer.window()
-            # One pass over the items: length, age, shard, record, chunk.
-            fields = np.array([(i.tokens.shape[0], i.age, i.shard, i.record, i.chunk)
-                               for i in items], dtype=np.int64).reshape(-1, 5)
-            lengths = fields[:, 0]
+            window = buffer.window()   # columns: lengths, ages, ids (shard, record, chunk)
+            lengths = window.lengths
             self._window_sizes[s] = int(lengths.shape[0])
             extra = CostModel.extra_cost(self.sample_costs.get(self.sources[s].name), lengths)
             if self._encoders[s] is not None:   # an image source under hybrid balancing
-                extra = extra + window_costs(items, self._encoders[s])
-            windows.append(SourceWindow(lengths, fields[:, 1], fields[:, 2:], done, extra))
+                extra = extra + window_costs(window.images or [], self._encoders[s])
+            windows.append(SourceWindow(lengths, window.ages, window.ids, window.done, extra))
         return encode_summary(windows)
 
     async def _wait_ready(self, s: int) -> None:

@@ -12,7 +12,7 @@ from streamload.commands.cli import main
 from streamload.configfile import load_config
 from streamload.commands.dryrun import scan, scan_lengths, simulate, summarize
 from streamload.plan.windows import Block, ItemQueue
-from streamload.pipeline.buffer import Item, SourceBuffer
+from streamload.pipeline.buffer import ItemBlock, SourceBuffer
 
 MIX_TOLERANCE = 0.02   # realized share over the 20-step run vs the weights (tokens)
 
@@ -169,20 +169,23 @@ def test_window_matches_source_buffer():
 
     async def run():
         buffer = SourceBuffer(10 ** 9, W)
-        await buffer.put(Item(0, i, -1, np.zeros(n, np.int32)) for i, n in enumerate(lengths))
+        # blocks of uneven sizes, as ranges arrive
+        cuts = [0, 1, 50, 51, 200, 333, 400]
+        await buffer.put(ItemBlock.of_arrays(0, [np.zeros(n, np.int32) for n in lengths[a:b]],
+                                             np.arange(a, b)) for a, b in zip(cuts, cuts[1:]))
         await buffer.end_epoch(0)
         blocks = iter([Block.of(lengths[:150]), Block.of(lengths[150:], np.stack(
             [np.zeros(250, np.int64), np.arange(150, 400), np.full(250, -1)], axis=1))])
         window = ItemQueue(lambda _tokens: next(blocks, None))
         for _ in range(200):
-            items, done = buffer.window()
+            items = buffer.window()
+            done = items.done
             sim, ages, ids, sim_done = window.window(W)
-            np.testing.assert_array_equal(sim, [len(i) for i in items])
-            np.testing.assert_array_equal(ages, [i.age for i in items])
-            expected = [(i.shard, i.record, i.chunk) for i in items]
-            np.testing.assert_array_equal(ids, np.array(expected, np.int64).reshape(-1, 3))
+            np.testing.assert_array_equal(sim, items.lengths)
+            np.testing.assert_array_equal(ages, items.ages)
+            np.testing.assert_array_equal(ids, items.ids)
             assert sim_done == done
-            if not items:
+            if not len(items):
                 break
             positions = np.flatnonzero(rng.random(len(items)) < 0.5)
             buffer.take(positions, len(items))

@@ -7,6 +7,7 @@ import json
 import zlib
 from pathlib import Path
 
+import msgspec
 import numpy as np
 import pytest
 import zstandard
@@ -18,7 +19,7 @@ from streamload.formats import (FORMATS, JsonlFormat, RawRecord, TokensFormat, f
 from streamload import pieces
 from streamload.formats.tokens import plan_groups
 from streamload.pieces import cut_documents
-from streamload.pipeline.transform import records_to_items, to_tokens
+from streamload.pipeline.transform import records_to_block, to_tokens
 from streamload.tokenizer import PerDocument
 
 TEXTS = [
@@ -135,6 +136,44 @@ BAD_LINES = [  # (line, what the message says)
     (b'{"text": "bad \xff\xfe utf8"}', "invalid UTF-8"),
     (b'{"text": "ok"} trailing', "invalid JSON"),
 ]
+
+
+JSONL_LINES = [b'{"text": "plain"}', b'{"text": "caf\xc3\xa9 \xe6\x97\xa5"}', b"", b"   ", b"\r",
+               b"\t \r", b"\x0c", b'  {"text": "padded"}  ', b'{"text": "crlf"}\r',
+               b'{"text": "a"} {"text": "b"}', b'{"text": 1}', b"not json", b'{"other": "x"}',
+               b'{"text": "x", "id": 3}', b'{"text": ""}', b'{"te', b'xt": "split"}']
+
+
+@pytest.mark.parametrize("seed", range(12))
+async def test_jsonl_columns_read_what_lines_read(tmp_path, seed):
+    """A range's records come from one msgspec call (`decode_lines`) when it can stand for
+    the lines; whatever the shard holds (blank and whitespace-only lines, CRLF, two values on
+    a line, bad records, a BOM), the records, their line numbers and the skips are the ones
+    read line by line."""
+    rng = np.random.default_rng(seed)
+    weights = np.ones(len(JSONL_LINES))
+    weights[:2] = 12 if seed % 2 else 40   # mostly good lines, so whole ranges decode at once
+    lines = [JSONL_LINES[k] for k in rng.choice(len(JSONL_LINES), 80, p=weights / weights.sum())]
+    raw = (b"\xef\xbb\xbf" if seed % 3 == 0 else b"") + b"\n".join(lines) + \
+        (b"\n" if seed % 4 else b"")
+    path = tmp_path / "mixed.jsonl"
+    path.write_bytes(raw)
+    expected, expected_skips = [], []
+    decode = msgspec.json.Decoder(dict).decode
+    for index, line in enumerate(raw.removeprefix(b"\xef\xbb\xbf").split(b"\n")):
+        if not line or line.isspace():
+            continue
+        try:
+            text = decode(line)["text"]
+            assert isinstance(text, str)
+            expected.append(RawRecord(index, text))
+        except (msgspec.MsgspecError, KeyError, AssertionError, TypeError):
+            expected_skips.append(index)
+    for chunk_bytes in (5, 64, 700, 1 << 20):
+        skips = Skips()
+        records = await read_shard(JsonlFormat(), path, chunk_bytes=chunk_bytes, skips=skips)
+        assert records == expected
+        assert [record for record, _ in skips.calls] == expected_skips
 
 
 def shard_with_bad_line(tmp_path: Path, bad: bytes, suffix: str = ".jsonl") -> Path:
@@ -489,7 +528,7 @@ def words(text: str) -> np.ndarray:
 async def fetched_lengths(fmt, path: Path, tokenizer=None) -> list[int]:
     """Token counts of the records the fetch path makes of a shard: read as the fetcher
     reads, texts tokenized as `SourceFetcher._tokenize` does (UTF-8 bytes without a
-    tokenizer), then `to_tokens` as `records_to_items` applies it."""
+    tokenizer), then `to_tokens` as `records_to_block` applies it."""
     records = await read_shard(fmt, path, chunk_bytes=64)
     if tokenizer is not None:
         texts = [r.payload for r in records if isinstance(r.payload, str)]
@@ -611,8 +650,8 @@ async def test_document_lengths_skip_and_raise(tmp_path):
 
 
 @pytest.mark.parametrize("mode", ["split", "truncate", "drop"])
-def test_cut_documents_matches_records_to_items(mode):
-    """Lengths from 10 to 100k tokens, C=4096: the items records_to_items makes (lengths,
+def test_cut_documents_matches_records_to_block(mode):
+    """Lengths from 10 to 100k tokens, C=4096: the items records_to_block makes (lengths,
     chunk ids, tokens, counts) are the ones cut_documents describes."""
     C = 4096
     rng = np.random.default_rng(4)
@@ -621,14 +660,14 @@ def test_cut_documents_matches_records_to_items(mode):
         [0, 10, C - 1, C, C + 1, 2 * C, 2 * C + 1, 100_000, 0]])
     rng.shuffle(lengths)
     records = [RawRecord(3 * i + 1, np.arange(n, dtype=np.int32)) for i, n in enumerate(lengths)]
-    items, counts = records_to_items(records, 5, C, mode)
+    block, counts = records_to_block(records, 5, C, mode)
     cuts = cut_documents(lengths, C, mode)
-    assert [len(i) for i in items] == cuts.lengths.tolist()
-    assert [i.chunk for i in items] == cuts.chunks().tolist()
-    assert [i.record for i in items] == [records[d].index for d in cuts.document.tolist()]
-    for item, start in zip(items, cuts.start.tolist()):
-        assert item.tokens[0] == start                  # the document's tokens from `start`
-    assert [i.chunk >= 0 for i in items] == cuts.divisible.tolist()
+    assert block.length.tolist() == cuts.lengths.tolist()
+    assert block.chunk.tolist() == cuts.chunks().tolist()
+    assert block.record.tolist() == [records[d].index for d in cuts.document.tolist()]
+    for k, start in enumerate(cuts.start.tolist()):
+        assert block.item_tokens(k)[0] == start   # the document's tokens from `start`
+    assert (block.chunk >= 0).tolist() == cuts.divisible.tolist()
     assert (counts.empty, counts.truncated, counts.dropped) == \
         (cuts.empty, cuts.truncated, cuts.dropped) == (2, *(
             [int((lengths > C).sum()), 0] if mode == "truncate" else

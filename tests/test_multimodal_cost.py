@@ -117,10 +117,8 @@ def test_window_costs_of_items_with_and_without_images():
         def __init__(self, *grids):
             self.images = tuple(Ref(g) for g in grids)
 
-    class TextItem:
-        pass
     encoder = EncoderCost(a=1.0, b=2.0)
-    costs = window_costs([Item((1, 2, 3), (1, 4, 4)), TextItem(), Item()], encoder)
+    costs = window_costs([Item((1, 2, 3), (1, 4, 4)).images, (), Item().images], encoder)
     assert costs.tolist() == [6 * 6 + 2 * 6 + 16 * 16 + 2 * 16, 0.0, 0.0]
     assert window_costs([], encoder).shape == (0,)
 

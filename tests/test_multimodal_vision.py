@@ -154,8 +154,8 @@ def test_the_encoder_cost_of_a_sample_sums_its_images():
     backbone = CostModel.transformer(7e9, 32, 4096)
     assert backbone.b / enc.b == pytest.approx(7e9 / 600e6)
 
-    class Item:   # what the fetcher buffers: an ImageItem's images, or none
+    class Item:   # what the fetcher buffers: an image item's images, or none
         def __init__(self, *grids):
             self.images = tuple(ImageRef("m", b"", Placement(0, 0, g, 0)) for g in grids)
-    assert item_patches([Item((1, 10, 20), (1, 2, 2)), Item(), object()]) == \
+    assert item_patches([Item((1, 10, 20), (1, 2, 2)).images, Item().images, ()]) == \
         [[200, 4], [], []]

@@ -7,7 +7,7 @@ import pytest
 from streamload import pieces
 
 from streamload.formats.base import RawRecord
-from streamload.pipeline.transform import records_to_items, utf8_bytes
+from streamload.pipeline.transform import records_to_block, utf8_bytes
 from streamload.plan.packing import IGNORE_INDEX, pack_rows, row_memory_words, split_row_memory
 
 
@@ -92,11 +92,12 @@ def test_byte_tokens_are_uint8_and_split_chunks_keep_the_bytes():
     text = "naïve Zürich 東京 " * 20
     data = text.encode("utf-8")
     assert utf8_bytes(text).dtype == np.uint8 and utf8_bytes(text).tobytes() == data
-    items, counts = records_to_items([RawRecord(7, text), RawRecord(8, "")], shard=0,
+    block, counts = records_to_block([RawRecord(7, text), RawRecord(8, "")], shard=0,
                                      capacity=100, long_documents="split")
-    assert b"".join(item.tokens.tobytes() for item in items) == data
-    assert [item.chunk for item in items] == [pieces.piece(k) for k in range(-(-len(data) // 100))]
-    assert counts.tokens == len(data) and counts.samples == len(items) and counts.empty == 1
+    assert block.tokens.dtype == np.uint8
+    assert b"".join(block.item_tokens(k).tobytes() for k in range(len(block))) == data
+    assert block.chunk.tolist() == [pieces.piece(k) for k in range(-(-len(data) // 100))]
+    assert counts.tokens == len(data) and counts.samples == len(block) and counts.empty == 1
 
 
 @pytest.mark.core

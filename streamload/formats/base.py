@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import difflib
 from dataclasses import dataclass
-from typing import Callable, NamedTuple, Protocol, Sequence, Union
+from typing import Callable, NamedTuple, Optional, Protocol, Sequence, Union
 
 import numpy as np
 
@@ -155,7 +155,92 @@ class RawRecord:
     payload: Union[str, np.ndarray]   # str for text formats, 1-D integer array for token formats
 
 
+class Records:
+    """A range's records as columns: their indexes (int64 [n]) and their payloads, either
+    `texts` (n str, to be tokenized) or one token buffer `tokens` (1-D integers) with `offsets`
+    (int64 [n + 1]: record k is tokens[offsets[k]:offsets[k + 1]], a view). What a stream's
+    `decode_columns` gives: no Python object per record for a token format, one list of
+    str for a text format. `to_list` gives the `RawRecord`s for callers that want them."""
+    __slots__ = ("index", "texts", "tokens", "offsets")
+
+    def __init__(self, index: np.ndarray, texts: Optional[list] = None,
+                 tokens: Optional[np.ndarray] = None, offsets: Optional[np.ndarray] = None):
+        self.index = np.asarray(index, np.int64).reshape(-1)
+        self.texts, self.tokens, self.offsets = texts, tokens, offsets
+
+    @classmethod
+    def of(cls, records: Sequence[RawRecord]) -> "Records":
+        """Columns from RawRecords: all texts, or token arrays (copied into one buffer)."""
+        index = np.fromiter((r.index for r in records), np.int64, len(records))
+        if records and all(isinstance(r.payload, str) for r in records):
+            return cls(index, texts=[r.payload for r in records])
+        arrays = [np.asarray(r.payload).reshape(-1) for r in records]
+        offsets = np.zeros(len(arrays) + 1, np.int64)
+        np.cumsum([a.shape[0] for a in arrays], out=offsets[1:])
+        # (an empty document's dtype, float64 from np.asarray([]), must not widen the rest)
+        tokens = np.concatenate([a for a in arrays if a.size] or [np.zeros(0, np.int32)])
+        return cls(index, tokens=tokens, offsets=offsets)
+
+    @classmethod
+    def empty(cls) -> "Records":
+        return cls(np.zeros(0, np.int64), tokens=np.zeros(0, np.int32),
+                   offsets=np.zeros(1, np.int64))
+
+    def __len__(self) -> int:
+        return self.index.shape[0]
+
+    def payloads(self) -> list:
+        """Each record's payload: its text, or its tokens (a view of the buffer)."""
+        if self.texts is not None:
+            return self.texts
+        tokens, bounds = self.tokens, self.offsets.tolist()
+        return [tokens[lo:hi] for lo, hi in zip(bounds[:-1], bounds[1:])]
+
+    def to_list(self) -> list[RawRecord]:
+        return [RawRecord(i, p) for i, p in zip(self.index.tolist(), self.payloads())]
+
+    def select(self, keep: np.ndarray) -> "Records":
+        """The records where `keep` (bool [n]) holds, in order (token records: the buffer
+        gathered into one of their own)."""
+        if keep.all():
+            return self
+        if self.texts is not None:
+            return Records(self.index[keep],
+                           texts=[t for t, k in zip(self.texts, keep.tolist()) if k])
+        lengths = np.diff(self.offsets)[keep]
+        offsets = np.zeros(lengths.shape[0] + 1, np.int64)
+        np.cumsum(lengths, out=offsets[1:])
+        return Records(self.index[keep], offsets=offsets,
+                       tokens=self.tokens[gather_index(self.offsets[:-1][keep], lengths)])
+
+
+def gather_index(start: np.ndarray, length: np.ndarray) -> np.ndarray:
+    """The positions of the runs [start[k], start[k] + length[k]) in order, as one index:
+    `buffer[gather_index(start, length)]` is the runs back to back, one gather."""
+    total = int(length.sum())
+    if total == 0:
+        return np.zeros(0, np.int64)
+    before = np.cumsum(length) - length   # each run's place in the output
+    return np.arange(total, dtype=np.int64) + np.repeat(start - before, length)
+
+
+def decode_columns(stream, chunk: bytes) -> Records:
+    """`stream.decode(chunk)` as columns: the stream's own `decode_columns` when it has one
+    (formats whose ranges decode to a buffer: JSONL, token shards, Megatron, ...), else its
+    records gathered (`Records.of`)."""
+    columns = getattr(stream, "decode_columns", None)
+    return columns(chunk) if columns is not None else Records.of(stream.decode(chunk))
+
+
+def finish_columns(stream) -> Records:
+    """`stream.finish()` as columns (see `decode_columns`)."""
+    columns = getattr(stream, "finish_columns", None)
+    return columns() if columns is not None else Records.of(stream.finish())
+
+
 class ShardStream(Protocol):
+    """Optionally also `decode_columns(chunk) -> Records` and `finish_columns() -> Records`,
+    the same records as columns (the loader's fetcher reads those; `decode_columns`)."""
     def ranges(self) -> Sequence[tuple[int, int]]: ...
     def decode(self, chunk: bytes) -> list[RawRecord]: ...
     def finish(self) -> list[RawRecord]: ...

@@ -7,21 +7,34 @@ incremental decompressor and the partial last line waits for the next chunk.
 """
 from __future__ import annotations
 
+import re
 import zlib
 from functools import lru_cache
+from operator import attrgetter
 from typing import Callable
 
 import msgspec
+import numpy as np
 import zstandard
 
 from ..errors import ConfigError
 from ..storage.base import ObjectInfo, ObjectStore
 from ..tokenizer import TextTokenizer
 from .base import (LENGTHS_CHUNK_BYTES, DocumentLengths, PlannedStream, Problems, RawRecord,
-                   field_hint)
+                   Records, field_hint)
 from .lengths import stream_lengths
 
 _BOM = b"\xef\xbb\xbf"
+# A blank line (nothing but JSON whitespace) inside a body, or at its start or end: msgspec's
+# decode_lines skips those, so such a body is read line by line (`JsonlStream._columns`).
+_BLANK_LINE = re.compile(rb"\n[ \t\r]*\n")
+_TEXT = attrgetter("text")
+
+_NO_RECORDS = Records(np.zeros(0, np.int64), texts=[])
+
+
+def _blank(line: bytes) -> bool:
+    return not line.strip(b" \t\r")
 _STEMS = (".jsonl", ".ndjson")
 _NAMED_STEMS = _STEMS + (".json",)   # `.json` only when the format is named explicitly
 _COMPRESSIONS = {"": None, ".gz": "gzip", ".zst": "zstd", ".zstd": "zstd"}
@@ -129,6 +142,7 @@ class JsonlStream(PlannedStream):
         self._inflater = _inflater(compression)
         self._text_field = text_field
         self._decode_line = _decoder(text_field).decode
+        self._decode_lines = _decoder(text_field).decode_lines
         self._pending: list[bytes] = []   # pieces of the line not yet ended by a newline
         self._next_index = 0       # line number of the first line in `_pending`
 
@@ -137,31 +151,40 @@ class JsonlStream(PlannedStream):
         return [(start, min(start + step, size)) for start in range(0, size, step)]
 
     def decode(self, chunk: bytes) -> list[RawRecord]:
-        if self._failed:
-            return []
-        data = self._inflate(chunk)
-        if data is None:
-            return []
-        lines = data.split(b"\n")
-        if len(lines) == 1:          # no line ends here; joining later keeps long lines linear
-            self._pending.append(data)
-            return []
-        if self._pending:
-            self._pending.append(lines[0])
-            lines[0] = b"".join(self._pending)
-        self._pending = [lines.pop()]
-        return self._records(lines)
+        return self.decode_columns(chunk).to_list()
 
     def finish(self) -> list[RawRecord]:
+        return self.finish_columns().to_list()
+
+    def decode_columns(self, chunk: bytes) -> Records:
+        """The records whose lines end in `chunk` (`Records`: line numbers and texts)."""
         if self._failed:
-            return []
+            return _NO_RECORDS
+        data = self._inflate(chunk)
+        if data is None:
+            return _NO_RECORDS
+        cut = data.rfind(b"\n")
+        if cut < 0:                  # no line ends here; joining later keeps long lines linear
+            self._pending.append(data)
+            return _NO_RECORDS
+        if self._pending:
+            self._pending.append(data[:cut])
+            body = b"".join(self._pending)
+        else:
+            body = data[:cut]
+        self._pending = [data[cut + 1:]]
+        return self._columns(body)
+
+    def finish_columns(self) -> Records:
+        if self._failed:
+            return _NO_RECORDS
         if self._inflater is not None and not self._inflater.complete:
             self._shard_error(f"truncated {self._compression} stream")
-            return []
+            return _NO_RECORDS
         last, self._pending = b"".join(self._pending), []
         if not last:
-            return []
-        return self._records([last])
+            return _NO_RECORDS
+        return self._columns(last)
 
     def _inflate(self, chunk: bytes) -> bytes | None:
         if self._inflater is None:
@@ -172,11 +195,31 @@ class JsonlStream(PlannedStream):
             self._shard_error(f"corrupt {self._compression} data: {exc}")
             return None
 
+    def _columns(self, body: bytes) -> Records:
+        """The records of `body`, whole lines (the newline after the last one taken off), in
+        one msgspec call (`decode_lines`). That call skips blank lines and would read two
+        values on one line, so it stands only for a body with as many values as lines and no
+        blank line; anything else (a blank line, a bad record) is read line by line
+        (`_records`), which numbers, reports and skips each line as it should."""
+        first = self._next_index
+        if first == 0 and body.startswith(_BOM):   # a UTF-8 byte order mark
+            body = body[len(_BOM):]
+        lines = body.count(b"\n") + 1
+        if not _BLANK_LINE.search(body) and not _blank(body.split(b"\n", 1)[0]) and \
+                not _blank(body.rsplit(b"\n", 1)[-1]):
+            try:
+                values = self._decode_lines(body)
+            except msgspec.MsgspecError:
+                values = None
+            if values is not None and len(values) == lines:
+                self._next_index = first + lines
+                return Records(np.arange(first, first + lines, dtype=np.int64),
+                               texts=list(map(_TEXT, values)))
+        return Records.of(self._records(body.split(b"\n")))
+
     def _records(self, lines: list[bytes]) -> list[RawRecord]:
         records = []
         index = self._next_index
-        if index == 0 and lines and lines[0].startswith(_BOM):   # a UTF-8 byte order mark
-            lines[0] = lines[0][len(_BOM):]
         decode_line = self._decode_line
         for line in lines:
             if line and not line.isspace():

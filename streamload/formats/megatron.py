@@ -36,7 +36,7 @@ from ..errors import ConfigError, DataError
 from ..storage.base import ObjectInfo, ObjectStore
 from ..tokenizer import TextTokenizer
 from .base import (LENGTHS_CHUNK_BYTES, BadShard, DocumentLengths, EmptyStream, PlannedStream,
-                   Problems, RawRecord, read_exact)
+                   Problems, RawRecord, Records, gather_index, read_exact)
 from .litdata import CHUNK_NAME as LITDATA_CHUNK
 from .tokens import plan_groups
 
@@ -209,6 +209,14 @@ class MegatronStream(PlannedStream):
         return [(int(self._keep[a]), int(self._keep[b - 1]) + 1) for a, b in self._groups.tolist()]
 
     def decode(self, chunk: bytes) -> list[RawRecord]:
+        return self.decode_columns(chunk).to_list()
+
+    def finish(self) -> list[RawRecord]:
+        return self.finish_columns().to_list()
+
+    def decode_columns(self, chunk: bytes) -> Records:
+        """The group's sequences as offsets over the range's tokens (a view of `chunk` when
+        the dtype is the one batches carry, else one conversion)."""
         k = self._next_range()
         a, b = self._groups[k].tolist()
         begin, end = self._ranges[k]
@@ -216,22 +224,27 @@ class MegatronStream(PlannedStream):
             raise DataError(f"expected {end - begin} bytes for sequences {int(self._keep[a])}.."
                             f"{int(self._keep[b - 1])}, got {len(chunk)}", source=self._source,
                             shard=self._shard_name)
-        tokens = np.frombuffer(chunk, self._dtype).astype(self._out_dtype)
-        lows = ((self._start[a:b] - begin) // self._dtype.itemsize).tolist()
-        highs = [low + n for low, n in zip(lows, self._lengths[a:b].tolist())]
-        records = self._keep[a:b].tolist()
+        tokens = np.frombuffer(chunk, self._dtype).astype(self._out_dtype, copy=False)
+        lows = (self._start[a:b] - begin) // self._dtype.itemsize
+        lengths = self._lengths[a:b]
+        records = self._keep[a:b].astype(np.int64)
         if self._signed and tokens.size and tokens.min() < 0:
-            return self._without_negative(tokens, records, lows, highs)
-        return [RawRecord(r, tokens[lo:hi]) for r, lo, hi in zip(records, lows, highs)]
+            return Records.of(self._without_negative(tokens, records.tolist(), lows.tolist(),
+                                                     (lows + lengths).tolist()))
+        offsets = np.zeros(lengths.shape[0] + 1, np.int64)
+        np.cumsum(lengths, out=offsets[1:])
+        if not np.array_equal(offsets[:-1], lows):   # not back to back: gather them
+            tokens = tokens[gather_index(lows, lengths)]
+        return Records(records, tokens=tokens, offsets=offsets)
 
-    def finish(self) -> list[RawRecord]:
+    def finish_columns(self) -> Records:
         if self._finished:
-            return []
+            return Records.empty()
         self._finished = True
         if not self._ranges:   # no bytes to read: every kept sequence is empty
-            empty = np.empty(0, self._out_dtype)
-            return [RawRecord(r, empty) for r in self._keep.tolist()]
-        return []
+            return Records(self._keep.astype(np.int64), tokens=np.empty(0, self._out_dtype),
+                           offsets=np.zeros(self._keep.size + 1, np.int64))
+        return Records.empty()
 
     def _without_negative(self, tokens: np.ndarray, records: list[int], lows: list[int],
                           highs: list[int]) -> list[RawRecord]:

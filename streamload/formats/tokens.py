@@ -22,7 +22,7 @@ from ..errors import ConfigError
 from ..storage.base import ObjectInfo, ObjectStore
 from ..tokenizer import TextTokenizer
 from .base import (LENGTHS_CHUNK_BYTES, BadShard, DocumentLengths, EmptyStream, PlannedStream,
-                   Problems, RawRecord, read_exact)
+                   Problems, RawRecord, Records, read_exact)
 
 TOKENS_SUFFIX = ".tokens.npy"
 OFFSETS_SUFFIX = ".offsets.npy"
@@ -180,23 +180,34 @@ class TokensStream(PlannedStream):
         self._finished = False
 
     def decode(self, chunk: bytes) -> list[RawRecord]:
-        first, end, _ = self._next_run(chunk, "documents")
-        tokens = np.frombuffer(chunk, self._dtype).astype(self._out_dtype)
-        bounds = (self._offsets[first:end + 1] - self._offsets[first]).tolist()
-        bad = self._negative_documents(tokens, bounds, first) if self._signed else ()
-        return [RawRecord(first + k, tokens[bounds[k]:bounds[k + 1]])
-                for k in range(end - first) if first + k not in bad]
+        return self.decode_columns(chunk).to_list()
 
     def finish(self) -> list[RawRecord]:
+        return self.finish_columns().to_list()
+
+    def decode_columns(self, chunk: bytes) -> Records:
+        """The run's documents as offsets over the range's tokens (a view of `chunk` when the
+        shard's dtype is the one batches carry, else one conversion)."""
+        first, end, _ = self._next_run(chunk, "documents")
+        tokens = np.frombuffer(chunk, self._dtype).astype(self._out_dtype, copy=False)
+        bounds = self._offsets[first:end + 1] - self._offsets[first]
+        records = Records(np.arange(first, end, dtype=np.int64), tokens=tokens, offsets=bounds)
+        bad = self._negative_documents(tokens, bounds, first) if self._signed else ()
+        if bad:
+            records = records.select(~np.isin(records.index, list(bad)))
+        return records
+
+    def finish_columns(self) -> Records:
         if self._finished:
-            return []
+            return Records.empty()
         self._finished = True
         if not self._runs:   # no tokens at all, so no ranges: the documents are all empty
-            empty = np.empty(0, self._out_dtype)
-            return [RawRecord(d, empty) for d in range(len(self._offsets) - 1)]
-        return []
+            n = len(self._offsets) - 1
+            return Records(np.arange(n, dtype=np.int64), tokens=np.empty(0, self._out_dtype),
+                           offsets=np.zeros(n + 1, np.int64))
+        return Records.empty()
 
-    def _negative_documents(self, tokens: np.ndarray, bounds: list[int], first: int) -> set[int]:
+    def _negative_documents(self, tokens: np.ndarray, bounds: np.ndarray, first: int) -> set[int]:
         if not tokens.size or tokens.min() >= 0:
             return set()
         positions = np.flatnonzero(tokens < 0)

@@ -17,7 +17,6 @@ import numpy as np
 
 from .changes import Changes
 
-ITEM_OVERHEAD_BYTES = 160  # an Item object, its array header
 
 
 class MemoryGate:

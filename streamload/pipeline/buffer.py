@@ -1,33 +1,120 @@
-"""Per-source ordered bounded buffer.
+"""Per-source ordered bounded buffer, in columns.
 
 Items arrive in a deterministic order (shard by shard, record by record) and are consumed from
 the *head window*: the shortest prefix holding at least `window_tokens` tokens, or everything up
 to the end-of-epoch marker. The window is a deterministic function of what has arrived, because
 the step loop waits (`wait_ready`) until that prefix is complete; that is what makes plans
 independent of fetch timing.
+
+Items travel as `ItemBlock`s, one per decoded byte range: NumPy columns (where each item starts in
+the range's one token buffer, its length, record, chunk and age) and no Python object per item.
+The window (`Window`) is the head blocks' columns concatenated, and `take` is a few masks and
+gathers over them; only the tokens of the items a step takes become array views, for the
+exchange and packing.
 """
 from __future__ import annotations
 
 import time
 from collections import deque
-from typing import Iterable, Optional
+from typing import Iterable, NamedTuple, Optional, Sequence
 
 import numpy as np
 
+from ..formats.base import gather_index
 from ..plan.windows import head_window
 from .changes import Changes
 
+_EMPTY = np.zeros(0, np.int64)
+# A block whose live items hold less than this share of its token buffer is copied into a
+# buffer of its own (`ItemBlock.compacted`): a few long-deferred items must not pin a whole range.
+_COMPACT_BELOW = 0.25
+_COMPACT_MIN_BYTES = 1 << 16
 
-class Item:
-    """One sample: a document, or one chunk of a split document."""
-    __slots__ = ("shard", "record", "chunk", "tokens", "age")
 
-    def __init__(self, shard: int, record: int, chunk: int, tokens: np.ndarray):
-        self.shard, self.record, self.chunk, self.tokens = shard, record, chunk, tokens
-        self.age = 0   # steps this item was offered in a window and not taken
+class ItemBlock:
+    """A run of one shard's items in stream order, as columns over one token buffer (a range's
+    tokens): item k is `tokens[start[k]:start[k] + length[k]]`, its id (shard, record[k],
+    chunk[k]) (`pieces` says what chunk holds), offered age[k] times and not taken. `images`:
+    per item, its images (an image source's `ImageRef`s), else None. Columns are int64; a
+    ItemBlock is not changed once made (`take` makes new ones)."""
+    __slots__ = ("shard", "tokens", "start", "length", "record", "chunk", "age", "images",
+                 "total")
+
+    def __init__(self, shard: int, tokens: np.ndarray, start: np.ndarray, length: np.ndarray,
+                 record: np.ndarray, chunk: np.ndarray, age: Optional[np.ndarray] = None,
+                 images: Optional[list] = None):
+        self.shard, self.tokens = shard, tokens
+        self.start, self.length, self.record, self.chunk = start, length, record, chunk
+        self.age = np.zeros(length.shape[0], np.int64) if age is None else age
+        self.images = images
+        self.total = int(length.sum())   # tokens in the block's items
+
+    @classmethod
+    def of_arrays(cls, shard: int, arrays: Sequence[np.ndarray], record, chunk=None,
+                  images: Optional[list] = None) -> "ItemBlock":
+        """A block from one token array per item (copied into one buffer): for callers that
+        make items one by one (image samples, tests)."""
+        length = np.fromiter((a.shape[0] for a in arrays), np.int64, len(arrays))
+        start = np.zeros(len(arrays), np.int64)
+        np.cumsum(length[:-1], out=start[1:])
+        tokens = np.concatenate(arrays) if arrays else np.zeros(0, np.int32)
+        record = np.asarray(record, np.int64).reshape(-1)
+        chunk = np.full(len(arrays), -1, np.int64) if chunk is None else \
+            np.asarray(chunk, np.int64).reshape(-1)
+        return cls(shard, tokens, start, length, record, chunk, images=images)
 
     def __len__(self) -> int:
-        return self.tokens.shape[0]
+        return self.length.shape[0]
+
+    def item_tokens(self, k: int) -> np.ndarray:
+        """Item k's tokens (a view of the block's buffer)."""
+        s = int(self.start[k])
+        return self.tokens[s:s + int(self.length[k])]
+
+    def subset(self, index: np.ndarray) -> "ItemBlock":
+        """The items at `index` (a bool mask or positions, in order), the same buffer."""
+        return ItemBlock(self.shard, self.tokens, self.start[index], self.length[index],
+                         self.record[index], self.chunk[index], self.age[index],
+                         None if self.images is None else
+                         [self.images[k] for k in np.arange(len(self))[index].tolist()])
+
+    def compacted(self) -> "ItemBlock":
+        """This block, its items' tokens copied into a buffer of their own when they hold
+        little of the one it shares (one gather)."""
+        if self.tokens.nbytes < _COMPACT_MIN_BYTES or \
+                self.total >= _COMPACT_BELOW * self.tokens.shape[0]:
+            return self
+        index = gather_index(self.start, self.length)
+        start = np.zeros(len(self), np.int64)
+        np.cumsum(self.length[:-1], out=start[1:])
+        return ItemBlock(self.shard, self.tokens[index], start, self.length, self.record,
+                         self.chunk, self.age, self.images)
+
+    @property
+    def nbytes(self) -> int:
+        """Memory the block holds: its token buffer and its columns."""
+        return self.tokens.nbytes + 5 * 8 * len(self)
+
+
+class Window(NamedTuple):
+    """A source's head window as columns (`SourceBuffer.window`): per item, its length, age
+    and id (shard, record, chunk) [n, 3]; `done`: it holds the rest of the epoch. `images`:
+    per item, its images (an image source), else None."""
+    lengths: np.ndarray
+    ages: np.ndarray
+    ids: np.ndarray
+    done: bool
+    images: Optional[list] = None
+
+    def __len__(self) -> int:
+        return self.lengths.shape[0]
+
+
+class Taken(NamedTuple):
+    """What `SourceBuffer.take` removed, in the order asked: each item's tokens (views) and,
+    for an image source, its images."""
+    tokens: list
+    images: Optional[list] = None
 
 
 MAX_PENDING_EPOCHS = 2   # end-of-epoch markers a producer may put ahead of the steps
@@ -40,11 +127,29 @@ class EndOfEpoch:
         self.epoch = epoch
 
 
+def _columns(blocks: Sequence[ItemBlock], n: int):
+    """The first `n` items of `blocks`, as concatenated columns: lengths, ages, ids [n, 3],
+    images (or None), and per item its block and its place in that block."""
+    if not blocks:
+        return _EMPTY, _EMPTY, np.zeros((0, 3), np.int64), None
+    lengths = np.concatenate([b.length for b in blocks])[:n]
+    ages = np.concatenate([b.age for b in blocks])[:n]
+    ids = np.empty((n, 3), np.int64)
+    ids[:, 0] = np.repeat([b.shard for b in blocks], [len(b) for b in blocks])[:n]
+    ids[:, 1] = np.concatenate([b.record for b in blocks])[:n]
+    ids[:, 2] = np.concatenate([b.chunk for b in blocks])[:n]
+    images = None
+    if any(b.images is not None for b in blocks):
+        images = [refs for b in blocks for refs in (b.images or [()] * len(b))][:n]
+    return lengths, ages, ids, images
+
+
 class SourceBuffer:
     def __init__(self, capacity_tokens: int, window_tokens: int):
-        self._entries: deque = deque()
+        self._entries: deque = deque()   # Blocks and EndOfEpoch markers, in order
         self._tokens = 0          # tokens held, all epochs
         self._head_tokens = 0     # tokens before the first end-of-epoch marker
+        self._items = 0           # items held, all epochs
         self._markers = 0
         self._changes = Changes()
         self.resize(capacity_tokens, window_tokens)
@@ -61,9 +166,12 @@ class SourceBuffer:
         self._changes.notify()
 
     # -- producer side -------------------------------------------------------------------
-    async def put(self, items: Iterable[Item]) -> None:
-        """Append items in order; waits while the buffer is at capacity."""
-        for item in items:
+    async def put(self, blocks: Iterable[ItemBlock]) -> None:
+        """Append blocks of items in order; waits while the buffer is at capacity (a block
+        goes in whole, so the buffer may hold up to one block past its capacity)."""
+        for block in blocks:
+            if not len(block):
+                continue
             if self._tokens >= self.capacity_tokens:
                 self._changes.notify()   # what is appended so far may complete a window
                 started = time.perf_counter()
@@ -71,10 +179,11 @@ class SourceBuffer:
                     await self._changes.wait()
                 self.blocked_s += time.perf_counter() - started
             self._raise_if_failed()
-            self._entries.append(item)
-            self._tokens += len(item)
+            self._entries.append(block)
+            self._tokens += block.total
+            self._items += len(block)
             if self._markers == 0:
-                self._head_tokens += len(item)
+                self._head_tokens += block.total
         self._changes.notify()
 
     async def end_epoch(self, epoch: int) -> None:
@@ -108,51 +217,92 @@ class SourceBuffer:
             await self._changes.wait()
         self._raise_if_failed()
 
-    def window(self) -> tuple[list[Item], bool]:
-        """The head window (call after wait_ready), and whether it holds the rest of the epoch:
-        `plan.windows.head_window` over the items before the first marker."""
-        items, ended, tokens = [], False, 0
+    def _head(self, items: Optional[int] = None) -> tuple[list[ItemBlock], bool]:
+        """The head blocks: those holding the first `items` items, or (None) those the window
+        can reach (up to `window_tokens` tokens, or the marker); and whether a marker ends
+        them."""
+        blocks, count, tokens = [], 0, 0
         for entry in self._entries:
             if isinstance(entry, EndOfEpoch):
-                ended = True
-                break
-            if tokens >= self.window_tokens:   # enough at hand: the rest cannot be in it
-                break
-            items.append(entry)
-            tokens += len(entry)
-        lengths = np.fromiter((len(i) for i in items), np.int64, len(items))
-        n, done = head_window(lengths, self.window_tokens, ended) or (len(items), False)
-        return items[:n], done
+                return blocks, True
+            if (count >= items) if items is not None else (tokens >= self.window_tokens):
+                break   # enough at hand: the rest cannot be in it
+            blocks.append(entry)
+            count += len(entry)
+            tokens += entry.total
+        return blocks, False
+
+    def window(self) -> Window:
+        """The head window (call after wait_ready), and whether it holds the rest of the epoch:
+        `plan.windows.head_window` over the items before the first marker."""
+        blocks, ended = self._head()
+        at_hand = np.concatenate([b.length for b in blocks]) if blocks else _EMPTY
+        n, done = head_window(at_hand, self.window_tokens, ended) or (at_hand.shape[0], False)
+        lengths, ages, ids, images = _columns(blocks, n)
+        return Window(lengths, ages, ids, done, images)
 
     def take(self, positions: np.ndarray, window_size: int,
-                   cut: Optional[dict[int, int]] = None) -> list[Item]:
+             cut: Optional[dict[int, int]] = None) -> Taken:
         """Remove window items at `positions` (ascending), age the rest of the window.
         `cut`: position -> tokens, for items the plan takes only the head of; the rest stays in
         its place, as the remainder of its piece (`pieces`), aged like the rest of the window."""
-        cut = cut or {}
-        taken_mask = np.zeros(window_size, dtype=bool)
-        taken_mask[positions] = True
-        head = [self._entries.popleft() for _ in range(window_size)]
-        kept, out, removed = [], {}, 0
-        for p, (item, taken) in enumerate(zip(head, taken_mask)):
-            if p in cut:
-                n = cut[p]
-                out[p] = Item(item.shard, item.record, item.chunk, item.tokens[:n])
-                item = Item(item.shard, item.record, item.chunk + n, item.tokens[n:])
-                item.age = head[p].age
-                taken = False
-                removed += n
-            elif taken:
-                out[p] = item
-                removed += len(item)
-            if not taken:
-                item.age += 1
-                kept.append(item)
+        positions = np.asarray(positions, np.int64)
+        blocks, _ = self._head(window_size)
+        if not blocks:
+            assert positions.size == 0 and window_size == 0, "took past the buffered items"
+            return Taken([], None)
+        sizes = np.fromiter((len(b) for b in blocks), np.int64, len(blocks))
+        first = np.zeros(len(blocks) + 1, np.int64)   # each block's first window position
+        np.cumsum(sizes, out=first[1:])
+        head_n = int(first[-1])
+        taken = np.zeros(head_n, dtype=bool)
+        taken[positions] = True
+        in_window = np.zeros(head_n, dtype=bool)
+        in_window[:window_size] = True
+        cut_at = np.zeros(head_n, np.int64)   # tokens the plan takes of a cut item
+        if cut:
+            at = np.fromiter(cut.keys(), np.int64, len(cut))
+            cut_at[at] = np.fromiter(cut.values(), np.int64, len(cut))
+            taken[at] = False
+        start = np.concatenate([b.start for b in blocks])
+        length = np.concatenate([b.length for b in blocks])
+        # The items out: their block, start and length (the head of a cut one).
+        owner = np.searchsorted(first, positions, side="right") - 1
+        out_len = np.where(cut_at[positions] > 0, cut_at[positions], length[positions])
+        buffers = [b.tokens for b in blocks]
+        out = [buffers[b][s:s + n] for b, s, n in
+               zip(owner.tolist(), start[positions].tolist(), out_len.tolist())]
+        images = None
+        if any(b.images is not None for b in blocks):
+            refs = [r for b in blocks for r in (b.images or [()] * len(b))]
+            images = [refs[p] for p in positions.tolist()]
+        removed = int(out_len.sum())
+        # What stays: the window's other items aged, cut ones as their remainder.
+        kept = []
+        for k, block in enumerate(blocks):
+            lo, hi = int(first[k]), int(first[k + 1])
+            stays = ~taken[lo:hi]
+            if stays.all() and not in_window[lo:hi].any():
+                kept.append(block)
+                continue
+            rest = block.subset(stays)
+            win = in_window[lo:hi][stays]
+            rest.age = rest.age + win
+            n = cut_at[lo:hi][stays]
+            if n.any():
+                rest.start, rest.length, rest.chunk = \
+                    rest.start + n, rest.length - n, rest.chunk + n
+                rest.total = int(rest.length.sum())
+            if len(rest):
+                kept.append(rest.compacted())
+        for _ in blocks:
+            self._entries.popleft()
         self._entries.extendleft(reversed(kept))
+        self._items -= positions.size - len(cut or ())
         self._tokens -= removed
         self._head_tokens -= removed
         self._changes.notify()
-        return [out[int(p)] for p in positions]
+        return Taken(out, images)
 
     def next_epoch(self) -> None:
         """Drop the end-of-epoch marker at the head (the window before it must be empty)."""
@@ -164,7 +314,7 @@ class SourceBuffer:
         for entry in self._entries:
             if isinstance(entry, EndOfEpoch):
                 break
-            head += len(entry)
+            head += entry.total
         self._head_tokens = head
         self._changes.notify()
 
@@ -173,7 +323,7 @@ class SourceBuffer:
         return self._tokens
 
     def __len__(self) -> int:
-        return len(self._entries) - self._markers
+        return self._items
 
 
 class UnreadBuffer:
@@ -194,12 +344,12 @@ class UnreadBuffer:
     async def wait_ready(self) -> None:
         pass
 
-    def window(self) -> tuple[list[Item], bool]:
-        return [], True
+    def window(self) -> Window:
+        return Window(_EMPTY, _EMPTY, np.zeros((0, 3), np.int64), True)
 
-    def take(self, positions: np.ndarray, window_size: int, cut=None) -> list[Item]:
+    def take(self, positions: np.ndarray, window_size: int, cut=None) -> Taken:
         assert len(positions) == 0 and window_size == 0, "a plan took from an unread source"
-        return []
+        return Taken([], None)
 
     def next_epoch(self) -> None:
         pass

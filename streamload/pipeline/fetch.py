@@ -16,7 +16,8 @@ import numpy as np
 
 from ..config import LoaderConfig, Source
 from ..errors import DataError
-from ..formats.base import PlannedStream, Problems, RawRecord
+from ..formats.base import (PlannedStream, Problems, RawRecord, Records, decode_columns,
+                            finish_columns)
 from ..formats.catalog import Shard
 from ..formats.lengths import encode_records
 from ..metrics import SourceMetrics
@@ -24,13 +25,13 @@ from ..storage import ObjectStore
 from ..storage.base import CountedStore
 from ..state import EpochLayout, ReadUnit
 from ..tokenizer import TextTokenizer
-from .autoscale import ITEM_OVERHEAD_BYTES, Knobs, MemoryGate
+from .autoscale import Knobs, MemoryGate
 from .buffer import SourceBuffer
 from .images import ImageItems, image_bytes
 from .prefetch import ordered_prefetch
 from .skips import SkipLedger
 from .supervisor import Supervisor
-from .transform import records_to_items, tokenize_texts
+from .transform import records_to_block, tokenize_texts
 
 
 class SourceFetcher:
@@ -80,9 +81,9 @@ class SourceFetcher:
             self.gate.set_head(unit.shard)
             produced = 0
             while (entry := await queue.get()) is not None:
-                items, held = entry
-                produced += len(items)
-                await self.buffer.put(items)
+                block, held = entry
+                produced += len(block)
+                await self.buffer.put((block,))
                 self.gate.release(held, unit.shard)
             if not endless:
                 continue
@@ -120,12 +121,22 @@ class SourceFetcher:
         def to_items(records):
             if self.image_items is not None:
                 return self.image_items(records, virtual, keep, self.ages, problems=problems)
-            return records_to_items(records, virtual, self.config.micro_batch_tokens,
+            return records_to_block(records, virtual, self.config.micro_batch_tokens,
                                     self.config.long_documents, keep, self.ages,
                                     problems=problems)
 
         def wanted(records):   # a resumed shard: records already delivered go no further
-            return records if keep is None else [r for r in records if keep.wants(r.index)]
+            if keep is None:
+                return records
+            if isinstance(records, Records):
+                return records.select(np.fromiter(map(keep.wants, records.index.tolist()),
+                                                  bool, len(records)))
+            return [r for r in records if keep.wants(r.index)]
+
+        # An image source's records are image-text samples, one object each; others' ranges
+        # decode to columns (`Records`).
+        decode, finish = (stream.decode, stream.finish) if self.image_items is not None else \
+            (lambda chunk: decode_columns(stream, chunk), lambda: finish_columns(stream))
 
         def decode_and_tokenize(decode, *args):
             return to_items(wanted(decode(*args)))
@@ -142,21 +153,19 @@ class SourceFetcher:
             counts.add_to(self.metrics)
             self.metrics.transform_s += time.perf_counter() - started
             self.skips.add(shard.name, problems.take(), counts.records)   # raises past the limit
-            held = sum(item.tokens.nbytes + image_bytes(item) for item in items) \
-                + ITEM_OVERHEAD_BYTES * len(items)
-            held = held if items else 0
+            held = items.nbytes + image_bytes(items) if len(items) else 0
             self.gate.settle(reserved, raw_bytes, held, virtual)
-            if items:
+            if len(items):
                 await queue.put((items, held))
 
         async for reserved, size, chunk in ordered_prefetch(stream.ranges(), fetch,
                                                             lambda: self.knobs.readahead):
-            await transform(reserved, size, stream.decode, chunk)
-        await transform(0, 0, stream.finish)
+            await transform(reserved, size, decode, chunk)
+        await transform(0, 0, finish)
         self.metrics.shards_read += 1
         await queue.put(None)
 
-    async def _tokenize(self, records: list[RawRecord], problems: Problems) -> list[RawRecord]:
+    async def _tokenize(self, records, problems: Problems) -> list[RawRecord]:
         """Text payloads -> token ids, one `encode_texts` call for all of a range's texts (on
         a transform thread, or in the tokenizer processes); failures as `encode_records` has
         them (a DataError naming the record, or with on_error="skip" skipped and counted)."""
@@ -165,13 +174,15 @@ class SourceFetcher:
         else:
             pool, call = self.executor, self.tokenizer.encode_texts
         loop = asyncio.get_running_loop()
+        if isinstance(records, Records):
+            records = records.to_list()
         pairs = await encode_records(
             records, lambda texts: loop.run_in_executor(pool, call, texts), problems)
         out = []
         for record, ids in pairs:
             if isinstance(record.payload, str):
                 ids = np.asarray(ids)
-                if ids.dtype == np.int32:   # records_to_items checks ids, but trusts int32
+                if ids.dtype == np.int32:   # records_to_block checks ids, but trusts int32
                     ids = ids.astype(np.int64)   # ones (a token shard's, checked by its format)
                 record = RawRecord(record.index, ids)
             out.append(record)

@@ -12,8 +12,8 @@ For each `ImageText` record (`formats/images.py`) of a source with `images`:
 
 The item's tokens are that sequence, so its length, what planning balances and packs, is text
 plus visual tokens, known before any pixel is decoded; it carries its images' encoded bytes
-and placements (`ImageItem.images`) to the rank the plan sends it to, which decodes them
-(`vision.decode`, in worker processes) when it builds its batch.
+and placements (a buffer `ItemBlock`'s `images`) to the rank the plan sends it to, which decodes
+them (`vision.decode`, in worker processes) when it builds its batch.
 
 An image sample is never split: one longer than a row (`micro_batch_tokens`) is a record error
 naming it and its visual tokens (with long_documents="drop": dropped and counted). A problem
@@ -34,24 +34,15 @@ from ..vision.options import Images
 from ..vision.probe import ImageProblem, probe
 from ..vision.exchange import ImageRef
 from ..vision.rule import ImageRefused
-from .buffer import Item
+from .buffer import ItemBlock
 from .transform import TokenIdError, TransformCounts, token_ids, utf8_bytes
 
 
-class ImageItem(Item):
-    """An image-text sample: its fused tokens, and its images in order."""
-    __slots__ = ("images",)
-
-    def __init__(self, shard: int, record: int, chunk: int, tokens: np.ndarray,
-                 images: tuple):
-        super().__init__(shard, record, chunk, tokens)
-        self.images = images
-
-
-def image_bytes(item: Item) -> int:
-    """The encoded bytes an item's images hold (0 for a text item)."""
-    images = getattr(item, "images", None)
-    return sum(len(ref.data) for ref in images) if images else 0
+def image_bytes(block: ItemBlock) -> int:
+    """The encoded bytes a block's images hold (0 for a text block)."""
+    if block.images is None:
+        return 0
+    return sum(len(ref.data) for refs in block.images for ref in refs)
 
 
 class ImageItems:
@@ -66,7 +57,7 @@ class ImageItems:
 
     def __call__(self, records: list[RawRecord], shard: int, keep=None,
                  ages: Optional[dict] = None, problems: Optional[Problems] = None
-                 ) -> tuple[list[Item], TransformCounts]:
+                 ) -> tuple[ItemBlock, TransformCounts]:
         problems = problems or Problems(None, None)
         counts = TransformCounts(records=len(records))
         placed = []
@@ -79,7 +70,7 @@ class ImageItems:
                 continue
             placed.append((record, refs))
         texts = self._tokenize([r.payload for r, _ in placed], problems, [r for r, _ in placed])
-        items = []
+        arrays, records_kept, images, ages_kept = [], [], [], []
         for (record, refs), pieces in zip(placed, texts):
             if pieces is None:   # the tokenizer failed on it (reported)
                 counts.records -= 1
@@ -103,13 +94,14 @@ class ImageItems:
                 continue
             if keep is not None and keep(record.index, -1) is None:
                 continue
-            item = ImageItem(shard, record.index, -1, tokens, tuple(refs))
-            if ages:
-                item.age = ages.get((shard, record.index, -1), 0)
-            items.append(item)
-        counts.samples = len(items)
-        counts.tokens = sum(item.tokens.shape[0] for item in items)
-        return items, counts
+            arrays.append(tokens)
+            records_kept.append(record.index)
+            images.append(tuple(refs))
+            ages_kept.append(ages.get((shard, record.index, -1), 0) if ages else 0)
+        block = ItemBlock.of_arrays(shard, arrays, records_kept, images=images)
+        block.age = np.asarray(ages_kept, np.int64)
+        counts.samples, counts.tokens = len(block), block.total
+        return block, counts
 
     def _place(self, sample: ImageText) -> tuple[list[ImageRef], Optional[str]]:
         if not isinstance(sample, ImageText):

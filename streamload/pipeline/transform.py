@@ -1,4 +1,5 @@
-"""Decoded records -> buffer items: tokenize, then split, truncate or drop long documents.
+"""Decoded records -> buffer items (an `ItemBlock` per range): tokenize, then split, truncate or
+drop long documents.
 
 Runs in a worker thread, off the event loop. Returns counts instead of touching shared
 metrics, so the loop thread stays the only writer.
@@ -6,14 +7,14 @@ metrics, so the loop thread stays the only writer.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
+from typing import Optional, Union
 
 import numpy as np
 
-from ..formats.base import Problems, RawRecord
+from ..formats.base import Problems, RawRecord, Records
 from ..tokenizer import TextTokenizer
 from .. import pieces
-from .buffer import Item
+from .buffer import ItemBlock
 
 _INT32_MAX = int(np.iinfo(np.int32).max)
 
@@ -90,56 +91,80 @@ def token_ids(ids: np.ndarray) -> np.ndarray:
     return ids.astype(np.int32, copy=False)
 
 
-def records_to_items(records: list[RawRecord], shard: int, capacity: int, long_documents: str,
-                     keep=None,
-                     ages: Optional[dict] = None, problems: Optional[Problems] = None
-                     ) -> tuple[list[Item], TransformCounts]:
-    """`keep(record, chunk)` filters items of a resumed shard: it gives the offset to start an
-    item at (0: whole; a remainder of a piece that was cut) or None to leave it out. `ages`
-    restores deferral ages.
+def records_to_block(records: Union[Records, list[RawRecord]], shard: int, capacity: int,
+                     long_documents: str, keep=None, ages: Optional[dict] = None,
+                     problems: Optional[Problems] = None) -> tuple[ItemBlock, TransformCounts]:
+    """A range's records -> one `ItemBlock` of items, in columns: the records' tokens in one buffer
+    (`record_tokens`), cut by the rule for long documents (`pieces.cut_documents`), each item
+    a (start, length) over that buffer. No Python object per item, except on a resumed shard:
+    `keep(record, chunk)` filters its items (the offset to start an item at, 0: whole, a
+    remainder of a piece that was cut; None: leave it out) and `ages` restores deferral ages.
     A record whose token ids batches cannot carry is reported to `problems` and left out
     (None: a DataError naming the record)."""
     problems = problems or Problems(None, None)
+    raw = None
+    if not isinstance(records, Records):
+        raw, records = records, Records.of(records)
     counts = TransformCounts(records=len(records))
-    indexes: list[int] = []
-    arrays: list[np.ndarray] = []
-    for record in records:
+    index, tokens, offsets = record_tokens(records, problems, counts, raw)
+    # Which items, cut where: the rule the dry run applies to lengths (pieces.cut_documents).
+    cuts = pieces.cut_documents(np.diff(offsets), capacity, long_documents)
+    counts.empty, counts.truncated, counts.dropped = cuts.empty, cuts.truncated, cuts.dropped
+    start = offsets[cuts.document] + cuts.start
+    length, record, chunk = cuts.lengths, index[cuts.document], cuts.chunks()
+    if keep is not None:
+        offset = [keep(r, c) for r, c in zip(record.tolist(), chunk.tolist())]
+        kept = np.fromiter((o is not None for o in offset), bool, len(offset))
+        offset = np.fromiter((o or 0 for o in offset), np.int64, len(offset))[kept]
+        start, length, record, chunk = start[kept], length[kept], record[kept], chunk[kept]
+        # the rest of a piece the planner cut: its chunk field names the offset (`pieces`)
+        chunk = np.where(offset > 0, chunk | offset, chunk)
+        start, length = start + offset, length - offset
+    age = None
+    if ages:
+        age = np.fromiter((ages.get((shard, r, c), 0) for r, c in
+                           zip(record.tolist(), chunk.tolist())), np.int64, record.shape[0])
+    block = ItemBlock(shard, tokens, start, length, record, chunk, age)
+    counts.samples, counts.tokens = len(block), block.total
+    return block, counts
+
+
+def record_tokens(records: Records, problems: Problems, counts: TransformCounts,
+                  raw: Optional[list[RawRecord]] = None
+                  ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(index, tokens, offsets) of `records`' tokens in one buffer: texts as their UTF-8
+    bytes (uint8, `utf8_bytes`), token ids checked as `token_ids` does (int32 ones trusted:
+    a token format has refused negative ids). A record whose ids fail is reported to
+    `problems`, left out and uncounted (`counts.records`). `raw`: the RawRecords `records`
+    were gathered from, if so (their own arrays are checked when the buffer fails)."""
+    if records.texts is not None:
+        texts = records.texts
+        if all(map(str.isascii, texts)):   # (a flag of each str) one byte per character
+            data = "".join(texts).encode("ascii")
+            lengths = np.fromiter(map(len, texts), np.int64, len(texts))
+        else:
+            encoded = [t.encode("utf-8") for t in texts]
+            data = b"".join(encoded)
+            lengths = np.fromiter(map(len, encoded), np.int64, len(encoded))
+        offsets = np.zeros(len(texts) + 1, np.int64)
+        np.cumsum(lengths, out=offsets[1:])
+        return records.index, np.frombuffer(data, np.uint8), offsets
+    tokens = records.tokens
+    if tokens.dtype == np.int32:
+        return records.index, tokens, records.offsets
+    try:
+        return records.index, token_ids(tokens), records.offsets
+    except TokenIdError:   # find the records to name, check the others one by one
+        pass
+    good = []
+    for record in (raw if raw is not None else records.to_list()):
         try:
-            tokens = to_tokens(record.payload)
+            good.append(RawRecord(record.index, to_tokens(record.payload)))
         except TokenIdError as exc:   # from the tokenizer, or a uint32 / int64 token shard
             problems.record(record.index, str(exc))
             counts.records -= 1   # counted as skipped instead
-            continue
-        indexes.append(record.index)
-        arrays.append(tokens)
-    # Which items, cut where: the rule the dry run applies to lengths (pieces.cut_documents).
-    cuts = pieces.cut_documents([t.shape[0] for t in arrays], capacity, long_documents)
-    counts.empty, counts.truncated, counts.dropped = cuts.empty, cuts.truncated, cuts.dropped
-    items: list[Item] = []
-    if not (cuts.split or cuts.truncated):   # every item a whole document
-        items = [Item(shard, indexes[d], -1, arrays[d]) for d in cuts.document.tolist()]
-    else:
-        for d, chunk, start, n in zip(cuts.document.tolist(), cuts.chunks().tolist(),
-                                      cuts.start.tolist(), cuts.lengths.tolist()):
-            tokens = arrays[d]
-            items.append(Item(shard, indexes[d], chunk,
-                              tokens if n == tokens.shape[0] else tokens[start:start + n]))
-    if keep is not None:
-        kept = []
-        for item in items:
-            start = keep(item.record, item.chunk)
-            if start == 0:
-                kept.append(item)
-            elif start is not None:   # the rest of a piece the planner cut
-                kept.append(Item(shard, item.record, item.chunk | start, item.tokens[start:]))
-        items = kept
-    if ages:
-        for item in items:
-            item.age = ages.get((shard, item.record, item.chunk), 0)
-    counts.samples = len(items)
-    counts.tokens = int(cuts.lengths.sum()) if keep is None else \
-        sum([item.tokens.shape[0] for item in items])
-    return items, counts
+    checked = Records.of(good)
+    return checked.index, checked.tokens.astype(np.int32, copy=False), checked.offsets
 
 
 def tokenizer_pool(config, tokenizer):

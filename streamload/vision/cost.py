@@ -49,8 +49,9 @@ class EncoderCost:
                          for p in patches_per_sample], dtype=np.float64)
 
 
-def item_patches(items: Iterable) -> list[list[int]]:
-    """Each buffered item's patches per image (`ImageItem.images[k].placement.grid`); [] for
-    a text item: what `hybrid.window_costs` hands `EncoderCost.sample_costs`."""
-    return [[g[0] * g[1] * g[2] for g in (ref.placement.grid for ref in
-                                          getattr(item, "images", ()))] for item in items]
+def item_patches(images: Iterable) -> list[list[int]]:
+    """Each buffered item's patches per image, from its images (a buffer block's `images`:
+    per item, its `ImageRef`s, each `.placement.grid`; () for a text item): what
+    `hybrid.window_costs` hands `EncoderCost.sample_costs`."""
+    return [[g[0] * g[1] * g[2] for g in (ref.placement.grid for ref in refs)]
+            for refs in images]

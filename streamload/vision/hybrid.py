@@ -14,7 +14,7 @@ carries its encoder cost as its extra cost (`Candidates.extra_cost`); no change 
 balancer. Encoder and backbone on separate pipeline stages (the step waits on the larger of
 the two per rank) are not modelled.
 
-The patches per image come from each image's header (`ImageItem.images[k].placement.grid`,
+The patches per image come from each image's header (a buffer block's `images[k][j].placement.grid`,
 fixed before any pixel is decoded), so the encoder's cost is known when the head window is
 summarised. `LoaderConfig.image_cost = "backbone"` leaves it out (balance by the fused length
 only). Pure NumPy.
@@ -48,9 +48,10 @@ def encoder_model(config) -> Optional[EncoderCost]:
     return EncoderCost(a=float(config.encoder_cost_a), b=float(config.encoder_cost_b))
 
 
-def window_costs(items: Sequence, encoder: EncoderCost) -> np.ndarray:
-    """Each buffered item's encoder cost (0 for an item without images), float64 [n]."""
-    return encoder.sample_costs(item_patches(items)) if len(items) else np.zeros(0)
+def window_costs(images: Sequence, encoder: EncoderCost) -> np.ndarray:
+    """Each buffered item's encoder cost from its images (per item, its `ImageRef`s; () for
+    an item without images: 0), float64 [n]."""
+    return encoder.sample_costs(item_patches(images)) if len(images) else np.zeros(0)
 
 
 def split_costs(fused_lengths: Sequence[int], patches: Sequence[Sequence[int]],
@@ -78,6 +79,6 @@ def step_report(rank_encoder: np.ndarray, rank_backbone: np.ndarray) -> dict:
             "efficiency": float(total.mean() / total.max()) if total.max() > 0 else 1.0}
 
 
-def total_patches(items: Iterable) -> np.ndarray:
-    """Each item's patches over all its images (int64 [n])."""
-    return np.array([sum(p) for p in item_patches(items)], dtype=np.int64)
+def total_patches(images: Iterable) -> np.ndarray:
+    """Each item's patches over all its images (per item, its `ImageRef`s), int64 [n]."""
+    return np.array([sum(p) for p in item_patches(images)], dtype=np.int64)
