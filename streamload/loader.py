@@ -266,9 +266,10 @@ class Loader:
         self._closed = False   # close() was called: next() is a mistake, not an end
         self._finalizer = None
         self._last_snapshot: Optional[StepSnapshot] = None   # of the last batch returned
-        # The last batch returned: held so that the trainer dropping it frees nothing on its
-        # thread; the next next() hands it to the waker thread (`_Background.get`).
+        # The last two batches returned: held so that the trainer dropping one frees nothing
+        # on its thread; the next next() hands the older one to the waker (`_Background.get`).
         self._last_batch: Optional[Batch] = None
+        self._before_last: Optional[Batch] = None
         self._stall_s = 0.0   # time the trainer waited in next()
         self._steps_taken = 0
         # on_step(record): each step's metrics as a flat dict of numbers (`observe.step_record`),
@@ -312,8 +313,10 @@ class Loader:
         if self._background is None:
             iter(self)
         started = time.perf_counter()
-        # The trainer is done with the last batch: the waker drops our reference to it.
-        done, self._last_batch = self._last_batch, None
+        # `for batch in loader` still holds the last batch until this returns, so the one
+        # before it is the one the trainer is done with: the waker drops our reference to it.
+        done, self._before_last = self._before_last, self._last_batch
+        self._last_batch = None
         item = self._background.get(done)
         del done
         self._stall_s += time.perf_counter() - started
@@ -421,7 +424,7 @@ class Loader:
         """Stop fetching and release everything. Safe to call twice; next() afterwards
         raises UsageError."""
         self._finished = self._closed = True
-        self._last_batch = None
+        self._last_batch = self._before_last = None
         if self._finalizer is not None:
             self._finalizer()
         if isinstance(self._runtime, Runtime):

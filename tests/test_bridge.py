@@ -70,17 +70,21 @@ def test_context_manager_and_break(corpus):
 
 
 def test_a_batch_the_trainer_is_done_with_is_freed_off_its_thread(corpus):
-    """next() hands the previous batch to the waker thread, which drops it there: its tensors
-    are freed, and not on the trainer's thread. The loop and the waker stop with the loader."""
+    """next() hands the batch before the last one to the waker thread, which drops it there:
+    its tensors are freed, and not on the trainer's thread (`for batch in loader` holds the
+    last one until next() returns). The loop and the waker stop with the loader."""
     freed_on = []
     with sl.Loader([sl.Source(str(corpus))], micro_batch_tokens=256, epochs=None) as loader:
         it = iter(loader)
-        first = next(it)
-        weakref.finalize(first, lambda: freed_on.append(threading.current_thread().name))
-        del first          # the trainer is done with it; the loader holds it until next()
-        assert freed_on == []
-        kept = next(it)    # the trainer holds this one through the next next()
-        assert wait_until(lambda: freed_on)
+        for batch in it:   # as a training loop holds it: until next() has returned
+            if batch.step == 0:
+                weakref.finalize(batch, lambda: freed_on.append(threading.current_thread().name))
+            if batch.step == 1:
+                assert freed_on == []   # still held, by the loader
+                kept = batch
+            if batch.step == 2:
+                assert wait_until(lambda: freed_on)
+                break
         assert freed_on == ["streamload-waker"]
         next(it)
         assert kept.micro_batches[0].num_tokens > 0 and kept.step == 1   # still whole
