@@ -2,6 +2,8 @@
 
     python benchmarks/loader_cpu.py                 # 1 and 2 gloo ranks, 400 steps each
     python benchmarks/loader_cpu.py --ranks 2 --steps 200
+    python benchmarks/loader_cpu.py --profile 25 --steps 300   # the loop thread, per function
+    python benchmarks/loader_cpu.py --next                     # next() with the queue full
 
 `benchmarks/throughput.py` shares two cores with the moto server; this reads the same cached
 corpus (`benchmarks/_corpus.py`, generated on first use) from local files, so what it measures
@@ -108,17 +110,92 @@ def measure(world: int, root: str, weights: dict, steps: int) -> list[dict]:
     return sorted(results, key=lambda r: r["rank"])
 
 
+def loader(root: str, weights: dict, **options):
+    import streamload as sl
+    import streamload.loader  # noqa: F401
+    return sl.Loader([sl.Source(f"{root}/{name}/", weight=w, name=name)
+                      for name, w in weights.items()],
+                     micro_batch_tokens=65536, micro_batches=4, epochs=1, seed=0,
+                     planner="naive", **options)
+
+
+def profile_loop(root: str, weights: dict, steps: int, top: int) -> None:
+    """One rank: the loop thread under cProfile with a per-thread CPU clock (which inflates
+    every figure by about 1.5x: compare trees, not absolutes); the `top` functions by
+    cumulative CPU, in ms per step, to stderr."""
+    import cProfile
+    import pstats
+    prof = cProfile.Profile(time.thread_time)
+
+    def start(frame, event, arg):   # runs first in every new thread: profile the loop's
+        sys.setprofile(None)
+        if threading.current_thread().name == "streamload-loop":
+            prof.enable()
+    threading.setprofile(start)
+    with loader(root, weights) as it:
+        for done, _ in enumerate(it, 1):
+            if done >= steps:
+                break
+    threading.setprofile(None)
+    stats = pstats.Stats(prof).stats
+    rows = sorted(((ct, f"{fn.rsplit('/', 2)[-2]}/{fn.rsplit('/', 1)[-1]}:{line}({name})")
+                   for (fn, line, name), (_, _, _, ct, _) in stats.items()
+                   if "streamload" in fn), reverse=True)
+    for ct, where in rows[:top]:
+        print(f"{ct / steps * 1e3:8.3f} ms/step  {where}", file=sys.stderr)
+
+
+def measure_next(root: str, weights: dict, rounds: int = 25) -> dict:
+    """next() with the hand-off queue full, as throughput.py times it over S3: prefetch 8,
+    rounds of a 0.3 s pause then 8 calls; the call and the drop of the batch it returned
+    (a trainer drops each batch once done with it) timed apart."""
+    import statistics
+    calls, drops = [], []
+    with loader(root, weights, prefetch_steps=8) as it:
+        it = iter(it)
+        next(it)
+        time.sleep(1.0)
+        for _ in range(rounds):
+            time.sleep(0.3)
+            for _ in range(8):
+                started = time.perf_counter_ns()
+                batch = next(it)
+                between = time.perf_counter_ns()
+                del batch
+                calls.append(between - started)
+                drops.append(time.perf_counter_ns() - between)
+    both = [a + b for a, b in zip(calls, drops)]
+    return {"calls": len(calls), "next_us_median": statistics.median(calls) / 1e3,
+            "drop_us_median": statistics.median(drops) / 1e3,
+            "next_and_drop_us_median": statistics.median(both) / 1e3,
+            "next_and_drop_us_p90": sorted(both)[int(0.9 * len(both))] / 1e3}
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--ranks", default="1,2", help="comma list of world sizes")
     ap.add_argument("--steps", type=int, default=400)
     ap.add_argument("--workdir", default="/tmp/streamload-bench")
+    ap.add_argument("--profile", type=int, metavar="TOP", default=0,
+                    help="instead: profile one rank's loop thread, print the TOP functions")
+    ap.add_argument("--next", action="store_true",
+                    help="instead: time next() and the drop of its batch, queue full")
     args = ap.parse_args(argv)
     workdir = Path(args.workdir)
     workdir.mkdir(parents=True, exist_ok=True)
     info = _corpus.main_corpus(workdir, 300, 8)
     root = str(Path(info.root) / "jsonl")
     weights = {s.name: s.weight for s in info.sources}
+    if args.profile:
+        profile_loop(root, weights, args.steps, args.profile)
+        return 0
+    if args.next:
+        result = measure_next(root, weights)
+        print(f"next(): median {result['next_us_median']:.1f} µs, dropping its batch "
+              f"{result['drop_us_median']:.1f} µs, both {result['next_and_drop_us_median']:.1f} "
+              f"µs (p90 {result['next_and_drop_us_p90']:.1f})", file=sys.stderr)
+        print(json.dumps(result))
+        return 0
     results = []
     for world in (int(w) for w in args.ranks.split(",")):
         for r in measure(world, root, weights, args.steps):
