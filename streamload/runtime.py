@@ -280,7 +280,7 @@ class Runtime:
             # columns: lengths, ages, ids (shard, record, chunk), cost (an image source's
             # encoder cost per item, fixed as it came in)
             window = buffer.window()
-            self._window_sizes[s] = len(window)
+            self._window_sizes[s] = int(window.lengths.shape[0])
             hook = self.sample_costs.get(self.sources[s].name)
             extra = window.cost
             if hook is not None:   # the hook's cost of each item's length (pieces change it)

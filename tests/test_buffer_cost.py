@@ -34,7 +34,7 @@ def test_cost_is_computed_once_per_block_and_follows_its_items():
         first = buffer.window()
         assert first.cost.tolist() == [1000.0, 1001.0, 1002.0]   # 3 items hold 25 tokens
         assert buffer.window().cost.tolist() == first.cost.tolist()
-        buffer.take(np.array([1]), len(first))   # item (1, 1) goes; the others are aged
+        buffer.take(np.array([1]), first.lengths.shape[0])   # item (1, 1) goes; the others are aged
         second = buffer.window()
         assert second.ids[:, :2].tolist() == [[1, 0], [1, 2], [2, 0]]
         assert second.cost.tolist() == [1000.0, 1002.0, 2000.0]
