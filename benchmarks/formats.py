@@ -14,6 +14,7 @@ Per format:
                                   (pyarrow.read_table, StreamingDataset, litdata's
                                   StreamingDataset, tarfile, megatron.core's IndexedDataset or
                                   numpy), in the same run
+  loader_mb_per_cpu_s             the same text MB per second of the process's CPU time
   raw_mb_s, vs_raw                the ceiling: the documents' text MB over the time to read
                                   the format's files raw (the Loader's local store, 1 MiB
                                   ranges, 8 at a time, nothing decoded), and loader_mb_s
@@ -154,7 +155,7 @@ def reference_read(fmt: str, path: Path) -> int:
 
 def loader_epoch(fmt: str, path: Path) -> dict:
     import streamload as sl
-    started = time.perf_counter()
+    started, cpu = time.perf_counter(), time.process_time()
     tokens = samples = 0
     with sl.Loader([sl.Source(str(path), format=fmt)], micro_batch_tokens=32768, micro_batches=2,
                    epochs=1, planner="naive") as loader:
@@ -163,9 +164,10 @@ def loader_epoch(fmt: str, path: Path) -> dict:
                 tokens += mb.num_tokens
                 samples += len(mb.sample_ids)
         stats = loader.stats()
-    elapsed = time.perf_counter() - started
+    elapsed, cpu = time.perf_counter() - started, time.process_time() - cpu
     read = stats["bytes_read"]
-    return {"seconds": elapsed, "tokens": tokens, "samples": samples, "bytes_read": read}
+    return {"seconds": elapsed, "cpu_seconds": cpu, "tokens": tokens, "samples": samples,
+            "bytes_read": read}
 
 
 def raw_read_seconds(path: Path, chunk_bytes: int = 1 << 20) -> float:
@@ -224,6 +226,9 @@ def main(argv=None) -> int:
         row = {"format": fmt, "documents": args.docs,
                "loader_mb_s": round(run["tokens"] / run["seconds"] / 1e6, 2),
                "loader_samples_s": round(run["samples"] / run["seconds"]),
+               # what load on a shared machine does not change: MB per second of the process's
+               # CPU (every thread: decode, plan, pack, the consumer)
+               "loader_mb_per_cpu_s": round(run["tokens"] / run["cpu_seconds"] / 1e6, 2),
                "reference_mb_s": round(ref_bytes / ref_s / 1e6, 2),
                # the documents' text read at the raw ranged-read rate of the files holding it
                "raw_mb_s": round(text_bytes / raw_s / 1e6, 2),

@@ -185,10 +185,11 @@ def test_window_matches_source_buffer():
             np.testing.assert_array_equal(ages, items.ages)
             np.testing.assert_array_equal(ids, items.ids)
             assert sim_done == done
-            if not len(items):
+            n = items.lengths.shape[0]
+            if not n:
                 break
-            positions = np.flatnonzero(rng.random(len(items)) < 0.5)
-            buffer.take(positions, len(items))
+            positions = np.flatnonzero(rng.random(n) < 0.5)
+            buffer.take(positions, n)
             window.commit(positions, sim, ages, ids)
         assert done
 

@@ -312,6 +312,32 @@ async def test_tokens_round_trip(tmp_path, dtype, high, out, chunk_bytes):
     assert records[3].payload.size == 0 and records[4].payload.size == 0
 
 
+@pytest.mark.parametrize("dtype, column", [(np.uint16, np.uint16), (np.int32, np.int32),
+                                           (np.uint32, np.int64)])
+async def test_tokens_columns_are_views_of_the_range(tmp_path, dtype, column):
+    """`decode_columns` gives a range's documents as offsets over one buffer: for uint16 and
+    int32 shards the bytes read themselves (no copy), and the transform keeps them so (one
+    buffer per range, packing widens); `decode` hands out the same ids as int32 / int64."""
+    from streamload.formats.base import decode_columns
+    from streamload.storage.fs import LocalStore
+    docs = make_docs(np.random.default_rng(1), 2 ** 16)
+    tokens_path, _ = write_token_shard(tmp_path / "shard-0", docs, dtype=dtype)
+    store = LocalStore()
+    stream = await TokensFormat().open(store, info(tokens_path), problems=problems("s"),
+                                       chunk_bytes=1 << 20)
+    (start, end), = stream.ranges()
+    chunk = await store.read_range(str(tokens_path), start, end)
+    records = decode_columns(stream, chunk)
+    assert records.tokens.dtype == column and records.index.tolist() == list(range(len(docs)))
+    assert np.shares_memory(records.tokens, np.frombuffer(chunk, np.uint8)) == (column == dtype)
+    for k, doc in enumerate(docs):
+        np.testing.assert_array_equal(
+            records.tokens[records.offsets[k]:records.offsets[k + 1]], doc)
+    block, counts = records_to_block(records, 0, 1 << 20, "split")
+    assert block.tokens is records.tokens or column != dtype
+    assert counts.tokens == sum(d.size for d in docs)
+
+
 async def test_tokens_ranges_hold_whole_documents(tmp_path):
     docs = make_docs(np.random.default_rng(1), 1000, n=200)
     tokens_path, _ = write_token_shard(tmp_path / "s", docs, dtype=np.uint16)

@@ -199,6 +199,13 @@ class Records:
     def to_list(self) -> list[RawRecord]:
         return [RawRecord(i, p) for i, p in zip(self.index.tolist(), self.payloads())]
 
+    def widened(self, dtype) -> "Records":
+        """These records with their token ids as `dtype` (what a stream's `decode` hands out,
+        when its `decode_columns` keeps the stored dtype: `column_dtype`)."""
+        if dtype is None or self.tokens is None or self.tokens.dtype == dtype:
+            return self
+        return Records(self.index, tokens=self.tokens.astype(dtype), offsets=self.offsets)
+
     def select(self, keep: np.ndarray) -> "Records":
         """The records where `keep` (bool [n]) holds, in order (token records: the buffer
         gathered into one of their own)."""
@@ -222,6 +229,13 @@ def gather_index(start: np.ndarray, length: np.ndarray) -> np.ndarray:
         return np.zeros(0, np.int64)
     before = np.cumsum(length) - length   # each run's place in the output
     return np.arange(total, dtype=np.int64) + np.repeat(start - before, length)
+
+
+def column_dtype(stored: np.dtype, out: np.dtype) -> np.dtype:
+    """The dtype a stream's `decode_columns` hands token ids out in: the stored one for
+    unsigned ids of at most 16 bits (a view of the bytes read: no conversion, and no check is
+    needed; packing widens them), else `out`, the dtype its `decode` hands out."""
+    return np.dtype(stored.str[1:]) if stored.kind == "u" and stored.itemsize <= 2 else out
 
 
 def decode_columns(stream, chunk: bytes) -> Records:

@@ -167,13 +167,18 @@ class JsonlStream(PlannedStream):
         if cut < 0:                  # no line ends here; joining later keeps long lines linear
             self._pending.append(data)
             return _NO_RECORDS
-        if self._pending:
-            self._pending.append(data[:cut])
-            body = b"".join(self._pending)
-        else:
-            body = data[:cut]
-        self._pending = [data[cut + 1:]]
-        return self._columns(body)
+        pending, self._pending = self._pending, [data[cut + 1:]]
+        if not any(pending):   # the last chunk ended a line
+            return self._columns(data, 0, cut)
+        # The line begun in earlier chunks, joined on its own, then the rest over a view.
+        end = data.find(b"\n")
+        line = b"".join([*pending, data[:end]])
+        first = self._columns(line, 0, len(line))
+        if end == cut:
+            return first
+        rest = self._columns(data, end + 1, cut)
+        return Records(np.concatenate([first.index, rest.index]),
+                       texts=first.texts + rest.texts)
 
     def finish_columns(self) -> Records:
         if self._failed:
@@ -184,7 +189,7 @@ class JsonlStream(PlannedStream):
         last, self._pending = b"".join(self._pending), []
         if not last:
             return _NO_RECORDS
-        return self._columns(last)
+        return self._columns(last, 0, len(last))
 
     def _inflate(self, chunk: bytes) -> bytes | None:
         if self._inflater is None:
@@ -195,27 +200,32 @@ class JsonlStream(PlannedStream):
             self._shard_error(f"corrupt {self._compression} data: {exc}")
             return None
 
-    def _columns(self, body: bytes) -> Records:
-        """The records of `body`, whole lines (the newline after the last one taken off), in
-        one msgspec call (`decode_lines`). That call skips blank lines and would read two
-        values on one line, so it stands only for a body with as many values as lines and no
-        blank line; anything else (a blank line, a bad record) is read line by line
-        (`_records`), which numbers, reports and skips each line as it should."""
+    def _columns(self, data: bytes, start: int, end: int) -> Records:
+        """The records of data[start:end], whole lines (the newline after the last one left out),
+        in one msgspec call (`decode_lines`, over a view: no copy). That call skips blank lines
+        and would read two values on one line, so it stands only for lines that are none of
+        them blank and as many as the values; anything else (a blank line, a bad record) is
+        read line by line (`_records`), which numbers, reports and skips each line as before."""
         first = self._next_index
-        if first == 0 and body.startswith(_BOM):   # a UTF-8 byte order mark
-            body = body[len(_BOM):]
-        lines = body.count(b"\n") + 1
-        if not _BLANK_LINE.search(body) and not _blank(body.split(b"\n", 1)[0]) and \
-                not _blank(body.rsplit(b"\n", 1)[-1]):
+        if first == 0 and data.startswith(_BOM, start, end):   # a UTF-8 byte order mark
+            start += len(_BOM)
+        lines = data.count(b"\n", start, end) + 1
+        head = data.find(b"\n", start, end)
+        tail = data.rfind(b"\n", start, end)
+        if not _BLANK_LINE.search(data, start, end) and \
+                not _blank(data[start:head if head >= 0 else end]) and \
+                not _blank(data[tail + 1 if tail >= 0 else start:end]):
             try:
-                values = self._decode_lines(body)
+                values = self._decode_lines(memoryview(data)[start:end])
             except msgspec.MsgspecError:
                 values = None
             if values is not None and len(values) == lines:
                 self._next_index = first + lines
                 return Records(np.arange(first, first + lines, dtype=np.int64),
                                texts=list(map(_TEXT, values)))
-        return Records.of(self._records(body.split(b"\n")))
+        records = self._records(data[start:end].split(b"\n"))
+        return Records(np.fromiter((r.index for r in records), np.int64, len(records)),
+                       texts=[r.payload for r in records])
 
     def _records(self, lines: list[bytes]) -> list[RawRecord]:
         records = []

@@ -36,7 +36,7 @@ from ..errors import ConfigError, DataError
 from ..storage.base import ObjectInfo, ObjectStore
 from ..tokenizer import TextTokenizer
 from .base import (LENGTHS_CHUNK_BYTES, BadShard, DocumentLengths, EmptyStream, PlannedStream,
-                   Problems, RawRecord, Records, gather_index, read_exact)
+                   Problems, RawRecord, Records, column_dtype, gather_index, read_exact)
 from .litdata import CHUNK_NAME as LITDATA_CHUNK
 from .tokens import plan_groups
 
@@ -199,6 +199,7 @@ class MegatronStream(PlannedStream):
         super().__init__(problems)
         self._dtype = index.dtype
         self._out_dtype = _OUT_DTYPES[index.dtype]
+        self._column_dtype = column_dtype(index.dtype, self._out_dtype)
         self._signed = index.dtype.kind == "i" and self._out_dtype == np.int32
         self._keep = keep
         self._lengths = index.lengths[keep].astype(np.int64)
@@ -209,14 +210,14 @@ class MegatronStream(PlannedStream):
         return [(int(self._keep[a]), int(self._keep[b - 1]) + 1) for a, b in self._groups.tolist()]
 
     def decode(self, chunk: bytes) -> list[RawRecord]:
-        return self.decode_columns(chunk).to_list()
+        return self.decode_columns(chunk).widened(self._out_dtype).to_list()
 
     def finish(self) -> list[RawRecord]:
-        return self.finish_columns().to_list()
+        return self.finish_columns().widened(self._out_dtype).to_list()
 
     def decode_columns(self, chunk: bytes) -> Records:
-        """The group's sequences as offsets over the range's tokens (a view of `chunk` when
-        the dtype is the one batches carry, else one conversion)."""
+        """The group's sequences as offsets over the range's tokens: a view of `chunk` for
+        uint8, uint16 and int32 files (`column_dtype`), else one conversion."""
         k = self._next_range()
         a, b = self._groups[k].tolist()
         begin, end = self._ranges[k]
@@ -224,7 +225,7 @@ class MegatronStream(PlannedStream):
             raise DataError(f"expected {end - begin} bytes for sequences {int(self._keep[a])}.."
                             f"{int(self._keep[b - 1])}, got {len(chunk)}", source=self._source,
                             shard=self._shard_name)
-        tokens = np.frombuffer(chunk, self._dtype).astype(self._out_dtype, copy=False)
+        tokens = np.frombuffer(chunk, self._dtype).astype(self._column_dtype, copy=False)
         lows = (self._start[a:b] - begin) // self._dtype.itemsize
         lengths = self._lengths[a:b]
         records = self._keep[a:b].astype(np.int64)

@@ -22,7 +22,7 @@ from ..errors import ConfigError
 from ..storage.base import ObjectInfo, ObjectStore
 from ..tokenizer import TextTokenizer
 from .base import (LENGTHS_CHUNK_BYTES, BadShard, DocumentLengths, EmptyStream, PlannedStream,
-                   Problems, RawRecord, Records, read_exact)
+                   Problems, RawRecord, Records, column_dtype, read_exact)
 
 TOKENS_SUFFIX = ".tokens.npy"
 OFFSETS_SUFFIX = ".offsets.npy"
@@ -169,6 +169,7 @@ class TokensStream(PlannedStream):
         super().__init__(problems)
         self._dtype = dtype
         self._out_dtype = _TOKEN_DTYPES[dtype]
+        self._column_dtype = column_dtype(dtype, self._out_dtype)
         self._signed = dtype.kind == "i"
         self._offsets = offsets
         n_tokens = int(offsets[-1])
@@ -180,16 +181,16 @@ class TokensStream(PlannedStream):
         self._finished = False
 
     def decode(self, chunk: bytes) -> list[RawRecord]:
-        return self.decode_columns(chunk).to_list()
+        return self.decode_columns(chunk).widened(self._out_dtype).to_list()
 
     def finish(self) -> list[RawRecord]:
-        return self.finish_columns().to_list()
+        return self.finish_columns().widened(self._out_dtype).to_list()
 
     def decode_columns(self, chunk: bytes) -> Records:
-        """The run's documents as offsets over the range's tokens (a view of `chunk` when the
-        shard's dtype is the one batches carry, else one conversion)."""
+        """The run's documents as offsets over the range's tokens: a view of `chunk` for
+        uint16 and int32 shards (`column_dtype`), else one conversion."""
         first, end, _ = self._next_run(chunk, "documents")
-        tokens = np.frombuffer(chunk, self._dtype).astype(self._out_dtype, copy=False)
+        tokens = np.frombuffer(chunk, self._dtype).astype(self._column_dtype, copy=False)
         bounds = self._offsets[first:end + 1] - self._offsets[first]
         records = Records(np.arange(first, end, dtype=np.int64), tokens=tokens, offsets=bounds)
         bad = self._negative_documents(tokens, bounds, first) if self._signed else ()

@@ -20,7 +20,6 @@ from typing import Callable, Iterable, NamedTuple, Optional, Sequence
 
 import numpy as np
 
-from ..formats.base import gather_index
 from ..plan.windows import head_window
 from .changes import Changes
 
@@ -37,8 +36,8 @@ class ItemBlock:
     chunk[k]) (`pieces` says what chunk holds), offered age[k] times and not taken. `images`:
     per item, its images (an image source's `ImageRef`s), else None. `cost`: per item, a
     float64 extra cost fixed when the block entered its buffer (`SourceBuffer`'s `item_cost`:
-    the vision encoder's), else None. Columns are int64; a ItemBlock is not changed once made
-    (`take` makes new ones)."""
+    the vision encoder's), else None. Columns are int64; a block is not changed once in a
+    buffer (`take` makes new ones)."""
     __slots__ = ("shard", "tokens", "start", "length", "record", "chunk", "age", "images",
                  "total", "cost")
 
@@ -85,15 +84,17 @@ class ItemBlock:
 
     def compacted(self) -> "ItemBlock":
         """This block, its items' tokens copied into a buffer of their own when they hold
-        little of the one it shares (one gather)."""
+        little of the one it shares (one concatenation)."""
         if self.tokens.nbytes < _COMPACT_MIN_BYTES or \
                 self.total >= _COMPACT_BELOW * self.tokens.shape[0]:
             return self
-        index = gather_index(self.start, self.length)
+        tokens = self.tokens   # (few items: a concatenation of views beats an index gather)
+        kept = np.concatenate([tokens[s:s + n] for s, n in
+                               zip(self.start.tolist(), self.length.tolist())])
         start = np.zeros(len(self), np.int64)
         np.cumsum(self.length[:-1], out=start[1:])
-        block = ItemBlock(self.shard, self.tokens[index], start, self.length, self.record,
-                          self.chunk, self.age, self.images)
+        block = ItemBlock(self.shard, kept, start, self.length, self.record, self.chunk,
+                          self.age, self.images)
         block.cost = self.cost
         return block
 
@@ -114,9 +115,6 @@ class Window(NamedTuple):
     done: bool
     images: Optional[list] = None
     cost: Optional[np.ndarray] = None
-
-    def __len__(self) -> int:
-        return self.lengths.shape[0]
 
 
 class Taken(NamedTuple):
@@ -184,26 +182,36 @@ class SourceBuffer:
 
     # -- producer side -------------------------------------------------------------------
     async def put(self, blocks: Iterable[ItemBlock]) -> None:
-        """Append blocks of items in order; waits while the buffer is at capacity (a block
-        goes in whole, so the buffer may hold up to one block past its capacity)."""
+        """Append blocks of items in order; waits while the buffer is at capacity. As if item
+        by item: an item goes in while the buffer holds less than its capacity, so it never
+        holds more than that plus one item (a block is split where the capacity falls)."""
         for block in blocks:
-            if not len(block):
-                continue
-            if self._tokens >= self.capacity_tokens:
-                self._changes.notify()   # what is appended so far may complete a window
-                started = time.perf_counter()
-                while self._tokens >= self.capacity_tokens and self._error is None:
-                    await self._changes.wait()
-                self.blocked_s += time.perf_counter() - started
-            self._raise_if_failed()
-            if self._item_cost is not None:
+            if self._item_cost is not None and len(block):   # once, for the whole block
                 block.cost = np.asarray(self._item_cost(block), np.float64)
-            self._entries.append(block)
-            self._tokens += block.total
-            self._items += len(block)
-            if self._markers == 0:
-                self._head_tokens += block.total
+            while len(block):
+                if self._tokens >= self.capacity_tokens:
+                    self._changes.notify()   # what is appended so far may complete a window
+                    started = time.perf_counter()
+                    while self._tokens >= self.capacity_tokens and self._error is None:
+                        await self._changes.wait()
+                    self.blocked_s += time.perf_counter() - started
+                self._raise_if_failed()
+                room = self.capacity_tokens - self._tokens
+                if block.total <= room:
+                    part, block = block, block.subset(slice(0, 0))
+                else:   # the items that start below the capacity go now, the rest wait
+                    before = np.cumsum(block.length) - block.length
+                    n = int(np.searchsorted(before, room, side="left"))
+                    part, block = block.subset(slice(0, n)), block.subset(slice(n, None))
+                self._append(part)
         self._changes.notify()
+
+    def _append(self, block: ItemBlock) -> None:
+        self._entries.append(block)
+        self._tokens += block.total
+        self._items += len(block)
+        if self._markers == 0:
+            self._head_tokens += block.total
 
     async def end_epoch(self, epoch: int) -> None:
         """Mark the end of `epoch`; waits while MAX_PENDING_EPOCHS ends are still unconsumed.

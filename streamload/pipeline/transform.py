@@ -134,7 +134,8 @@ def record_tokens(records: Records, problems: Problems, counts: TransformCounts,
                   ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """(index, tokens, offsets) of `records`' tokens in one buffer: texts as their UTF-8
     bytes (uint8, `utf8_bytes`), token ids checked as `token_ids` does (int32 ones trusted:
-    a token format has refused negative ids). A record whose ids fail is reported to
+    a token format has refused negative ids; uint8 and uint16 ones kept as they are, a view
+    of the bytes read). A record whose ids fail is reported to
     `problems`, left out and uncounted (`counts.records`). `raw`: the RawRecords `records`
     were gathered from, if so (their own arrays are checked when the buffer fails)."""
     if records.texts is not None:
@@ -150,8 +151,8 @@ def record_tokens(records: Records, problems: Problems, counts: TransformCounts,
         np.cumsum(lengths, out=offsets[1:])
         return records.index, np.frombuffer(data, np.uint8), offsets
     tokens = records.tokens
-    if tokens.dtype == np.int32:
-        return records.index, tokens, records.offsets
+    if tokens.dtype == np.int32 or (tokens.dtype.kind == "u" and tokens.dtype.itemsize <= 2):
+        return records.index, tokens, records.offsets   # kept as they are: packing widens
     try:
         return records.index, token_ids(tokens), records.offsets
     except TokenIdError:   # find the records to name, check the others one by one

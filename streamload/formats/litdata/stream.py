@@ -13,8 +13,8 @@ import zstandard
 
 from ...storage.base import ObjectInfo, ObjectStore
 from ...tokenizer import TextTokenizer
-from ..base import (BadShard, MissingField, PlannedStream, Problems, RawRecord, field_hint,
-                    read_exact)
+from ..base import (BadShard, MissingField, PlannedStream, Problems, RawRecord, Records,
+                    column_dtype, field_hint, read_exact)
 from ..tokens import plan_groups
 from .index import Chunk
 from .layouts import BadRecord, Decoder, Layout, Truncated, inflate
@@ -61,8 +61,13 @@ class LitdataStream(PlannedStream):
         return self._plan.groups if self._plan.mode in ("items", "blocks") else None
 
     def decode(self, chunk: bytes) -> list[RawRecord]:
+        return self.decode_columns(chunk).widened(self._decoder.out_dtype).to_list()
+
+    def decode_columns(self, chunk: bytes) -> Records:
+        """Token blocks as offsets over the range's buffer (a view when the dtype is the one
+        batches carry); the other layouts' records gathered (`Records.of`)."""
         if self._failed:
-            return []
+            return Records.empty()
         plan = self._plan
         k = self._next_range()
         start, end = plan.ranges[k]
@@ -70,22 +75,22 @@ class LitdataStream(PlannedStream):
         if len(chunk) != end - start:
             self._shard_error(f"expected {end - start} bytes at {start}..{end}, got "
                               f"{len(chunk)}; the chunk is truncated")
-            return []
+            return Records.empty()
         view = memoryview(chunk)
         try:
             if plan.mode == "items":
-                return self._items(first, chunk,
-                                   plan.offsets[first:stop + 1] - plan.offsets[first])
+                return Records.of(self._items(first, chunk,
+                                              plan.offsets[first:stop + 1] - plan.offsets[first]))
             if plan.mode == "blocks":
                 return self._blocks(first, stop, chunk)
             if plan.mode == "frames":
-                return self._frames(first, stop, view, start)
+                return Records.of(self._frames(first, stop, view, start))
             if plan.mode == "whole":
-                return self._whole(chunk)
-            return self._arrow(chunk)
+                return Records.of(self._whole(chunk))
+            return Records.of(self._arrow(chunk))
         except BadShard as exc:
             self._shard_error(str(exc), skippable=not isinstance(exc, MissingField))
-            return []
+            return Records.empty()
 
     def finish(self) -> list[RawRecord]:
         if self._finished or self._failed:
@@ -137,16 +142,22 @@ class LitdataStream(PlannedStream):
             records.append(RawRecord(first + k, payload))
         return records
 
-    def _blocks(self, first: int, stop: int, chunk: bytes) -> list[RawRecord]:
+    def _blocks(self, first: int, stop: int, chunk: bytes) -> Records:
         size = self._layout.block_size
-        tokens = np.frombuffer(chunk, self._layout.dtype).astype(self._decoder.out_dtype)
+        tokens = np.frombuffer(chunk, self._layout.dtype).astype(
+            column_dtype(self._layout.dtype, self._decoder.out_dtype), copy=False)
         blocks = tokens.reshape(stop - first, size)
         negative = (np.flatnonzero(blocks.min(axis=1) < 0).tolist()
                     if self._layout.dtype.kind == "i" and blocks.size else [])
         for b in negative:
             self._record_error(first + b, "negative token id")
-        skip = set(negative)
-        return [RawRecord(first + b, blocks[b]) for b in range(stop - first) if b not in skip]
+        records = Records(np.arange(first, stop, dtype=np.int64), tokens=tokens,
+                          offsets=np.arange(stop - first + 1, dtype=np.int64) * size)
+        if negative:
+            keep = np.ones(stop - first, bool)
+            keep[negative] = False
+            records = records.select(keep)
+        return records
 
     def _frames(self, first: int, stop: int, view: memoryview, start: int) -> list[RawRecord]:
         records = []
