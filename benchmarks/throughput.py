@@ -27,7 +27,8 @@ Loaders
 Measured: samples/s (documents; a document streamload splits into several rows counts once),
 text MB/s (UTF-8 bytes of text delivered), time to first batch (from constructing the loader,
 imports excluded: each loader's module and the S3 client library it imports on first use,
-streamload.storage.s3 / boto3 / obstore, are imported before the clock starts), peak RSS of
+streamload.loader (torch with it) and streamload.storage.s3 / boto3 / obstore, are imported
+before the clock starts), peak RSS of
 the process tree (sum of the processes' RSS, so pages shared between forked workers count once
 per process), and for streamload the loader's CPU time per
 step (process CPU time minus the consuming thread's own CPU time, over the steps). Throughput is
@@ -161,6 +162,7 @@ def w_streamload(spec: dict) -> dict:
                                 rank=rank, world_size=world,
                                 timeout=datetime.timedelta(seconds=120))
     import streamload as sl
+    import streamload.loader  # noqa: F401  (Loader's module, torch with it: sl.Loader imports it)
     import streamload.storage.s3  # noqa: F401  (imported on first use: an import, not loading)
     sources = [sl.Source(f"s3://{BUCKET}/{spec['prefix']}/{name}/", weight=w, name=name)
                for name, w in spec["sources"]]
@@ -206,6 +208,7 @@ def w_streamload_next(spec: dict) -> dict:
     """Time next() with the prefetch queue full: sleep long enough for the loader to queue
     prefetch_steps batches, then time that many next() calls; repeat."""
     import streamload as sl
+    import streamload.loader  # noqa: F401
     sources = [sl.Source(f"s3://{BUCKET}/{spec['prefix']}/{name}/", weight=w, name=name)
                for name, w in spec["sources"]]
     opts = _sl_loader_options(spec.get("options", {}))
@@ -318,7 +321,7 @@ def w_imports(spec: dict) -> dict:
     if kind == "raw":
         import aiobotocore.session  # noqa: F401
     elif kind == "streamload":
-        import streamload  # noqa: F401
+        import streamload.loader  # noqa: F401  (`import streamload` alone leaves torch out)
     elif kind == "mosaic":
         _corpus.import_streaming()
         import torch.utils.data  # noqa: F401

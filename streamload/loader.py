@@ -50,11 +50,22 @@ log = logging.getLogger("streamload")
 T = TypeVar("T")
 
 
+_STOP = object()   # to the waker thread: the loop has ended
+
+
 class _End:
     """Sentinel: the background side finished (normally, or with `error`)."""
 
     def __init__(self, error: Optional[BaseException] = None):
         self.error = error
+
+
+def _block_signals() -> None:
+    """Ctrl-C must reach the trainer's thread. Linux delivers a process signal to any thread
+    that does not block it, and threads started from the loop's (transform workers, the
+    collective thread) inherit its mask."""
+    if hasattr(signal, "pthread_sigmask"):
+        signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT, signal.SIGTERM})
 
 
 class _Background:
@@ -72,15 +83,16 @@ class _Background:
         self.slots = None
         self.prefetch_steps = prefetch_steps
         self.task: Optional[asyncio.Task] = None
+        # Per slot the trainer freed, the batch it had before (to drop), for the waker; _STOP
+        # ends the waker. See `get`.
+        self._freed: "queue.SimpleQueue" = queue.SimpleQueue()
         self.thread = threading.Thread(target=self._serve, name="streamload-loop", daemon=True)
+        self._waker = threading.Thread(target=self._wake, name="streamload-waker", daemon=True)
         self.thread.start()
+        self._waker.start()
 
     def _serve(self) -> None:
-        # Ctrl-C must reach the trainer's thread. Linux delivers a process signal to any thread
-        # that does not block it, and threads started from here (transform workers, the
-        # collective thread) inherit this mask.
-        if hasattr(signal, "pthread_sigmask"):
-            signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT, signal.SIGTERM})
+        _block_signals()
         asyncio.set_event_loop(self.loop)
         try:
             self.loop.run_until_complete(self._main())
@@ -90,6 +102,21 @@ class _Background:
             self.loop.run_until_complete(self.loop.shutdown_asyncgens())
         finally:
             self.loop.close()
+            self._freed.put(_STOP)   # the waker has nothing more to wake
+
+    def _wake(self) -> None:
+        """Off the trainer's thread: drop the batches the trainer is done with and hand the
+        slots it freed to the loop."""
+        _block_signals()
+        while True:
+            done = self._freed.get()
+            if done is _STOP:
+                return
+            del done   # the batch's last reference, usually: its tensors are freed here
+            try:
+                self.loop.call_soon_threadsafe(self.slots.release)
+            except RuntimeError:   # the loop closed meanwhile
+                return
 
     async def _main(self) -> None:
         self.slots = asyncio.Semaphore(self.prefetch_steps)
@@ -109,14 +136,20 @@ class _Background:
     def put(self, batch: Batch, snapshot: StepSnapshot) -> None:
         self.queue.put((batch, snapshot))
 
-    def get(self):
-        """(batch, snapshot), or an `_End`."""
+    def get(self, done: Optional[Batch] = None):
+        """(batch, snapshot), or an `_End`. `done`: the batch the trainer had before, which
+        the waker drops (freeing a step's 20-odd tensors and their arrays costs the trainer's
+        thread tens of µs otherwise).
+
+        The trainer's thread does not wake the loop itself: `call_soon_threadsafe` writes to the
+        loop's self-pipe, a system call that releases the GIL, and the woken loop thread, about
+        to plan a step, often took the GIL there and kept it until the switch interval (5 ms)
+        ran out: next() took that long one call in ten with the hand-off queue full. Putting on
+        a SimpleQueue releases neither the GIL nor the CPU; the waker thread makes the call
+        once the trainer lets go of the GIL (it waits, or runs torch)."""
         item = self.queue.get()
-        if not isinstance(item, _End) and not self.loop.is_closed():
-            try:
-                self.loop.call_soon_threadsafe(self.slots.release)
-            except RuntimeError:  # the loop closed meanwhile
-                pass
+        if not isinstance(item, _End):
+            self._freed.put(done)
         return item
 
     def call(self, fn: Callable[[], T]) -> T:
@@ -234,6 +267,10 @@ class Loader:
         self._closed = False   # close() was called: next() is a mistake, not an end
         self._finalizer = None
         self._last_snapshot: Optional[StepSnapshot] = None   # of the last batch returned
+        # The last two batches returned: held so that the trainer dropping one frees nothing
+        # on its thread; the next next() hands the older one to the waker (`_Background.get`).
+        self._last_batch: Optional[Batch] = None
+        self._before_last: Optional[Batch] = None
         self._stall_s = 0.0   # time the trainer waited in next()
         self._steps_taken = 0
         # on_step(record): each step's metrics as a flat dict of numbers (`observe.step_record`),
@@ -277,7 +314,12 @@ class Loader:
         if self._background is None:
             iter(self)
         started = time.perf_counter()
-        item = self._background.get()
+        # `for batch in loader` still holds the last batch until this returns, so the one
+        # before it is the one the trainer is done with: the waker drops our reference to it.
+        done, self._before_last = self._before_last, self._last_batch
+        self._last_batch = None
+        item = self._background.get(done)
+        del done
         self._stall_s += time.perf_counter() - started
         if isinstance(item, _End):
             self._finished = True
@@ -286,6 +328,7 @@ class Loader:
                 raise item.error
             raise StopIteration
         batch, self._last_snapshot = item
+        self._last_batch = batch
         self._steps_taken += 1
         if self._on_step is not None:
             self._on_step(step_record(batch, self._runtime_step_tokens, self._source_names))
@@ -394,6 +437,7 @@ class Loader:
         """Stop fetching and release everything. Safe to call twice; next() afterwards
         raises UsageError."""
         self._finished = self._closed = True
+        self._last_batch = self._before_last = None
         if self._finalizer is not None:
             self._finalizer()
         if isinstance(self._runtime, Runtime):

@@ -52,7 +52,7 @@ from .plan.cost import CostModel
 from .plan.memory import SourceBudget
 from .plan.mix_spec import Mixture
 from .peers import encode_end, encode_step
-from .vision.cost import visual_counts
+from .vision.cost import EncoderCost, visual_counts
 from .vision.hybrid import encoder_model, window_costs
 from .job import JobModel, StepSnapshot, data_options, listing_crc
 from .watch import RunWatch
@@ -215,8 +215,13 @@ class Runtime:
             # A source this rank does not read (`plan/readers.py`): no fetcher, and a buffer
             # that is always empty and at its epoch's end; its items come by the exchange.
             reads = [self.job.reads_source(self.comm.rank, s) for s in range(len(self.sources))]
-            self.buffers = [SourceBuffer(b.capacity_tokens, b.window_tokens) if read
-                            else UnreadBuffer() for b, read in zip(self.budgets, reads)]
+            # An image source's encoder cost per item, from its images' grids: worked out
+            # once, as its block enters the buffer (the window's `cost` column).
+            self.buffers = [SourceBuffer(b.capacity_tokens, b.window_tokens,
+                                         None if encoder is None else
+                                         functools.partial(_encoder_costs, encoder))
+                            if read else UnreadBuffer()
+                            for b, read, encoder in zip(self.budgets, reads, self._encoders)]
             self.gates = [MemoryGate(b.inflight_bytes) for b in self.budgets]
             for s, source in enumerate(self.sources):
                 if not reads[s]:
@@ -302,18 +307,21 @@ class Runtime:
         await asyncio.gather(*(self._wait_ready(s) for s in range(len(self.buffers))))
         windows = []
         for s, buffer in enumerate(self.buffers):
-            window = buffer.window()   # columns: lengths, ages, ids (shard, record, chunk)
-            lengths = window.lengths
-            self._window_sizes[s] = int(lengths.shape[0])
-            extra = CostModel.extra_cost(self.sample_costs.get(self.sources[s].name), lengths)
-            if self._encoders[s] is not None:   # an image source under hybrid balancing
-                extra = extra + window_costs(window.images or [], self._encoders[s])
-            visual = None
+            # columns: lengths, ages, ids (shard, record, chunk), cost (an image source's
+            # encoder cost per item, fixed as it came in)
+            window = buffer.window()
+            self._window_sizes[s] = int(window.lengths.shape[0])
+            hook = self.sample_costs.get(self.sources[s].name)
+            extra = window.cost
+            if hook is not None:   # the hook's cost of each item's length (pieces change it)
+                extra = CostModel.extra_cost(hook, window.lengths) + \
+                    (0.0 if extra is None else extra)
+            visual = None   # an image source's images and patches per item: the caps per row
             if self.sources[s].images is not None:
                 visual = visual_counts(window.images if window.images is not None
-                                       else [()] * int(lengths.shape[0]))
-            windows.append(SourceWindow(lengths, window.ages, window.ids, window.done, extra,
-                                        visual))
+                                       else [()] * int(window.lengths.shape[0]))
+            windows.append(SourceWindow(window.lengths, window.ages, window.ids, window.done,
+                                        extra, visual))
         return encode_summary(windows)
 
     async def _wait_ready(self, s: int) -> None:
@@ -500,3 +508,8 @@ class Runtime:
         self._scale_mark = (now, blocked)
         for metrics, wait in zip(self.source_metrics, self.source_waits):
             metrics.step_wait_s += float(wait)
+
+
+def _encoder_costs(encoder: EncoderCost, block) -> np.ndarray:
+    """A buffer block's items' encoder costs (`SourceBuffer`'s `item_cost`)."""
+    return window_costs(block.images or [()] * len(block), encoder)

@@ -10,6 +10,7 @@ import textwrap
 import threading
 import time
 import traceback
+import weakref
 
 import pytest
 
@@ -66,6 +67,29 @@ def test_context_manager_and_break(corpus):
             if step == 3:
                 break
     assert wait_until(lambda: not loop_threads())
+
+
+def test_a_batch_the_trainer_is_done_with_is_freed_off_its_thread(corpus):
+    """next() hands the batch before the last one to the waker thread, which drops it there:
+    its tensors are freed, and not on the trainer's thread (`for batch in loader` holds the
+    last one until next() returns). The loop and the waker stop with the loader."""
+    freed_on = []
+    with sl.Loader([sl.Source(str(corpus))], micro_batch_tokens=256, epochs=None) as loader:
+        it = iter(loader)
+        for batch in it:   # as a training loop holds it: until next() has returned
+            if batch.step == 0:
+                weakref.finalize(batch, lambda: freed_on.append(threading.current_thread().name))
+            if batch.step == 1:
+                assert freed_on == []   # still held, by the loader
+                kept = batch
+            if batch.step == 2:
+                assert wait_until(lambda: freed_on)
+                break
+        assert freed_on == ["streamload-waker"]
+        next(it)
+        assert kept.micro_batches[0].num_tokens > 0 and kept.step == 1   # still whole
+    assert wait_until(lambda: not [t for t in threading.enumerate()
+                                   if t.name in ("streamload-loop", "streamload-waker")])
 
 
 def test_garbage_collection_stops_the_thread(corpus):

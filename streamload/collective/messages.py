@@ -42,18 +42,30 @@ class Summaries:
 
 
 def encode_summary(windows: list[SourceWindow]) -> np.ndarray:
-    parts = [np.array([OK], dtype=np.int64)]
-    for w in windows:
-        # The second word: bit 0, exhausted; bit 1, the window's images and patches follow.
-        flags = int(w.exhausted) | (2 if w.visual is not None else 0)
-        parts.append(np.array([w.lengths.shape[0], flags], dtype=np.int64))
-        extra = np.zeros(w.lengths.shape[0]) if w.extra_cost is None else w.extra_cost
-        parts += [w.lengths.astype(np.int64), w.ages.astype(np.int64),
-                  w.ids.astype(np.int64).reshape(-1),
-                  np.ascontiguousarray(extra, dtype=np.float64).view(np.int64)]
+    """One int64 array, written column by column: [OK], then per source [n, flags], lengths,
+    ages, ids (n x 3, row-major), extra costs (float64 bits; zeros when None) and, when flags
+    has bit 1 (bit 0: exhausted), the window's images and patches per item (2 x n)."""
+    sizes = [w.lengths.shape[0] for w in windows]
+    out = np.empty(1 + sum(2 + (3 + ID_FIELDS) * n + (0 if w.visual is None else 2 * n)
+                           for w, n in zip(windows, sizes)), np.int64)
+    out[0] = OK
+    at = 1
+    for w, n in zip(windows, sizes):
+        out[at], out[at + 1] = n, int(w.exhausted) | (0 if w.visual is None else 2)
+        at += 2
+        out[at:at + n] = w.lengths
+        out[at + n:at + 2 * n] = w.ages
+        out[at + 2 * n:at + (2 + ID_FIELDS) * n] = w.ids.reshape(-1)
+        costs = out[at + (2 + ID_FIELDS) * n:at + (3 + ID_FIELDS) * n].view(np.float64)
+        if w.extra_cost is None:
+            costs.fill(0.0)
+        else:
+            costs[:] = w.extra_cost
+        at += (3 + ID_FIELDS) * n
         if w.visual is not None:
-            parts.append(np.asarray(w.visual, np.int64).reshape(-1))
-    return np.concatenate(parts)
+            out[at:at + 2 * n] = np.asarray(w.visual, np.int64).reshape(-1)
+            at += 2 * n
+    return out
 
 
 def decode_summaries(gathered: list[np.ndarray], num_sources: int) -> Summaries:

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from typing import Iterable, NamedTuple, Optional, Sequence
+from typing import Callable, Iterable, NamedTuple, Optional, Sequence
 
 import numpy as np
 
@@ -34,10 +34,12 @@ class ItemBlock:
     """A run of one shard's items in stream order, as columns over one token buffer (a range's
     tokens): item k is `tokens[start[k]:start[k] + length[k]]`, its id (shard, record[k],
     chunk[k]) (`pieces` says what chunk holds), offered age[k] times and not taken. `images`:
-    per item, its images (an image source's `ImageRef`s), else None. Columns are int64; a
-    block is not changed once in a buffer (`take` makes new ones)."""
+    per item, its images (an image source's `ImageRef`s), else None. `cost`: per item, a
+    float64 extra cost fixed when the block entered its buffer (`SourceBuffer`'s `item_cost`:
+    the vision encoder's), else None. Columns are int64; a block is not changed once in a
+    buffer (`take` makes new ones)."""
     __slots__ = ("shard", "tokens", "start", "length", "record", "chunk", "age", "images",
-                 "total")
+                 "total", "cost")
 
     def __init__(self, shard: int, tokens: np.ndarray, start: np.ndarray, length: np.ndarray,
                  record: np.ndarray, chunk: np.ndarray, age: Optional[np.ndarray] = None,
@@ -47,6 +49,7 @@ class ItemBlock:
         self.age = np.zeros(length.shape[0], np.int64) if age is None else age
         self.images = images
         self.total = int(length.sum())   # tokens in the block's items
+        self.cost: Optional[np.ndarray] = None
 
     @classmethod
     def of_arrays(cls, shard: int, arrays: Sequence[np.ndarray], record, chunk=None,
@@ -72,10 +75,12 @@ class ItemBlock:
 
     def subset(self, index: np.ndarray) -> "ItemBlock":
         """The items at `index` (a bool mask or positions, in order), the same buffer."""
-        return ItemBlock(self.shard, self.tokens, self.start[index], self.length[index],
-                         self.record[index], self.chunk[index], self.age[index],
-                         None if self.images is None else
-                         [self.images[k] for k in np.arange(len(self))[index].tolist()])
+        block = ItemBlock(self.shard, self.tokens, self.start[index], self.length[index],
+                          self.record[index], self.chunk[index], self.age[index],
+                          None if self.images is None else
+                          [self.images[k] for k in np.arange(len(self))[index].tolist()])
+        block.cost = None if self.cost is None else self.cost[index]
+        return block
 
     def compacted(self) -> "ItemBlock":
         """This block, its items' tokens copied into a buffer of their own when they hold
@@ -88,8 +93,10 @@ class ItemBlock:
                                zip(self.start.tolist(), self.length.tolist())])
         start = np.zeros(len(self), np.int64)
         np.cumsum(self.length[:-1], out=start[1:])
-        return ItemBlock(self.shard, kept, start, self.length, self.record, self.chunk,
-                         self.age, self.images)
+        block = ItemBlock(self.shard, kept, start, self.length, self.record, self.chunk,
+                          self.age, self.images)
+        block.cost = self.cost
+        return block
 
     @property
     def nbytes(self) -> int:
@@ -100,12 +107,14 @@ class ItemBlock:
 class Window(NamedTuple):
     """A source's head window as columns (`SourceBuffer.window`): per item, its length, age
     and id (shard, record, chunk) [n, 3]; `done`: it holds the rest of the epoch. `images`:
-    per item, its images (an image source), else None."""
+    per item, its images (an image source), else None. `cost`: per item, the extra cost fixed
+    when it entered the buffer (float64; `SourceBuffer`'s `item_cost`), else None."""
     lengths: np.ndarray
     ages: np.ndarray
     ids: np.ndarray
     done: bool
     images: Optional[list] = None
+    cost: Optional[np.ndarray] = None
 
 
 class Taken(NamedTuple):
@@ -127,9 +136,9 @@ class EndOfEpoch:
 
 def _columns(blocks: Sequence[ItemBlock], n: int):
     """The first `n` items of `blocks`, as concatenated columns: lengths, ages, ids [n, 3],
-    and images (or None)."""
+    images (or None), extra costs (or None)."""
     if not blocks:
-        return _EMPTY, _EMPTY, np.zeros((0, 3), np.int64), None
+        return _EMPTY, _EMPTY, np.zeros((0, 3), np.int64), None, None
     lengths = np.concatenate([b.length for b in blocks])[:n]
     ages = np.concatenate([b.age for b in blocks])[:n]
     ids = np.empty((n, 3), np.int64)
@@ -139,11 +148,19 @@ def _columns(blocks: Sequence[ItemBlock], n: int):
     images = None
     if any(b.images is not None for b in blocks):
         images = [refs for b in blocks for refs in (b.images or [()] * len(b))][:n]
-    return lengths, ages, ids, images
+    cost = None
+    if any(b.cost is not None for b in blocks):
+        cost = np.concatenate([np.zeros(len(b)) if b.cost is None else b.cost
+                               for b in blocks])[:n]
+    return lengths, ages, ids, images, cost
 
 
 class SourceBuffer:
-    def __init__(self, capacity_tokens: int, window_tokens: int):
+    def __init__(self, capacity_tokens: int, window_tokens: int,
+                 item_cost: Optional[Callable[[ItemBlock], np.ndarray]] = None):
+        """`item_cost(block)`: each item's extra cost (float64 [n]), worked out once as the
+        block comes in and kept as its `cost` column (the window's `cost`)."""
+        self._item_cost = item_cost
         self._entries: deque = deque()   # Blocks and EndOfEpoch markers, in order
         self._tokens = 0          # tokens held, all epochs
         self._head_tokens = 0     # tokens before the first end-of-epoch marker
@@ -169,6 +186,8 @@ class SourceBuffer:
         by item: an item goes in while the buffer holds less than its capacity, so it never
         holds more than that plus one item (a block is split where the capacity falls)."""
         for block in blocks:
+            if self._item_cost is not None and len(block):   # once, for the whole block
+                block.cost = np.asarray(self._item_cost(block), np.float64)
             while len(block):
                 if self._tokens >= self.capacity_tokens:
                     self._changes.notify()   # what is appended so far may complete a window
@@ -246,8 +265,8 @@ class SourceBuffer:
         blocks, ended = self._head()
         at_hand = np.concatenate([b.length for b in blocks]) if blocks else _EMPTY
         n, done = head_window(at_hand, self.window_tokens, ended) or (at_hand.shape[0], False)
-        lengths, ages, ids, images = _columns(blocks, n)
-        return Window(lengths, ages, ids, done, images)
+        lengths, ages, ids, images, cost = _columns(blocks, n)
+        return Window(lengths, ages, ids, done, images, cost)
 
     def take(self, positions: np.ndarray, window_size: int,
              cut: Optional[dict[int, int]] = None) -> Taken:
