@@ -183,12 +183,18 @@ def _light_take(c: Candidates, light: np.ndarray, quota: np.ndarray, used: np.nd
     return _take_arrival(c, light, used, used + remaining, key)
 
 
-def _arrived(c: Candidates, candidates: np.ndarray, left: np.ndarray) -> np.ndarray:
+def _arrived(c: Candidates, window: np.ndarray, candidates: np.ndarray,
+             left: np.ndarray) -> np.ndarray:
     """Of `candidates` (mask), those with no item of `left` (mask: light items this step
-    leaves) before them in their own window: taking them overtakes no light item."""
-    window = c.source.astype(np.int64) * c.num_ranks + c.rank
+    leaves) before them in their own window (`window`: each candidate's (source, rank) index):
+    taking them overtakes no light item. Candidates come by (source, rank, position), so each
+    window's first item left is its first in candidate order (no sort, no `np.minimum.at`)."""
+    items = np.flatnonzero(left)
     first_left = np.full(c.num_sources * c.num_ranks, np.iinfo(np.int64).max)
-    np.minimum.at(first_left, window[left], c.position[left].astype(np.int64))
+    if items.size:
+        w = window[items]
+        first = np.concatenate([[True], w[1:] != w[:-1]])
+        first_left[w[first]] = c.position[items[first]]
     return candidates & (c.position < first_left[window])
 
 
@@ -207,17 +213,19 @@ def _arrived_layer(c: Candidates, excess: np.ndarray, must: np.ndarray, free: np
     depends on the room the layer leaves, so the candidates shrink until they agree (a few
     rounds); a picked item still behind a light one left waits for the next step."""
     length, age = c.length, c.age
-    base = used.copy()
+    window = c.source.astype(np.int64) * c.num_ranks + c.rank
     must_items = np.flatnonzero(must)
     candidates = free
-    take = _light_take(c, light, quota, base.copy(), room, key)
+    whole_room = take = _light_take(c, light, quota, used.copy(), room, key)
     for _ in range(ARRIVAL_ROUNDS):
-        candidates = _arrived(c, candidates, light & ~take)
+        candidates = _arrived(c, window, candidates, light & ~take)
         picked = heavy_layer(excess, must_items, np.flatnonzero(candidates), age, length, slots,
                              slot_tokens, room)
-        take = _light_take(c, light, quota, base.copy(), room - float(length[picked].sum()),
+        if picked.size == 0:   # no layer: the light take is the whole room's
+            return picked, whole_room
+        take = _light_take(c, light, quota, used.copy(), room - float(length[picked].sum()),
                            key)
-        arrived = _arrived(c, free, light & ~take)
+        arrived = _arrived(c, window, free, light & ~take)
         if arrived[picked].all():
             break
     return picked[arrived[picked]], take
