@@ -29,6 +29,12 @@ stream went ahead of them; their delay counts the steps since then), delay_mean_
 delays over every token delivered, deferred or not: what a token waits on average), age_max
 (the most steps a taken item sat in a head window; the deferral bound is on this), plan_ms
 (planner CPU per step: mean and max).
+The delay is the wait beyond arrival order: in arrival order nothing of a stream goes before an
+earlier item, so an item that a later one overtook at step t would have been taken by step t,
+and each step it stays after t counts. It does not count a stream that gives fewer tokens for
+a while (the carry repaying a layer's overshoot slows a whole source, in order): that is the
+mix deviation's subject. Nor does it credit items taken *before* their turn (a layer's long
+documents taken from deep in the window): those count as zero, never as negative.
 The last line is the JSON of everything.
 """
 from __future__ import annotations

@@ -191,3 +191,74 @@ def test_forced_items_past_half_a_step_keep_the_short_ones_that_still_fit():
     c = Candidates.from_windows([[lengths]], [[np.array([17, 16, 16, 16])]])
     keep = _oldest_that_fit(c, np.arange(4), np.ones(4, dtype=bool), geometry)
     assert keep.tolist() == [True, False, True, True]         # 600 + 100 + 90 <= 1000
+
+
+
+def _overtaken(c, taken_items):
+    """Items left in a window behind which a later item of that window was taken."""
+    taken = np.zeros(len(c), dtype=bool)
+    taken[taken_items] = True
+    window = c.source.astype(np.int64) * c.num_ranks + c.rank
+    last = np.full(int(window.max()) + 1, -1)
+    np.maximum.at(last, window[taken], c.position[taken])
+    return np.flatnonzero(~taken & (c.position < last[window]))
+
+
+def _select_steps(corpus, geometry, cost, targets, W, steps):
+    """`select_lookahead` step after step over fixed windows (what a step selects leaves them,
+    the rest ages): (candidates, selected) per step."""
+    from streamload.plan.lookahead import select_lookahead
+    ages = [[[0] * len(x) for x in rank] for rank in corpus]
+    out = []
+    for _ in range(steps):
+        c = Candidates.from_windows([[np.array(x, np.int64) for x in rank] for rank in corpus],
+                                    [[np.array(x, np.int64) for x in rank] for rank in ages])
+        selected, _forced = select_lookahead(c, targets, geometry, cost, window=W,
+                                             force_age=2 * W)
+        out.append((c, selected))
+        gone, i = set(selected.tolist()), 0
+        for s in range(c.num_sources):
+            for r in range(c.num_ranks):
+                keep = [k for k in range(len(corpus[r][s])) if i + k not in gone]
+                i += len(corpus[r][s])
+                corpus[r][s] = [corpus[r][s][k] for k in keep]
+                ages[r][s] = [ages[r][s][k] + 1 for k in keep]
+    return out
+
+
+def _outlier_stream(C):
+    """Two ranks, two sources of short documents (1-2% of a row); full-row documents scattered
+    through source 0, one here and there."""
+    rng = np.random.default_rng(5)
+    corpus = []
+    for r in range(2):
+        shorts = list(rng.integers(4, 20, 600))
+        for position in ((20, 300) if r == 0 else (150, 450)):
+            shorts.insert(position, C)
+        corpus.append([shorts, list(rng.integers(2, 24, 600))])
+    return corpus
+
+
+@pytest.mark.parametrize("hold_arrived", [True, False])
+def test_light_items_flow_in_arrival_order_while_outliers_wait(monkeypatch, hold_arrived):
+    """The full-row documents wait for their layer, all four in one step (one per slot), within
+    the bound. With the outliers held once arrived (`HOLD_ARRIVED`, the default) no short item
+    is ever left behind a later one of its window: a layer takes only documents whose window
+    has nothing short left in front of them, so the short ones are taken in the step they reach
+    the head. Taking layers from deep in the window (the rule before) left short ones behind."""
+    from streamload.plan import lookahead
+    monkeypatch.setattr(lookahead, "HOLD_ARRIVED", hold_arrived)
+    R, M, C, P, W = 2, 2, 1024, 2, 4
+    geometry, cost = Geometry(R, M, C, P), CostModel(a=1 / 256, b=1.0)
+    steps = _select_steps(_outlier_stream(C), geometry, cost, np.array([0.5, 0.5]) * R * M * C,
+                          W, steps=8)
+    behind = [c.length[_overtaken(c, selected)] for c, selected in steps]
+    short_behind = sum(int((b < C).sum()) for b in behind)
+    if hold_arrived:
+        assert short_behind == 0, behind
+        assert sum(int((b == C).sum()) for b in behind) > 0   # the outliers did wait
+    else:
+        assert short_behind > 0
+    layers = [int((c.length[selected] == C).sum()) for c, selected in steps]
+    assert sorted(layers)[-1] == 4 and sum(layers) == 4, layers   # one step, one per slot
+    assert max(int(c.age[selected].max(initial=0)) for c, selected in steps) <= 2 * W

@@ -15,6 +15,14 @@ windows that deep) and plans the step as the first of W:
   (`heavy_layer`): the largest level that the window's alike documents can give every slot
   (for documents alike, one per slot), and none when the window cannot. Heavier documents
   wait for a step of their own level, so none is the lone straggler of a step.
+- **Held once arrived** (`HOLD_ARRIVED`, `_arrived_layer`). Light documents flow in arrival
+  order at their quotas; a heavy one joins a layer only when nothing light is left in front of
+  it in its window (rank, source): it has *arrived*, and waits at the head of its window, in
+  the outlier queue, for its peers. So a layer never leaves light items behind (taking heavy
+  documents from deep in the window left every light one in front of them waiting until its
+  quota reached it again: of 31,904 items deferred at 128k, PP = 4, R = 4, 31,236 were light).
+  The layer's tokens are its sources' overshoot, given back by the carry; the light take of
+  every source shrinks in proportion to the room the layer leaves.
 - **Bounded deferral.** Every item that has waited `force_age` steps or more (2W by default:
   `planner.DEFERRAL_WINDOWS`) is taken now, whatever it costs; the heaviest forced one sets the
   level, and any heavy document no heavier joins it for free. Items due in the next steps are
@@ -47,6 +55,9 @@ FORCE_HORIZON = 4        # steps ahead (at most a quarter of the bound) whose ov
 LIGHT_ROUNDS = 8         # rounds of `straggler_limit`'s fixed point (it converges in 2-4)
 LEVEL_CANDIDATES = 64   # distinct excesses tried as a step's level (spread over the range)
 ALIKE = 0.75         # an item fits a level when a slot of it reaches this share of the level
+HOLD_ARRIVED = True  # heavy documents join a layer only once arrived (`_arrived_layer`);
+                     # False: from anywhere in the window (the rule before, for comparison)
+ARRIVAL_ROUNDS = 3   # rounds for the arrived heavy items and the light take to agree
 
 
 # Per-source quotas for a step: the targets, with the shortfall of sources that have less than
@@ -142,26 +153,82 @@ def select_lookahead(c: Candidates, targets: np.ndarray, geometry: Geometry, cos
     # A source owed tokens this step (quota > 0) may give heavy documents past its quota: the
     # mixer's carry takes the overshoot back over the next steps (the mix stays exact over the
     # window). A source with nothing owed waits.
-    free = np.flatnonzero(heavy & ~forced & (quota > used)[source])
-    picked = heavy_layer(excess, np.flatnonzero(forced & heavy), free, age, length, slots,
-                         slot_tokens, room)
-    used += np.bincount(source[picked], weights=length[picked], minlength=S)
-    room -= float(length[picked].sum())
-    taken[picked] = True
-
-    # Light documents fill the quotas in arrival order (round-robin over ranks by position), in
-    # the room the layers left: quotas still open shrink in proportion when it is short.
-    # A source short of light documents (one of long ones only) hands its part to the others,
-    # as `step_quotas` does (its heavy ones wait for their layer; the carry keeps the mix).
-    remaining = np.maximum(quota - used, 0.0)
+    free = heavy & ~forced & (quota > used)[source]
     light = pool & ~taken & ~heavy
+    if not HOLD_ARRIVED:
+        picked = heavy_layer(excess, np.flatnonzero(forced & heavy), np.flatnonzero(free), age,
+                             length, slots, slot_tokens, room)
+        used += np.bincount(source[picked], weights=length[picked], minlength=S)
+        taken[picked] = True
+        light_take = _light_take(c, light, quota, used, room - float(length[picked].sum()), key)
+    else:
+        picked, light_take = _arrived_layer(c, excess, forced & heavy, free, light, quota,
+                                            used, room, slots, slot_tokens, key)
+        taken[picked] = True
+    taken |= light_take
+    selected = np.flatnonzero(taken)
+    return selected, forced[selected]
+
+
+def _light_take(c: Candidates, light: np.ndarray, quota: np.ndarray, used: np.ndarray,
+                room: float, key: np.ndarray) -> np.ndarray:
+    """Light documents fill the quotas in arrival order (round-robin over ranks by position),
+    in `room` tokens: quotas still open shrink in proportion when it is short. A source short
+    of light documents (one of long ones only) hands its part to the others, as `step_quotas`
+    does (its heavy ones wait for their layer; the carry keeps the mix). Updates `used`."""
+    remaining = np.maximum(quota - used, 0.0)
     light_available = c.source_tokens(light)
     remaining = step_quotas(remaining * (max(room, 0.0) / max(remaining.sum(), 1e-9)),
                             light_available)
-    light_quota = used + remaining
-    taken |= _take_arrival(c, light, used, light_quota, key)
-    selected = np.flatnonzero(taken)
-    return selected, forced[selected]
+    return _take_arrival(c, light, used, used + remaining, key)
+
+
+def _arrived(c: Candidates, window: np.ndarray, candidates: np.ndarray,
+             left: np.ndarray) -> np.ndarray:
+    """Of `candidates` (mask), those with no item of `left` (mask: light items this step
+    leaves) before them in their own window (`window`: each candidate's (source, rank) index):
+    taking them overtakes no light item. Candidates come by (source, rank, position), so each
+    window's first item left is its first in candidate order (no sort, no `np.minimum.at`)."""
+    items = np.flatnonzero(left)
+    first_left = np.full(c.num_sources * c.num_ranks, np.iinfo(np.int64).max)
+    if items.size:
+        w = window[items]
+        first = np.concatenate([[True], w[1:] != w[:-1]])
+        first_left[w[first]] = c.position[items[first]]
+    return candidates & (c.position < first_left[window])
+
+
+def _arrived_layer(c: Candidates, excess: np.ndarray, must: np.ndarray, free: np.ndarray,
+                   light: np.ndarray, quota: np.ndarray, used: np.ndarray, room: float,
+                   slots: int, slot_tokens: int, key: np.ndarray
+                   ) -> tuple[np.ndarray, np.ndarray]:
+    """The heavy layer out of the heavy documents that have *arrived* (`HOLD_ARRIVED`), and
+    the light take around it. Returns (picked heavy indices, light take mask).
+
+    Light documents flow in arrival order at their quotas, so none of them is ever deferred;
+    a heavy one may join a layer only when every light item before it in its window is taken
+    (in this step or an earlier one): the held ones sit at the front of their windows. The
+    layer's tokens count as the sources' overshoot (the carry repays it): they shrink the
+    light take of every source in proportion, through the room. Which heavy items have arrived
+    depends on the room the layer leaves, so the candidates shrink until they agree (a few
+    rounds); a picked item still behind a light one left waits for the next step."""
+    length, age = c.length, c.age
+    window = c.source.astype(np.int64) * c.num_ranks + c.rank
+    must_items = np.flatnonzero(must)
+    candidates = free
+    whole_room = take = _light_take(c, light, quota, used.copy(), room, key)
+    for _ in range(ARRIVAL_ROUNDS):
+        candidates = _arrived(c, window, candidates, light & ~take)
+        picked = heavy_layer(excess, must_items, np.flatnonzero(candidates), age, length, slots,
+                             slot_tokens, room)
+        if picked.size == 0:   # no layer: the light take is the whole room's
+            return picked, whole_room
+        take = _light_take(c, light, quota, used.copy(), room - float(length[picked].sum()),
+                           key)
+        arrived = _arrived(c, window, free, light & ~take)
+        if arrived[picked].all():
+            break
+    return picked[arrived[picked]], take
 
 
 def bounded_forced(c: Candidates, force_age: int, limit: int) -> np.ndarray:
