@@ -27,6 +27,7 @@ class Comm(Protocol):
     def broadcast(self, array: Optional[np.ndarray], size: int) -> np.ndarray: ...
     def all_to_all(self, sends: list[np.ndarray], dtype,
                    recv_sizes: list[int]) -> list[np.ndarray]: ...
+    def all_to_all_flat(self, flat: np.ndarray, send_sizes, recv_sizes) -> np.ndarray: ...
 
     def gather(self, array: np.ndarray) -> Optional[list[Optional[np.ndarray]]]: ...
 
@@ -72,6 +73,9 @@ class LocalComm:
 
     def all_to_all(self, sends, dtype, recv_sizes):
         return [np.asarray(sends[0], dtype=dtype)]
+
+    def all_to_all_flat(self, flat, send_sizes, recv_sizes):
+        return flat
 
 
 @dataclass(frozen=True)
@@ -295,15 +299,24 @@ class GlooComm:
                    recv_sizes: list[int]) -> list[np.ndarray]:
         """sends[r] goes to rank r; returns what each rank sent here, `recv_sizes[r]` elements
         from rank r (the caller knows them: every rank knows the plan and every length)."""
+        flat = np.concatenate([np.asarray(s, dtype=dtype) for s in sends])
+        out = self.all_to_all_flat(flat, [s.shape[0] for s in sends], recv_sizes)
+        return np.split(out, np.cumsum(recv_sizes)[:-1])
+
+    def all_to_all_flat(self, flat: np.ndarray, send_sizes, recv_sizes) -> np.ndarray:
+        """`flat` holds what goes to each rank, one after the other (`send_sizes[r]` elements
+        to rank r); returns what every rank sent here, one after the other (`recv_sizes[r]`
+        from rank r)."""
         import torch
         import torch.distributed as dist
+        recv = [int(n) for n in np.asarray(recv_sizes).tolist()]
+        send = [int(n) for n in np.asarray(send_sizes).tolist()]
 
         def exchange():
-            flat = torch.from_numpy(np.concatenate([np.asarray(s, dtype=dtype) for s in sends]))
-            out = torch.empty(int(sum(recv_sizes)), dtype=flat.dtype)
-            dist.all_to_all_single(out, flat, [int(n) for n in recv_sizes],
-                                   [int(s.shape[0]) for s in sends], group=self.group)
-            return np.split(out.numpy(), np.cumsum(recv_sizes)[:-1])
+            data = torch.from_numpy(np.ascontiguousarray(flat))
+            out = torch.empty(sum(recv), dtype=data.dtype)
+            dist.all_to_all_single(out, data, recv, send, group=self.group)
+            return out.numpy()
         return self._run("all_to_all", exchange)
 
 
