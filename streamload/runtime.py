@@ -403,7 +403,7 @@ class Runtime:
             batch.skipped = np.array([[m.skipped_records, m.skipped_shards]
                                       for m in self.source_metrics], dtype=np.int64)
             snapshot = self._snapshot if self.comm.rank == 0 else RemoteState(local.step)
-            if self.peers is not None:   # broadcast delivery: the whole step to this DP rank's ranks
+            if self.peers is not None:   # broadcast delivery: the step to this DP rank's ranks
                 await agreement.run_threaded(functools.partial(
                     self.peers.broadcast_bytes, encode_step(batch, self._step_state(local.step)),
                     self.peers.leader))
