@@ -172,8 +172,8 @@ class LoaderConfig(msgspec.Struct, kw_only=True):
     # leader per node on more than one node), which alone steps the job model and sends each
     # rank its own part of the plan; the others get the state from rank 0 (`state_relay`).
     # "all_gather": every rank receives every rank's windows and the whole plan, and tracks
-    # the whole job. "auto": gather, but all_gather with delivery="broadcast" (not supported
-    # by gather yet)
+    # the whole job. "auto": gather (with delivery="broadcast" too: over the DP ranks'
+    # leaders, rank 0 sending each leader every step's state for its ranks)
     control_plane: Literal["auto", "all_gather", "gather"] = "auto"
     state_every: Optional[int] = None       # under gather: rank 0 also sends every rank the
                                             # state unasked after each step that is a multiple

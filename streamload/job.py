@@ -307,18 +307,21 @@ class JobModel:
         """New trackers for the finite sources (endless sources keep theirs). Returns [R, S]:
         the ranks whose layout has units of each source (every rank, for an endless source)."""
         if not self.track:
-            layouts = [self.layout_for(s, epoch) for s in range(len(self.sources))]
-            return np.array([[layout.reads(q) and (self.endless(s) or layout.has_units(q))
-                              for s, layout in enumerate(layouts)] for q in range(self.world)],
-                            dtype=bool).reshape(self.world, len(self.sources))
+            return self._holding([self.layout_for(s, epoch) for s in range(len(self.sources))])
         previous = self.trackers
         self.trackers = [previous[s] if previous and self.endless(s)
                          else SourceTracker(self.layout_for(s, epoch),
                                             states_in_flight=self.states_in_flight)
                          for s in range(len(self.sources))]
-        return np.array([[t.layout.reads(q) and (self.endless(s) or t.layout.has_units(q))
-                          for s, t in enumerate(self.trackers)] for q in range(self.world)],
-                        dtype=bool).reshape(self.world, len(self.sources))
+        return self._holding([t.layout for t in self.trackers])
+
+    def _holding(self, layouts: Sequence[EpochLayout]) -> np.ndarray:
+        """bool [R, S]: the ranks that read each source and have units of it this epoch (every
+        reader, for an endless source), column by column (R x S Python calls took 2.6 s at
+        R=4,096, S=300)."""
+        return np.stack([layout.readers_mask() if self.endless(s) else layout.holding_mask()
+                         for s, layout in enumerate(layouts)], axis=1).reshape(
+                             self.world, len(self.sources))
 
     def end_epoch(self) -> bool:
         """After an "end_epoch" outcome: the next epoch, dealt. Returns True when the run has

@@ -220,11 +220,12 @@ class Loader:
         check_launch()   # under torchrun, the process group must exist before the loader
         self.topology: Optional[Topology] = topology_for(parallel, mesh)
         timeout, peers = self.config.collective_timeout_s, None
+        # gather (not all_gather) on more than one node: through one leader per node
+        by_node = self.config.control_plane != "all_gather"
         if self.topology is not None and self.topology.broadcast:
-            comm, peers = connect_broadcast(timeout, self.topology)
-        else:   # gather (not all_gather) on more than one node: through one leader per node
-            comm = connect(timeout, self.topology,
-                           by_node=self.config.control_plane != "all_gather")
+            comm, peers = connect_broadcast(timeout, self.topology, by_node)
+        else:
+            comm = connect(timeout, self.topology, by_node=by_node)
         self.comm: Optional[Comm] = comm   # None: this rank builds no batch (a `Follower`)
         # stats(scope="job") gathers over every rank of the job on a group of its own, so it
         # never interleaves with the step loop's collectives. Made on its first call (creating

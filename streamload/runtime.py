@@ -102,11 +102,10 @@ class Runtime:
                               f"{[s.name for s in sources]}", key="sample_costs")
         self.storage_options = storage_options or {}
         batches_held = config.prefetch_steps + 2   # queued, held by the trainer, being packed
-        # control_plane="gather" (the default, "auto", but with broadcast delivery): rank 0
-        # alone steps the job model (`_plan_replies`); the other ranks keep it for the geometry,
-        # the start-up buffers and their fetchers' layouts, and get the state from rank 0
-        self.gathering = config.control_plane == "gather" or (
-            config.control_plane == "auto" and peers is None)
+        # control_plane="gather" (the default, "auto"): rank 0 alone steps the job model
+        # (`_plan_replies`); the other ranks keep it for the geometry, the start-up buffers and
+        # their fetchers' layouts, and get the state from rank 0
+        self.gathering = config.control_plane != "all_gather"
         self.job = JobModel.build(config, sources, mixture, comm.world, batches_held,
                                   functools.partial(data_options, config, sources, tokenizer),
                                   track=not self.gathering or comm.rank == 0)
@@ -150,18 +149,17 @@ class Runtime:
         self._slot_held = False                       # room reserved for this step's batch
         self._handoff: Optional[Handoff] = None
         self.watch = RunWatch(sources, self.job, comm)   # the logger
-        if self.gathering and peers is not None:
-            raise ConfigError("control_plane='gather' does not support delivery='broadcast' yet "
-                              "(a DP rank's leader sends its ranks the state, which only rank 0 "
-                              "has there)", key="control_plane")
         self._window_sizes: list[int] = [0] * len(sources)   # this rank's last summary's
         self._sent_budgets: list = []        # rank 0, gather: the budgets each rank was sent
         self._snapshot: Optional[StepSnapshot] = None   # rank 0, gather: after the last step
-        # gather, more than one rank: the states of recent steps, from rank 0 to the others
+        # gather, more than one rank: the states of recent steps, from rank 0 to the others.
+        # With broadcast delivery every DP rank's leader sends its ranks each step's state with
+        # the step (`peers`), so rank 0 sends every step's state with that step's reply.
         self.relay = StateRelay(
             comm.rank, comm.world, batches_held + 2,
             lambda snapshot: encode_state(self.job.state(snapshot)),
-            config.state_every) if self.gathering and comm.world > 1 else None
+            1 if peers is not None else config.state_every) \
+            if self.gathering and comm.world > 1 else None
 
     # -- called from the Loader before the loop starts, or on the loop ----------------------------
     def load_state(self, state: LoaderState) -> None:
@@ -425,10 +423,26 @@ class Runtime:
             batch.skipped = np.array([[m.skipped_records, m.skipped_shards]
                                       for m in self.source_metrics], dtype=np.int64)
             snapshot = self._snapshot if self.comm.rank == 0 else RemoteState(local.step)
+            if self.peers is not None:   # broadcast delivery: the step to this DP rank's ranks
+                await agreement.run_threaded(functools.partial(
+                    self.peers.broadcast_bytes, encode_step(batch, self._step_state(local.step)),
+                    self.peers.leader))
             if needs_view(self.topology):   # this rank's CP part, its pipeline stage's fields
                 batch = stage_view(batch, self.topology, self.config.pad_token_id)
             self._handoff.put(batch, snapshot)
             self._slot_held = False
+
+    def _step_state(self, step: int) -> bytes:
+        """Gather with broadcast delivery: the state after batch `step`, for this DP rank's
+        other ranks. Rank 0 encodes it (once: its trainer's `state_dict()` takes the same
+        bytes); another rank received it with the step's reply (the relay sends every step's)."""
+        if self.relay is None:   # one DP rank
+            return encode_state(self.job.state(self._snapshot))
+        state = self.relay.encoded(step) if self.comm.rank == 0 else self.relay.get(step)
+        if not isinstance(state, bytes):   # the relay sends it with the reply: a bug if not
+            raise DistributedError(f"rank {self.comm.rank}: rank 0's reply for step {step} did "
+                                   f"not carry the step's state")
+        return state
 
     def _plan_replies(self, gathered: list[np.ndarray]) -> list[np.ndarray]:
         """Rank 0: step the job model on every rank's windows and give each rank its reply:

@@ -479,6 +479,20 @@ class EpochLayout:
         """Whether `rank_units(rank)` has any (without building them)."""
         return bool(self.units[rank]) or self.base_position[rank] < len(self.base[rank])
 
+    def readers_mask(self) -> np.ndarray:
+        """bool [base_world]: `reads` for every rank at once."""
+        if not 0 < self.readers < self.base_world:
+            return np.ones(self.base_world, dtype=bool)
+        return (np.arange(self.base_world) - self.rotation) % self.base_world < self.readers
+
+    def holding_mask(self) -> np.ndarray:
+        """bool [base_world]: the readers with units this epoch (`reads` and `has_units`),
+        asking `has_units` of the readers only."""
+        mask = self.readers_mask()
+        ranks = np.flatnonzero(mask)
+        mask[ranks] = np.fromiter(map(self.has_units, ranks.tolist()), bool, ranks.shape[0])
+        return mask
+
     def rank_units(self, rank: int) -> list[ReadUnit]:
         """The filtered units and the rest of the base: the whole epoch of a finite source."""
         units, base, position = self.units[rank], self.base[rank], self.base_position[rank]
@@ -524,9 +538,12 @@ def deal_epoch(num_shards: int, *, seed: int, epoch: int, source_index: int, wor
         order = order + epoch * num_shards
         order.setflags(write=False)
     k = readers if 0 < readers < world else world
-    none = order[:0]   # `deal_readers` for every rank at once: reader j = (q - rotation) % world
-    return [order[(j + shift) % k::k] if j < k else none
-            for j in ((q - rotation) % world for q in range(world))]
+    # `deal_readers` for every rank at once: reader j is rank (rotation + j) % world, the others
+    # get none (a loop over the k readers only: one over every rank took 1.6 s at R=4,096, S=300)
+    out = [order[:0]] * world
+    for j in range(k):
+        out[(rotation + j) % world] = order[(j + shift) % k::k]
+    return out
 
 
 def fresh_layout(num_shards: int, *, seed: int, epoch: int, source_index: int,

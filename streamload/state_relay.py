@@ -112,7 +112,7 @@ class StateRelay:
         """Rank 0's trainer asked for the state after batch `step`: every other rank will ask
         for it too, so it goes to all with the next reply, which starts at once."""
         payload = self.encoded(step)
-        if self.world > 1:
+        if self.world > 1 and self.state_every != 1:   # every 1: every step's went to all
             self._push.add(step)
             self.wake.set()
         return payload

@@ -17,17 +17,19 @@ pytestmark = pytest.mark.timeout(240)
 STATE_EVERY = 3
 
 
-def job(rank, world, root, control_plane, state_every, epochs=1):
+def job(rank, world, root, control_plane, state_every, epochs=1, parallel=None):
     """One epoch: per step, a digest of this rank's ids and tokens, and its state_dict() (or
-    the error it raised)."""
+    the error it raised). `parallel`: a TP/CP/PP layout (`Parallel`'s fields)."""
     import streamload as sl
+    from streamload.collective.topology import Parallel
     out = []
     with sl.Loader([sl.Source(os.path.join(root, "web"), weight=0.6),
                     sl.Source(os.path.join(root, "code"), weight=0.4),
                     sl.Source(os.path.join(root, "long"), weight=0.2, on_exhausted="restart")],
                    micro_batch_tokens=512, micro_batches=2, epochs=epochs, seed=4,
                    planner="balanced", control_plane=control_plane,
-                   state_every=state_every) as loader:
+                   state_every=state_every,
+                   parallel=None if parallel is None else Parallel(**parallel)) as loader:
         for batch in loader:
             digest = hashlib.sha256()
             ids = []
@@ -42,7 +44,7 @@ def job(rank, world, root, control_plane, state_every, epochs=1):
             out.append((batch.step, digest.hexdigest(), ids, state,
                         [float(c) for c in batch.rank_cost], batch.exchanged_tokens))
         stats = loader.stats()
-    return out, stats["steps"]
+    return out, stats["steps"], stats.get("control_plane", {}).get("path")
 
 
 @pytest.fixture(scope="module")
@@ -68,6 +70,36 @@ def test_gather_delivers_the_all_gather_batches_and_states(corpus, world, state_
         for (step, _, _, state, *_), (_, _, _, ref_state, *_) in zip(got_steps, ref_steps):
             assert state == ref_state, f"rank {rank} step {step}: another state"
     ids = [i for r in gathered for s in r[0] for i in s[2]]
+    finite = [i for i in ids if not i.startswith("long/")]
+    assert len(finite) == len(set(finite)) and set(base_ids(finite)) == expected
+
+
+@pytest.mark.parametrize("world,parallel,node_size", [(4, {"tp": 2}, None),
+                                                      (6, {"cp": 2}, None),
+                                                      (8, {"tp": 2}, 4)])
+def test_gather_under_broadcast_delivery(corpus, world, parallel, node_size):
+    """delivery="broadcast" (TP/CP/PP): the default gathers over the DP ranks' leaders, which
+    send their ranks each step with its state (rank 0 sends every leader each step's state
+    with the step's reply). Every rank's batches and states are the all-gather path's. With
+    nodes of 4 ranks (TP 2): two DP ranks per node, through one leader per node."""
+    root, expected = corpus
+    env = {} if node_size is None else {"LOCAL_WORLD_SIZE": str(node_size)}
+    reference = run_ranks(job, world, str(root), "all_gather", None, 1, parallel, env=env)
+    gathered = run_ranks(job, world, str(root), "auto", None, 1, parallel, env=env)
+    dp = world // 2
+    leaders = [r for r in range(world) if gathered[r][2] is not None]
+    assert len(leaders) == dp   # one Runtime per DP rank; the others follow
+    assert {gathered[r][2] for r in leaders} == {"gather" if node_size is None
+                                                 else "node_gather"}
+    assert {reference[r][2] for r in leaders} == {"all_gather"}
+    for rank in range(world):
+        ref_steps, got_steps = reference[rank][0], gathered[rank][0]
+        assert len(got_steps) == len(ref_steps) > 3
+        for got, ref in zip(got_steps, ref_steps):
+            assert got[:3] == ref[:3] and got[4:] == ref[4:], f"rank {rank} step {got[0]}"
+            assert got[3] == ref[3], f"rank {rank} step {got[0]}: another state"
+    assert len({str(s[3]) for r in gathered for s in r[0][-1:]}) == 1   # one state everywhere
+    ids = [i for r in leaders for s in gathered[r][0] for i in s[2]]
     finite = [i for i in ids if not i.startswith("long/")]
     assert len(finite) == len(set(finite)) and set(base_ids(finite)) == expected
 

@@ -9,7 +9,7 @@ import pytest
 import streamload as sl
 from corpus import write_jsonl_source
 from distributed import torchrun
-from streamload.collective.launch import launched_ranks
+from streamload.collective.launch import launched_ranks, members_per_node
 
 
 @pytest.mark.parametrize("environ, several", [
@@ -22,6 +22,22 @@ from streamload.collective.launch import launched_ranks
 ])
 def test_launched_ranks_reads_the_launchers_variables(environ, several):
     assert bool(launched_ranks(environ)) is several
+
+
+@pytest.mark.core
+@pytest.mark.parametrize("ranks, local, expected", [
+    (range(8), "4", 4),                  # two nodes of four
+    (range(8), "8", None),               # one node
+    (range(6), "4", None),               # uneven nodes
+    (range(8), None, None),              # not known
+    ([0, 2, 4, 6], "4", 2),              # a DP group under TP 2: two members per node
+    ([0, 2, 4, 6], "2", None),           # one member per node
+    ([0, 4, 8, 12, 16, 20], "8", 2),     # TP 4, three nodes
+    ([1, 3, 5, 7], "4", 2),              # another coordinate's DP group
+])
+def test_members_per_node_from_local_world_size(ranks, local, expected):
+    environ = {} if local is None else {"LOCAL_WORLD_SIZE": local}
+    assert members_per_node(list(ranks), environ) == expected
 
 
 def test_a_loader_under_a_launcher_without_a_process_group_is_refused(tmp_path, monkeypatch):

@@ -15,7 +15,8 @@ from distributed import run_ranks
 from streamload.config import Source
 from streamload.errors import ConfigError
 from streamload.plan.readers import READER_LOAD, choose_readers, reader_mask, reader_offsets
-from streamload.state import deal, deal_epoch, deal_readers, shard_permutation
+from streamload.state import (deal, deal_epoch, deal_readers, fresh_layout,
+                              shard_permutation)
 
 import test_job as model   # the job model driven over `plan.windows` queues, no process group
 
@@ -71,6 +72,28 @@ def test_reader_sets_and_the_deal():
                        rotation=5, readers=3)
     assert [q for q in range(7) if dealt[q].size] == [0, 5, 6]
     assert sorted(np.concatenate(dealt).tolist()) == list(range(11))
+
+
+@pytest.mark.core
+@pytest.mark.parametrize("world,rotation,readers,endless", [
+    (7, 5, 3, False), (7, 5, 3, True), (4, 1, 0, True), (9, 0, 9, False), (12, 11, 5, False)])
+def test_the_deal_and_the_masks_match_each_rank_on_its_own(world, rotation, readers, endless):
+    """deal_epoch (all ranks at once) is deal_readers per rank; a layout's readers_mask and
+    holding_mask are `reads` and `reads and has_units` per rank."""
+    for epoch in (0, 3):
+        order = shard_permutation(5, 2, epoch, 1)
+        dealt = deal_epoch(5, seed=2, epoch=epoch, source_index=1, world=world,
+                           endless=endless, rotation=rotation, readers=readers)
+        shift = epoch if endless else 0
+        for rank in range(world):
+            expected = deal_readers(order, world, rank, rotation, shift, readers)
+            assert (dealt[rank] == expected + (epoch * 5 if endless else 0)).all()
+        layout = fresh_layout(5, seed=2, epoch=epoch, source_index=1, world=world,
+                              endless=endless, rotation=rotation, readers=readers)
+        layout.base_position[rotation] = len(layout.base[rotation])   # one reader started all
+        assert layout.readers_mask().tolist() == [layout.reads(q) for q in range(world)]
+        assert layout.holding_mask().tolist() == [layout.reads(q) and layout.has_units(q)
+                                                  for q in range(world)]
 
 
 @pytest.mark.core

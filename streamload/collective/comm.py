@@ -14,7 +14,7 @@ import numpy as np
 
 from ..errors import DistributedError
 from ..pipeline.workers import DaemonExecutor
-from .launch import node_size
+from .launch import members_per_node
 
 T = TypeVar("T")
 
@@ -27,6 +27,7 @@ class Comm(Protocol):
     def broadcast(self, array: Optional[np.ndarray], size: int) -> np.ndarray: ...
     def all_to_all(self, sends: list[np.ndarray], dtype,
                    recv_sizes: list[int]) -> list[np.ndarray]: ...
+    def all_to_all_flat(self, flat: np.ndarray, send_sizes, recv_sizes) -> np.ndarray: ...
 
     def gather(self, array: np.ndarray) -> Optional[list[Optional[np.ndarray]]]: ...
 
@@ -72,6 +73,9 @@ class LocalComm:
 
     def all_to_all(self, sends, dtype, recv_sizes):
         return [np.asarray(sends[0], dtype=dtype)]
+
+    def all_to_all_flat(self, flat, send_sizes, recv_sizes):
+        return flat
 
 
 @dataclass(frozen=True)
@@ -295,25 +299,34 @@ class GlooComm:
                    recv_sizes: list[int]) -> list[np.ndarray]:
         """sends[r] goes to rank r; returns what each rank sent here, `recv_sizes[r]` elements
         from rank r (the caller knows them: every rank knows the plan and every length)."""
+        flat = np.concatenate([np.asarray(s, dtype=dtype) for s in sends])
+        out = self.all_to_all_flat(flat, [s.shape[0] for s in sends], recv_sizes)
+        return np.split(out, np.cumsum(recv_sizes)[:-1])
+
+    def all_to_all_flat(self, flat: np.ndarray, send_sizes, recv_sizes) -> np.ndarray:
+        """`flat` holds what goes to each rank, one after the other (`send_sizes[r]` elements
+        to rank r); returns what every rank sent here, one after the other (`recv_sizes[r]`
+        from rank r)."""
         import torch
         import torch.distributed as dist
+        recv = [int(n) for n in np.asarray(recv_sizes).tolist()]
+        send = [int(n) for n in np.asarray(send_sizes).tolist()]
 
         def exchange():
-            flat = torch.from_numpy(np.concatenate([np.asarray(s, dtype=dtype) for s in sends]))
-            out = torch.empty(int(sum(recv_sizes)), dtype=flat.dtype)
-            dist.all_to_all_single(out, flat, [int(n) for n in recv_sizes],
-                                   [int(s.shape[0]) for s in sends], group=self.group)
-            return np.split(out.numpy(), np.cumsum(recv_sizes)[:-1])
+            data = torch.from_numpy(np.ascontiguousarray(flat))
+            out = torch.empty(sum(recv), dtype=data.dtype)
+            dist.all_to_all_single(out, data, recv, send, group=self.group)
+            return out.numpy()
         return self._run("all_to_all", exchange)
 
 
 def connect(timeout_s: float, topology=None, by_node: bool = False) -> Comm:
     """LocalComm when torch.distributed is not initialized (or world size 1); otherwise a new
     gloo group over the same ranks, or, with a `collective.topology.Topology`, over this rank's
-    DP group (the ranks sharing its (PP, CP, TP) coordinate). `by_node` (no topology): when the
-    job spans more than one node (`launch.node_size`), `gather` and `scatter` go through one
-    leader per node, on groups of their own. Every rank must construct its Loader in the same
-    order, because creating a group is itself collective."""
+    DP group (the ranks sharing its (PP, CP, TP) coordinate). `by_node`: when the group spans
+    more than one node (`launch.members_per_node`), `gather` and `scatter` go through one
+    leader per node, on groups of their own (`node_layout`). Every rank must construct its
+    Loader in the same order, because creating a group is itself collective."""
     try:
         import torch.distributed as dist
     except ImportError:   # pragma: no cover - torch without distributed
@@ -324,13 +337,7 @@ def connect(timeout_s: float, topology=None, by_node: bool = False) -> Comm:
     if topology is None:
         group = dist.new_group(backend="gloo", timeout=timeout)
         rank, world = dist.get_rank(), dist.get_world_size()
-        nodes, size = None, node_size(world) if by_node else None
-        if size is not None:   # every rank makes every group, in the same order
-            node_group, _ = dist.new_subgroups(group_size=size, backend="gloo", timeout=timeout)
-            leaders = dist.new_group(ranks=list(range(0, world, size)), backend="gloo",
-                                     timeout=timeout)
-            nodes = Nodes(size, world // size, rank // size, rank % size, node_group,
-                          leaders if rank % size == 0 else None)
+        nodes = node_layout([range(world)], 0, rank, timeout) if by_node else None
         return GlooComm(group, rank, world, timeout_s, nodes)
     if topology.dp == 1:   # every DP group is one rank: nothing to agree on
         return LocalComm()
@@ -339,13 +346,40 @@ def connect(timeout_s: float, topology=None, by_node: bool = False) -> Comm:
         group = dist.new_group(ranks=list(ranks), backend="gloo", timeout=timeout)
         if index == topology.group_index:
             mine = group
-    return GlooComm(mine, topology.dp_rank, topology.dp, timeout_s)
+    nodes = node_layout(topology.dp_groups, topology.group_index, topology.dp_rank,
+                        timeout) if by_node else None
+    return GlooComm(mine, topology.dp_rank, topology.dp, timeout_s, nodes)
 
 
-def connect_broadcast(timeout_s: float, topology) -> "tuple[Optional[Comm], GlooComm]":
+def node_layout(groups, mine: Optional[int], member: int, timeout) -> Optional[Nodes]:
+    """The two-level gather's groups for each of `groups` (each its global ranks, in group
+    order) that spans more than one node (`launch.members_per_node`): one per node, and the
+    nodes' leaders' (every rank creates every group, in the same order). This rank's `Nodes`
+    in group `mine` (None: in none), where it is member `member`; None when that group is on
+    one node."""
+    import torch.distributed as dist
+    out = None
+    for index, ranks in enumerate(groups):
+        ranks = list(ranks)
+        k = members_per_node(ranks)
+        if k is None:
+            continue
+        count = len(ranks) // k
+        per_node = [dist.new_group(ranks=ranks[n * k:(n + 1) * k], backend="gloo",
+                                   timeout=timeout) for n in range(count)]
+        leaders = dist.new_group(ranks=ranks[::k], backend="gloo", timeout=timeout)
+        if index == mine:
+            node, local = divmod(member, k)
+            out = Nodes(k, count, node, local, per_node[node], leaders if local == 0 else None)
+    return out
+
+
+def connect_broadcast(timeout_s: float, topology,
+                      by_node: bool = False) -> "tuple[Optional[Comm], GlooComm]":
     """`delivery="broadcast"`: the loader's group over the leaders (the DP group of the first
-    (PP, CP, TP) coordinate; None on every other rank), and this rank's peer group: every rank
-    of its DP rank, the leader among them. Every rank creates every group, in the same order."""
+    (PP, CP, TP) coordinate; None on every other rank; through one leader per node with
+    `by_node`, as `connect`), and this rank's peer group: every rank of its DP rank, the leader
+    among them. Every rank creates every group, in the same order."""
     import torch.distributed as dist
     timeout = datetime.timedelta(seconds=timeout_s)
     leaders = topology.dp_groups[0]
@@ -353,8 +387,10 @@ def connect_broadcast(timeout_s: float, topology) -> "tuple[Optional[Comm], Gloo
     comm: Optional[Comm] = LocalComm() if leading else None
     if topology.dp > 1:
         group = dist.new_group(ranks=list(leaders), backend="gloo", timeout=timeout)
+        nodes = node_layout([leaders], 0 if leading else None, topology.dp_rank,
+                            timeout) if by_node else None
         if leading:
-            comm = GlooComm(group, topology.dp_rank, topology.dp, timeout_s)
+            comm = GlooComm(group, topology.dp_rank, topology.dp, timeout_s, nodes)
     peers = None
     me = dist.get_rank()
     for d in range(topology.dp):

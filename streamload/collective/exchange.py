@@ -19,17 +19,17 @@ def exchange_tokens(comm: Comm, holder: np.ndarray, dest: np.ndarray, lengths: n
     entries_here = np.flatnonzero(dest == me)
     if world == 1:
         return entries_here, [mine[int(e)] for e in entries_here]
+    # No loop over the peers (most send this rank nothing): what goes out, in plan order within
+    # each destination, and what comes in, in plan order within each holder, as flat arrays.
+    outgoing = np.flatnonzero(holder == me)
+    outgoing = outgoing[np.argsort(dest[outgoing], kind="stable")]
+    incoming = entries_here[np.argsort(holder[entries_here], kind="stable")]
+    lengths = np.asarray(lengths, dtype=np.int64)
     # Items hold uint8 (byte tokens) or int32 ids; every rank sends int32, so they agree.
-    sends = []
-    for r in range(world):
-        outgoing = np.flatnonzero((holder == me) & (dest == r))
-        sends.append(np.concatenate([mine[int(e)] for e in outgoing], dtype=np.int32)
-                     if outgoing.size else np.zeros(0, np.int32))
-    incoming = [np.flatnonzero((holder == r) & (dest == me)) for r in range(world)]
-    received = comm.all_to_all(sends, np.int32, [int(lengths[i].sum()) for i in incoming])
-    tokens: dict[int, np.ndarray] = {}
-    for r in range(world):
-        if incoming[r].size:
-            pieces = np.split(received[r], np.cumsum(lengths[incoming[r]])[:-1])
-            tokens.update(zip(incoming[r].tolist(), pieces))
-    return entries_here, [tokens[int(e)] for e in entries_here]
+    flat = np.concatenate([mine[e] for e in outgoing.tolist()], dtype=np.int32) \
+        if outgoing.size else np.zeros(0, np.int32)
+    received = comm.all_to_all_flat(
+        flat, np.bincount(dest[outgoing], weights=lengths[outgoing], minlength=world),
+        np.bincount(holder[incoming], weights=lengths[incoming], minlength=world))
+    tokens = dict(zip(incoming.tolist(), np.split(received, np.cumsum(lengths[incoming])[:-1])))
+    return entries_here, [tokens[e] for e in entries_here.tolist()]

@@ -13,7 +13,7 @@ the default process group twice".
 from __future__ import annotations
 
 import os
-from typing import Mapping, Optional
+from typing import Mapping, Optional, Sequence
 
 from ..errors import UsageError
 
@@ -59,11 +59,21 @@ def check_launch(environ: Mapping[str, str] = os.environ) -> None:
         "group of its own from it)")
 
 
-def node_size(world: int, environ: Mapping[str, str] = os.environ) -> Optional[int]:
-    """Ranks per node, when the job spans more than one node: LOCAL_WORLD_SIZE (torchrun sets
-    it; under SLURM, srun plus torchrun does), if it divides the world size and is below it
-    (a node: that many consecutive global ranks). None: one node, or not known."""
+def members_per_node(ranks: Sequence[int],
+                     environ: Mapping[str, str] = os.environ) -> Optional[int]:
+    """How many consecutive members of a group (its global `ranks`, in the group's order)
+    share each node, when the group spans more than one node with more than one member and
+    the same count on each. A node: LOCAL_WORLD_SIZE consecutive global ranks (torchrun sets
+    it; under SLURM, srun plus torchrun does). None: one node, one member per node, uneven
+    nodes, or not known."""
     size = _number(environ.get("LOCAL_WORLD_SIZE"))
-    if 1 < size < world and world % size == 0:
-        return size
-    return None
+    if size < 2:
+        return None
+    nodes = [r // size for r in ranks]
+    k = nodes.count(nodes[0]) if nodes else 0
+    if not 1 < k < len(ranks) or len(ranks) % k:
+        return None
+    runs = [nodes[i:i + k] for i in range(0, len(ranks), k)]
+    if any(len(set(run)) != 1 for run in runs) or len({run[0] for run in runs}) != len(runs):
+        return None
+    return k

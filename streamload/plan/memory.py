@@ -142,8 +142,8 @@ class MemoryPlan:
         split = np.where(held, 0.5 / max(int(held.sum()), 1), 0.0) + \
             (0.5 * weight / weight.sum() if weight.sum() > 0 else 0.0)
         inflight = np.maximum((left * split).astype(np.int64), np.where(held, chunk, 0))
-        return [SourceBudget(int(c), int(w), int(i))
-                for c, w, i in zip(capacities, windows, inflight)]
+        return [SourceBudget(c, w, i) for c, w, i in zip(capacities.tolist(), windows.tolist(),
+                                                         inflight.tolist())]
 
     def initial(self, max_shares: np.ndarray) -> list[SourceBudget]:
         """The start-up split: every rank holds data, each source at its largest share."""

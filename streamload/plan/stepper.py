@@ -163,8 +163,12 @@ class Stepper:
             holders = self.holding.sum(axis=0)
             # Ranks holding (reading) the same sources get the same budgets: each distinct row once.
             S = self.holding.shape[1]
-            rows, inverse = np.unique(np.concatenate([self.holding, self.reads], axis=1),
-                                      axis=0, return_inverse=True)
-            sized = [self.memory.budgets(shares, holders, row[:S], row[S:]) for row in rows]
+            # (rows packed into bytes: np.unique over [R, 2S] bools took 0.4 s at R=4,096, S=300)
+            both = np.concatenate([self.holding, self.reads], axis=1)
+            packed = np.ascontiguousarray(np.packbits(both, axis=1))
+            keys = packed.view(np.dtype((np.void, packed.shape[1]))).reshape(-1)
+            _, first, inverse = np.unique(keys, return_index=True, return_inverse=True)
+            sized = [self.memory.budgets(shares, holders, both[i, :S], both[i, S:])
+                     for i in first.tolist()]
             self._budgets = [sized[i] for i in np.asarray(inverse).reshape(-1)]
         return self._budgets
