@@ -9,7 +9,7 @@ from streamload.plan.cost import CostModel
 from streamload.plan.planner import Planner
 from streamload.plan.types import Candidates, Geometry
 
-from planloop import offer_steps
+from planloop import offer_loop, offer_steps
 
 
 @pytest.mark.parametrize("method", ["naive", "balanced", "lookahead"])
@@ -209,21 +209,10 @@ def _select_steps(corpus, geometry, cost, targets, W, steps):
     the rest ages): (candidates, selected) per step."""
     from streamload.plan.lookahead import select_lookahead
     ages = [[[0] * len(x) for x in rank] for rank in corpus]
-    out = []
-    for _ in range(steps):
-        c = Candidates.from_windows([[np.array(x, np.int64) for x in rank] for rank in corpus],
-                                    [[np.array(x, np.int64) for x in rank] for rank in ages])
-        selected, _forced = select_lookahead(c, targets, geometry, cost, window=W,
-                                             force_age=2 * W)
-        out.append((c, selected))
-        gone, i = set(selected.tolist()), 0
-        for s in range(c.num_sources):
-            for r in range(c.num_ranks):
-                keep = [k for k in range(len(corpus[r][s])) if i + k not in gone]
-                i += len(corpus[r][s])
-                corpus[r][s] = [corpus[r][s][k] for k in keep]
-                ages[r][s] = [ages[r][s][k] + 1 for k in keep]
-    return out
+
+    def choose(c, _step):
+        return select_lookahead(c, targets, geometry, cost, window=W, force_age=2 * W)[0]
+    return offer_loop(corpus, ages, choose, lambda selected: selected, steps)
 
 
 def _outlier_stream(C):
