@@ -15,6 +15,12 @@ in-memory `LoaderState`). The round trip's CPU ms: the state from the model (`st
 encoded (`save`), decoded (`load`), and loaded and started by a fresh model with no process
 group at R (`start`) and at R/2 and R+1 (`elastic`, the slower). `--round-trip 1,8,64,512`
 adds rows after 4 steps at those R. Prints a table on stderr, JSON last line on stdout.
+
+`--rank-share 512,4096` measures instead what a rank other than 0 keeps under
+control_plane="gather" at S = --many-sources and those R, from its build to its start-up
+buffers and its fetchers' layouts: the whole job model unstepped (`JobModel`, as before) against
+its own share (`RankShare`), for the last rank. CPU ms (without tracemalloc), then the bytes it
+holds afterwards and the peak on the way (tracemalloc).
 """
 from __future__ import annotations
 
@@ -31,9 +37,10 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 
 from streamload import pieces  # noqa: E402
 from streamload.config import LoaderConfig, Source  # noqa: E402
-from streamload.job import JobModel, data_options, layout_feed  # noqa: E402
+from streamload.job import JobModel, RankShare, data_options, layout_feed  # noqa: E402
 from streamload.plan.windows import Block, ItemQueue, Windows  # noqa: E402
-from streamload.state import decode_state, encode_state  # noqa: E402
+from streamload.state import decode_state, encode_state, shard_permutation  # noqa: E402
+import tracemalloc  # noqa: E402
 
 C, M = 2048, 2
 
@@ -125,6 +132,42 @@ def measure(num_sources: int, ranks: int, steps: int, readers: str = "auto",
             "run_cpu_s": round(run_s, 2)}
 
 
+def start_rank(kind: str, config: LoaderConfig, sources: list, corpus: list, ranks: int):
+    """A non-zero rank's start-up under gather: its model built, listed, started, its buffers
+    and the layouts of the sources it reads (`Runtime.run`)."""
+    rank, data = ranks - 1, data_options(config, sources, None)
+    job = JobModel.build(config, sources, None, ranks, 4, data, track=False) \
+        if kind == "job_model" else RankShare.build(config, sources, None, ranks, rank, data)
+    job.listed([[f"part-{k:03d}" for k in range(len(p))] for _, _, p in corpus])
+    job.start()
+    kept = (job.budgets(rank), [job.layout_for(s, 0) for s in range(len(sources))
+                                if job.reads_source(rank, s)])
+    return job, kept
+
+
+def measure_share(num_sources: int, ranks: int) -> list[dict]:
+    corpus = lengths_corpus(num_sources)
+    sources = [Source(f"/bench/{n}/", weight=w, name=n) for n, w, _ in corpus]
+    config = LoaderConfig(micro_batch_tokens=C, micro_batches=M, seed=0, epochs=1)
+    rows = []
+    for kind in ("job_model", "rank_share"):
+        shard_permutation.cache_clear()   # each kind deals from scratch
+        started = time.process_time()
+        held = start_rank(kind, config, sources, corpus, ranks)
+        cpu_ms = (time.process_time() - started) * 1e3
+        del held
+        shard_permutation.cache_clear()
+        tracemalloc.start()
+        held = start_rank(kind, config, sources, corpus, ranks)
+        current, peak = tracemalloc.get_traced_memory()
+        tracemalloc.stop()
+        rows.append({"kind": kind, "sources": num_sources, "ranks": ranks,
+                     "sources_read": len(held[1][1]), "start_cpu_ms": round(cpu_ms, 1),
+                     "held_mb": round(current / 1e6, 3), "peak_mb": round(peak / 1e6, 3)})
+        del held
+    return rows
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--ranks", default="2,4,8,16")
@@ -137,7 +180,20 @@ def main() -> None:
     p.add_argument("--round-trip", default="",
                    help="comma list of R (e.g. 1,8,64,512): also the save/load round trip of the "
                         "job model at S = --sources after 4 steps (planner naive past R = 64)")
+    p.add_argument("--rank-share", default="",
+                   help="comma list of R (e.g. 512,4096): only what a non-zero rank keeps at "
+                        "S = --many-sources, the job model against its share")
     args = p.parse_args()
+    if args.rank_share:
+        rows = [row for r in args.rank_share.split(",")
+                for row in measure_share(args.many_sources, int(r))]
+        print(f"{'S':>4} {'R':>5} {'kept':>10} {'reads':>5} {'start ms':>8} {'held MB':>8} "
+              f"{'peak MB':>8}", file=sys.stderr)
+        for r in rows:
+            print(f"{r['sources']:>4} {r['ranks']:>5} {r['kind']:>10} {r['sources_read']:>5} "
+                  f"{r['start_cpu_ms']:>8} {r['held_mb']:>8} {r['peak_mb']:>8}", file=sys.stderr)
+        print(json.dumps({"benchmark": "state_size", "rank_share": rows}))
+        return
     rows = []
     for r in filter(None, args.round_trip.split(",")):
         rows.append(measure(args.sources, int(r), 4, "auto",
