@@ -201,9 +201,9 @@ class _Deal:
     def resumed(self) -> bool:
         return self.resume is not None and bool(self.resume.sources)
 
-    def _check_listing(self, state: LoaderState) -> None:
+    def _check_listing(self, state: LoaderState, reads: Optional[np.ndarray] = None) -> None:
         """A loaded state's sources against this job's: names, shard counts and listings; then
-        its pending items' ages."""
+        its pending items' ages (of the sources in `reads` only, when given)."""
         names = [s.name for s in self.sources]
         if [p.name for p in state.sources] != names:
             raise ConfigError(f"loader state: saved for sources {[p.name for p in state.sources]}, "
@@ -217,7 +217,8 @@ class _Deal:
                     f"{progress.num_shards} when the state was saved (or their names changed); "
                     f"cannot resume exactly", key="sources")
         for source, shard, record, chunk, age in state.ages:
-            self.resume_ages[source][(shard, record, chunk)] = age
+            if reads is None or reads[source]:
+                self.resume_ages[source][(shard, record, chunk)] = age
 
     def _resumed_layout(self, s: int) -> EpochLayout:
         """Source `s`'s rest of the saved epoch (stream), dealt to this job's readers."""
@@ -494,8 +495,8 @@ class RankShare(_Deal):
                 self.stepper.mixer.load_state(state.mixture)
             if not state.sources:   # saved before the first step: a fresh start
                 self.resume = None
-            else:
-                self._check_listing(state)
+            else:   # the ages of the items its fetchers read, not the whole job's
+                self._check_listing(state, self._reads)
         resumed = self.resumed()
         if resumed and state.holding is not None and state.world_size == R \
                 and not any(self._deals_again(s) for s in range(S)):   # the saved run's windows

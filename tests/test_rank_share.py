@@ -125,7 +125,9 @@ def assert_same_share(job: JobModel, docs, ranks_to_check, state=None) -> None:
             if not reads:
                 with pytest.raises(ValueError, match="does not read"):
                     mine.layout_for(s, job.epoch)
+                assert not mine.resume_ages[s]
                 continue
+            assert mine.resume_ages[s] == job.resume_ages[s]
             for epoch in (job.epoch, job.epoch + 1):
                 kept = mine.layout_for(s, epoch)
                 assert isinstance(kept.base, OneRank)   # not every rank's deal
