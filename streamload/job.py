@@ -43,8 +43,8 @@ from .plan.stepper import Step, StepParts, Stepper
 from .plan.types import Assignment, Candidates
 from .plan.windows import Block, Feed
 from .state import (STATE_VERSION, DataOptions, EpochLayout, LoaderState, RankProgress,
-                    ReadUnit, SourceData, SourceTracker, fresh_holders, fresh_layout,
-                    layout_from_progress, redeals)
+                    ReadUnit, SourceData, SourceTracker, dealt_again_holding, fresh_holders,
+                    fresh_layout, layout_from_progress, redeals)
 from .tokenizer import TextTokenizer, identity
 
 
@@ -518,12 +518,22 @@ class RankShare(_Deal):
                              self.endless(s)), held
 
     def _holders(self, s: int) -> tuple[int, bool]:
-        """The same for the saved epoch, dealt for every rank here and then dropped (kept for
-        this rank alone, if it reads `s`)."""
-        layout = self._resumed_layout(s)
-        mask = layout.readers_mask() if self.endless(s) else layout.holding_mask()
-        if self._reads[s]:
-            self._resumed[s] = layout.for_rank(self.rank)
+        """The same for the saved epoch: an endless source's readers; a finite source's from
+        what is left of it, counted without dealing when it is dealt again, else dealt for
+        every rank here and then dropped (kept for this rank alone, if it reads `s`)."""
+        if self.endless(s):   # `readers_mask`, the new world's or the same saved one
+            return fresh_holders(0, self.world, int(self.readers[s]), True), bool(self._reads[s])
+        progress, rotation, readers = self.resume.sources[s], int(self.offsets[s]), \
+            int(self.readers[s])
+        if redeals(progress, self.world, rotation, readers):
+            mask = dealt_again_holding(progress, seed=self.seed, epoch=self.resume.epoch,
+                                       source_index=s, world=self.world, rotation=rotation,
+                                       readers=readers)
+        else:
+            layout = self._resumed_layout(s)
+            mask = layout.holding_mask()
+            if self._reads[s]:
+                self._resumed[s] = layout.for_rank(self.rank)
         return int(mask.sum()), bool(mask[self.rank])
 
     def layout_for(self, source: int, epoch: int) -> EpochLayout:

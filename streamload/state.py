@@ -644,22 +644,8 @@ def layout_from_progress(progress: SourceProgress, *, seed: int, epoch: int, sou
     """The rest of an epoch (an endless source: the rest of its stream), dealt to `world` ranks
     (to `readers` of them from `rotation` on, when given). At the saved world size with the
     saved readers, every rank's exact stream; else what is left, pooled and dealt again."""
-    bits = None
-    if progress.base_shards is not None:
-        bits = np.unpackbits(np.frombuffer(progress.base_shards, np.uint8),
-                             count=progress.num_shards).astype(bool)
-    saved = fresh_layout(progress.num_shards, seed=seed,
-                         epoch=progress.first_pass if endless else epoch,
-                         source_index=source_index, world=progress.base_world, base_shards=bits,
-                         endless=endless, rotation=progress.rotation,
-                         readers=progress.readers)
-    saved.base_position = list(progress.base_position)
-    saved.units = list(progress.units)   # tuples: never mutated
-    if endless:
-        saved.passes = list(progress.passes) or [progress.first_pass] * progress.base_world
-        for q, pass_index in enumerate(saved.passes):
-            if pass_index != progress.first_pass:
-                saved.base[q] = saved.pass_shards(q, pass_index)
+    saved = _saved_layout(progress, seed=seed, epoch=epoch, source_index=source_index,
+                          endless=endless)
     if not redeals(progress, world, rotation, readers):
         return saved
     readers = 0 if readers is None or readers >= world else readers
@@ -678,15 +664,58 @@ def layout_from_progress(progress: SourceProgress, *, seed: int, epoch: int, sou
         layout.units = _deal_units(pooled, layout)
         return layout
     # Elastic: pool what is left and deal it again. Untouched shards keep the epoch's order.
-    untouched = np.zeros(progress.num_shards, dtype=bool)
-    for q in range(saved.base_world):
-        untouched[saved.base[q][saved.base_position[q]:]] = True
-    pooled = [unit for q in range(saved.base_world) for unit in saved.units[q]]
+    untouched, pooled = _left_over(saved)
     layout = fresh_layout(progress.num_shards, seed=seed, epoch=epoch, source_index=source_index,
                           world=world, base_shards=untouched, rotation=rotation,
                           readers=readers)
     layout.units = _deal_units(pooled, layout)
     return layout
+
+
+def dealt_again_holding(progress: SourceProgress, *, seed: int, epoch: int, source_index: int,
+                        world: int, rotation: int, readers: int) -> np.ndarray:
+    """bool [world]: `layout_from_progress(...).holding_mask()` for a finite source whose saved
+    deal it deals again (`redeals`), without dealing: reader j gets untouched shards j, j + k,
+    ... and pooled units j, j + k, ... (units by rank, not reader, when every rank reads)."""
+    untouched, pooled = _left_over(_saved_layout(progress, seed=seed, epoch=epoch,
+                                                 source_index=source_index, endless=False))
+    readers = 0 if readers >= world else readers
+    k = readers or world
+    ranks = np.arange(world)
+    reader = (ranks - rotation) % world
+    units_at = reader if readers else ranks
+    return (reader < k) & ((reader < int(untouched.sum())) | (units_at < len(pooled)))
+
+
+def _left_over(saved: EpochLayout) -> tuple[np.ndarray, list]:
+    """A finite epoch's rest, pooled from its saved deal: the untouched shards (bool
+    [num_shards]) and the filtered units, rank after rank."""
+    untouched = np.zeros(saved.num_shards, dtype=bool)
+    for q in range(saved.base_world):
+        untouched[saved.base[q][saved.base_position[q]:]] = True
+    return untouched, [unit for q in range(saved.base_world) for unit in saved.units[q]]
+
+
+def _saved_layout(progress: SourceProgress, *, seed: int, epoch: int, source_index: int,
+                  endless: bool) -> EpochLayout:
+    """Every rank's rest of the epoch (stream) at the world size it was saved at."""
+    bits = None
+    if progress.base_shards is not None:
+        bits = np.unpackbits(np.frombuffer(progress.base_shards, np.uint8),
+                             count=progress.num_shards).astype(bool)
+    saved = fresh_layout(progress.num_shards, seed=seed,
+                         epoch=progress.first_pass if endless else epoch,
+                         source_index=source_index, world=progress.base_world, base_shards=bits,
+                         endless=endless, rotation=progress.rotation,
+                         readers=progress.readers)
+    saved.base_position = list(progress.base_position)
+    saved.units = list(progress.units)   # tuples: never mutated
+    if endless:
+        saved.passes = list(progress.passes) or [progress.first_pass] * progress.base_world
+        for q, pass_index in enumerate(saved.passes):
+            if pass_index != progress.first_pass:
+                saved.base[q] = saved.pass_shards(q, pass_index)
+    return saved
 
 
 @dataclass

@@ -14,7 +14,8 @@ from streamload import pieces
 from streamload.config import LoaderConfig, Source
 from streamload.job import JobModel, RankShare, data_options, layout_feed
 from streamload.plan.windows import Block, ItemQueue, Windows
-from streamload.state import OneRank, decode_state, encode_state
+from streamload.state import (OneRank, dealt_again_holding, decode_state, encode_state,
+                             layout_from_progress, redeals)
 
 pytestmark = pytest.mark.core
 
@@ -168,3 +169,27 @@ def test_a_state_saved_before_the_first_step_starts_fresh():
     job = full_job(sources, docs, 4, 2)
     state = decode_state(encode_state(job.state(None)))
     assert_same_share(full_job(sources, docs, 3, 2, state), docs, range(3), state)
+
+
+@pytest.mark.parametrize("saved_at", [2, 4, 7])
+def test_holding_of_a_deal_dealt_again_without_dealing(saved_at):
+    """`dealt_again_holding` equals the dealt layout's `holding_mask` for every finite source
+    of a state saved mid-epoch, at other world sizes, first readers and reader counts (every
+    rank reading included: its pooled units go by rank, its shards by reader)."""
+    sources = make_sources(6, saved_at)
+    docs = make_docs(6, saved_at, 4)
+    state = saved_after(full_job(sources, docs, saved_at, 2), blocks_for(docs), 0, 3)
+    checked = 0
+    for s, progress in enumerate(state.sources):
+        if sources[s].on_exhausted == "restart":
+            continue
+        for world, rotation, readers in itertools.product((1, 2, 3, 5, 9), (0, 1, 4), (0, 1, 2, 9)):
+            rotation %= world
+            if not redeals(progress, world, rotation, readers):
+                continue
+            kwargs = dict(seed=5, epoch=state.epoch, source_index=s, world=world,
+                          rotation=rotation, readers=readers)
+            np.testing.assert_array_equal(dealt_again_holding(progress, **kwargs),
+                                          layout_from_progress(progress, **kwargs).holding_mask())
+            checked += 1
+    assert checked > 40
