@@ -10,16 +10,15 @@ import itertools
 import numpy as np
 import pytest
 
-from streamload import pieces
 from streamload.config import LoaderConfig, Source
 from streamload.job import JobModel, RankShare, data_options, layout_feed
-from streamload.plan.windows import Block, ItemQueue, Windows
+from streamload.plan.windows import ItemQueue, Windows
 from streamload.state import (OneRank, dealt_again_holding, decode_state, encode_state,
                              layout_from_progress, redeals)
 
-pytestmark = pytest.mark.core
+from test_job import C, shard_blocks
 
-C = 128
+pytestmark = pytest.mark.core
 
 
 def make_sources(S: int, seed: int) -> list[Source]:
@@ -69,16 +68,7 @@ def share(sources, docs, ranks: int, rank: int, epochs: int, state=None) -> Rank
 
 
 def blocks_for(docs):
-    def one(per_shard):
-        cut = [pieces.cut_documents(d, C, "split") for d in per_shard]
-
-        def block(shard: int) -> Block:
-            c = cut[shard % len(cut)]
-            ids = np.stack([np.full(c.lengths.size, shard, np.int64), c.document, c.chunks()],
-                           1)
-            return Block(c.lengths, ids, c.divisible)
-        return block
-    return [one(d) for d in docs]
+    return [shard_blocks(d) for d in docs]   # C = 128 there too
 
 
 def windows_for(job: JobModel, blocks) -> Windows:
