@@ -25,6 +25,10 @@ through `layout_feed`). The head-window rule is `plan.windows.head_window` in bo
 
 What a step leaves behind for a later `state_dict()` is a `StepSnapshot`: immutable, one per
 delivered batch.
+
+Under control_plane="gather" only rank 0 keeps the job model; every other rank keeps its
+`RankShare`: which sources it reads, its buffers before the first step (equal to
+`JobModel.budgets(rank)`) and its own deal of the sources it reads, O(S) whatever R.
 """
 from __future__ import annotations
 
@@ -523,8 +527,8 @@ class RankShare(_Deal):
         every rank here and then dropped (kept for this rank alone, if it reads `s`)."""
         if self.endless(s):   # `readers_mask`, the new world's or the same saved one
             return fresh_holders(0, self.world, int(self.readers[s]), True), bool(self._reads[s])
-        progress, rotation, readers = self.resume.sources[s], int(self.offsets[s]), \
-            int(self.readers[s])
+        progress = self.resume.sources[s]
+        rotation, readers = int(self.offsets[s]), int(self.readers[s])
         if redeals(progress, self.world, rotation, readers):
             mask = dealt_again_holding(progress, seed=self.seed, epoch=self.resume.epoch,
                                        source_index=s, world=self.world, rotation=rotation,
