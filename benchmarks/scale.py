@@ -198,9 +198,10 @@ def instrument_loop(timer: LoopTimer, runtime) -> None:
     rt.step_totals = timer.wrap("bookkeeping", rt.step_totals)
     runtime._summary = timer.wrap("encode_decode", runtime._summary)
     job = runtime.job
-    job.assign = timer.wrap("plan", job.assign)
-    job.begin = timer.wrap("bookkeeping", job.begin)
-    job.commit = timer.wrap("bookkeeping", job.commit)   # the stepper's and the progress's
+    if hasattr(job, "assign"):   # the job model: rank 0 under gather (the others keep a share)
+        job.assign = timer.wrap("plan", job.assign)
+        job.begin = timer.wrap("bookkeeping", job.begin)
+        job.commit = timer.wrap("bookkeeping", job.commit)   # the stepper's and the progress's
 
 
 def thread_cpu_ms() -> dict:

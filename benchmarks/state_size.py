@@ -15,6 +15,13 @@ in-memory `LoaderState`). The round trip's CPU ms: the state from the model (`st
 encoded (`save`), decoded (`load`), and loaded and started by a fresh model with no process
 group at R (`start`) and at R/2 and R+1 (`elastic`, the slower). `--round-trip 1,8,64,512`
 adds rows after 4 steps at those R. Prints a table on stderr, JSON last line on stdout.
+
+`--rank-share 512,4096` measures instead what a rank other than 0 keeps under
+control_plane="gather" at S = --many-sources and those R, from its build to its start-up
+buffers and its fetchers' layouts: the whole job model unstepped (`JobModel`, as before) against
+its own share (`RankShare`), for the last rank. CPU ms (without tracemalloc), then the bytes it
+holds afterwards and the peak on the way (tracemalloc). `--share-resumed-from 512`: also
+loaded from a state saved at that R after 4 steps (planner naive), at each of those R.
 """
 from __future__ import annotations
 
@@ -31,9 +38,10 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 
 from streamload import pieces  # noqa: E402
 from streamload.config import LoaderConfig, Source  # noqa: E402
-from streamload.job import JobModel, data_options, layout_feed  # noqa: E402
+from streamload.job import JobModel, RankShare, data_options, layout_feed  # noqa: E402
 from streamload.plan.windows import Block, ItemQueue, Windows  # noqa: E402
-from streamload.state import decode_state, encode_state  # noqa: E402
+from streamload.state import decode_state, encode_state, shard_permutation  # noqa: E402
+import tracemalloc  # noqa: E402
 
 C, M = 2048, 2
 
@@ -125,6 +133,66 @@ def measure(num_sources: int, ranks: int, steps: int, readers: str = "auto",
             "run_cpu_s": round(run_s, 2)}
 
 
+def start_rank(kind: str, config: LoaderConfig, sources: list, corpus: list, ranks: int,
+               state=None):
+    """A non-zero rank's start-up under gather: its model built, listed, `state` loaded,
+    started, its buffers and the layouts of the sources it reads (`Runtime.run`)."""
+    rank, data = ranks - 1, data_options(config, sources, None)
+    job = JobModel.build(config, sources, None, ranks, 4, data, track=False) \
+        if kind == "job_model" else RankShare.build(config, sources, None, ranks, rank, data)
+    job.listed([[f"part-{k:03d}" for k in range(len(p))] for _, _, p in corpus])
+    if state is not None:
+        job.load(state)
+    job.start()
+    kept = (job.budgets(rank), [job.layout_for(s, job.epoch) for s in range(len(sources))
+                                if job.reads_source(rank, s)])
+    return job, kept
+
+
+def saved_state(config: LoaderConfig, sources: list, corpus: list, ranks: int, steps: int):
+    """The state after `steps` steps at `ranks` (the job model over lengths), decoded."""
+    job = build_job(config, sources, corpus, ranks)
+    job.start()
+    blocks = [blocks_of(p) for _, _, p in corpus]
+    windows = Windows([[ItemQueue(layout_feed(job.layout_for(s, 0).rank_units(r), blocks[s]))
+                        for s in range(len(sources))] for r in range(ranks)])
+    for _ in range(steps):
+        offer = windows.offer(job.window_tokens())
+        step = job.begin(offer.candidates, offer.exhausted)
+        plan = job.assign(step)
+        job.commit(step, plan.take, plan.length, offer.ids)
+        windows.commit(offer, plan.take, plan.length, step.index)
+    return decode_state(encode_state(job.state(job.snapshot())))
+
+
+def measure_share(num_sources: int, worlds: list[int], saved_at: int) -> list[dict]:
+    corpus = lengths_corpus(num_sources)
+    sources = [Source(f"/bench/{n}/", weight=w, name=n) for n, w, _ in corpus]
+    config = LoaderConfig(micro_batch_tokens=C, micro_batches=M, seed=0, epochs=1,
+                          planner="naive")
+    state = saved_state(config, sources, corpus, saved_at, 4) if saved_at else None
+    rows = []
+    for ranks, loaded in [(r, None) for r in worlds] + \
+            ([(r, state) for r in worlds] if state is not None else []):
+        for kind in ("job_model", "rank_share"):
+            shard_permutation.cache_clear()   # each kind deals from scratch
+            started = time.process_time()
+            held = start_rank(kind, config, sources, corpus, ranks, loaded)
+            cpu_ms = (time.process_time() - started) * 1e3
+            del held
+            shard_permutation.cache_clear()
+            tracemalloc.start()
+            held = start_rank(kind, config, sources, corpus, ranks, loaded)
+            current, peak = tracemalloc.get_traced_memory()
+            tracemalloc.stop()
+            rows.append({"kind": kind, "sources": num_sources, "ranks": ranks,
+                         "resumed_from": saved_at if loaded is not None else None,
+                         "sources_read": len(held[1][1]), "start_cpu_ms": round(cpu_ms, 1),
+                         "held_mb": round(current / 1e6, 3), "peak_mb": round(peak / 1e6, 3)})
+            del held
+    return rows
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--ranks", default="2,4,8,16")
@@ -137,7 +205,24 @@ def main() -> None:
     p.add_argument("--round-trip", default="",
                    help="comma list of R (e.g. 1,8,64,512): also the save/load round trip of the "
                         "job model at S = --sources after 4 steps (planner naive past R = 64)")
+    p.add_argument("--rank-share", default="",
+                   help="comma list of R (e.g. 512,4096): only what a non-zero rank keeps at "
+                        "S = --many-sources, the job model against its share")
+    p.add_argument("--share-resumed-from", type=int, default=0,
+                   help="with --rank-share: also loaded from a state saved after 4 steps at this "
+                        "R (e.g. 512; ~15 s CPU to make), at each of the --rank-share R")
     args = p.parse_args()
+    if args.rank_share:
+        rows = measure_share(args.many_sources, [int(r) for r in args.rank_share.split(",")],
+                             args.share_resumed_from)
+        print(f"{'S':>4} {'R':>5} {'from':>5} {'kept':>10} {'reads':>5} {'start ms':>8} "
+              f"{'held MB':>8} {'peak MB':>8}", file=sys.stderr)
+        for r in rows:
+            print(f"{r['sources']:>4} {r['ranks']:>5} {r['resumed_from'] or '-':>5} "
+                  f"{r['kind']:>10} {r['sources_read']:>5} {r['start_cpu_ms']:>8} "
+                  f"{r['held_mb']:>8} {r['peak_mb']:>8}", file=sys.stderr)
+        print(json.dumps({"benchmark": "state_size", "rank_share": rows}))
+        return
     rows = []
     for r in filter(None, args.round_trip.split(",")):
         rows.append(measure(args.sources, int(r), 4, "auto",

@@ -25,6 +25,10 @@ through `layout_feed`). The head-window rule is `plan.windows.head_window` in bo
 
 What a step leaves behind for a later `state_dict()` is a `StepSnapshot`: immutable, one per
 delivered batch.
+
+Under control_plane="gather" only rank 0 keeps the job model; every other rank keeps its
+`RankShare`: which sources it reads, its buffers before the first step (equal to
+`JobModel.budgets(rank)`) and its own deal of the sources it reads, O(S) whatever R.
 """
 from __future__ import annotations
 
@@ -39,12 +43,12 @@ from .config import LoaderConfig, Source
 from .errors import ConfigError
 from .plan.quota_mixer import MixtureState
 from .plan.readers import choose_readers, reader_mask, reader_offsets
-from .plan.stepper import Step, Stepper
+from .plan.stepper import Step, StepParts, Stepper
 from .plan.types import Assignment, Candidates
 from .plan.windows import Block, Feed
 from .state import (STATE_VERSION, DataOptions, EpochLayout, LoaderState, RankProgress,
-                    ReadUnit, SourceData, SourceTracker, fresh_layout,
-                    layout_from_progress)
+                    ReadUnit, SourceData, SourceTracker, dealt_again_holding, fresh_holders,
+                    fresh_layout, layout_from_progress, redeals)
 from .tokenizer import TextTokenizer, identity
 
 
@@ -143,7 +147,122 @@ def check_resume(state: LoaderState, seed: int, data: DataOptions) -> None:
             + ". Resume with the saved values, or start without the state", key=problems[0][0])
 
 
-class JobModel:
+class _Deal:
+    """What the job model and a rank's share of it (`RankShare`) both know: the sources'
+    listings, which ranks read each source, a loaded state and its checks, and the layouts."""
+
+    def __init__(self, parts, sources: Sequence[Source], seed: int, world: int, data):
+        self.sources, self.seed, self.world = list(sources), seed, world
+        self._data = data
+        self.num_shards = [0] * len(self.sources)   # listed shards per source (`listed`)
+        self.listing_crcs = [0] * len(self.sources)
+        self.resume: Optional[LoaderState] = None       # `load`; kept for `state` until a step
+        self.resume_ages: list[dict] = [{} for _ in self.sources]   # (shard, record, chunk) -> age
+        self._fresh: dict[tuple[int, int], EpochLayout] = {}   # (source, epoch): fresh deals
+        # Which ranks read each source (`plan/readers.py`), once listed: how many and the first
+        # one. Every rank until then.
+        S = len(self.sources)
+        self.readers = np.full(S, world, dtype=np.int64)
+        self.offsets = reader_offsets(self.readers, world)
+        self._parts = parts   # the mixer (its largest shares choose the readers)
+
+    # -- listing -----------------------------------------------------------------------------------
+    def listed(self, shard_names: Sequence[Sequence[str]]) -> None:
+        self.num_shards = [len(names) for names in shard_names]
+        self.listing_crcs = [listing_crc(names) for names in shard_names]
+        S = len(self.sources)
+        self.readers = choose_readers(
+            self._parts.mixer.max_shares(), [self.virtual_shards(s) for s in range(S)],
+            self.world, [getattr(src, "read_cost", 1.0) for src in self.sources],
+            [getattr(src, "readers", None) for src in self.sources])
+        self.offsets = reader_offsets(self.readers, self.world)
+
+    def endless(self, source: int) -> bool:
+        """A source with on_exhausted="restart": one stream of passes, across epochs."""
+        return self.sources[source].on_exhausted == "restart"
+
+    def virtual_shards(self, source: int) -> int:
+        """Shards per epoch: each listed shard once per pass (`Source.repeat`)."""
+        return self.num_shards[source] * self.sources[source].repeat
+
+    def units_on(self, source: int, rank: int) -> int:
+        """How many read units `rank` has of `source` this epoch (for the start-up log)."""
+        if not self.reads_source(rank, source):
+            return 0
+        return len(self.layout_for(source, self.epoch).rank_units(rank))
+
+    @property
+    def data(self) -> DataOptions:
+        if callable(self._data):
+            self._data = self._data()
+        return self._data
+
+    # -- resumption --------------------------------------------------------------------------------
+    def load(self, state: LoaderState) -> None:
+        """Take a saved state, checked already (`check_resume`)."""
+        self.resume = state
+
+    def resumed(self) -> bool:
+        return self.resume is not None and bool(self.resume.sources)
+
+    def _check_listing(self, state: LoaderState, reads: Optional[np.ndarray] = None) -> None:
+        """A loaded state's sources against this job's: names, shard counts and listings; then
+        its pending items' ages (of the sources in `reads` only, when given)."""
+        names = [s.name for s in self.sources]
+        if [p.name for p in state.sources] != names:
+            raise ConfigError(f"loader state: saved for sources {[p.name for p in state.sources]}, "
+                              f"but this loader has {names}", key="sources")
+        for s, progress in enumerate(state.sources):
+            if (progress.num_shards, progress.listing_crc) != (self.virtual_shards(s),
+                                                               self.listing_crcs[s]):
+                raise ConfigError(
+                    f"loader state: source {progress.name!r} ({self.sources[s].uri}) has "
+                    f"{self.virtual_shards(s)} shards now (times repeat) but "
+                    f"{progress.num_shards} when the state was saved (or their names changed); "
+                    f"cannot resume exactly", key="sources")
+        for source, shard, record, chunk, age in state.ages:
+            if reads is None or reads[source]:
+                self.resume_ages[source][(shard, record, chunk)] = age
+
+    def _resumed_layout(self, s: int) -> EpochLayout:
+        """Source `s`'s rest of the saved epoch (stream), dealt to this job's readers."""
+        return layout_from_progress(self.resume.sources[s], seed=self.seed,
+                                    epoch=self.resume.epoch, source_index=s, world=self.world,
+                                    endless=self.endless(s), rotation=int(self.offsets[s]),
+                                    readers=int(self.readers[s]))
+
+    def _deals_again(self, s: int) -> bool:
+        """Whether source `s`'s saved deal is dealt again on resuming (`redeals`), so the saved
+        holding no longer applies."""
+        p, R = self.resume.sources[s], self.world
+        if redeals(p, R, int(self.offsets[s]), int(self.readers[s])):
+            readers = int(self.readers[s])
+            return R != p.base_world or (0 if readers >= R else readers) != p.readers \
+                or int(self.offsets[s]) != p.rotation
+        return (0 if p.readers >= p.base_world else p.readers) != p.readers
+
+    def _fresh_layout(self, source: int, epoch: int, rank: Optional[int] = None) -> EpochLayout:
+        """A fresh deal of `source` for `epoch` (an endless source's first pass: 0), kept while
+        asked for (every rank's fetcher, or queue, asks for the same one); `rank`: its deal
+        only (`EpochLayout.for_rank`)."""
+        key = (source, epoch)
+        if key not in self._fresh:
+            self._fresh = {k: v for k, v in self._fresh.items() if k[1] >= key[1]}
+            self._fresh[key] = fresh_layout(self.virtual_shards(source), seed=self.seed,
+                                            epoch=epoch, source_index=source,
+                                            world=self.world, endless=self.endless(source),
+                                            rotation=int(self.offsets[source]),
+                                            readers=int(self.readers[source]), rank=rank)
+        return self._fresh[key]
+
+    def _start_state(self) -> LoaderState:
+        """The state where this loader starts (`state(None)`)."""
+        if self.resume is not None:
+            return self.resume
+        return LoaderState(STATE_VERSION, self.seed, self.world, 0, 0, None, (), data=self.data)
+
+
+class JobModel(_Deal):
     def __init__(self, stepper: Stepper, sources: Sequence[Source], seed: int, world: int,
                  states_in_flight: int = 0, data=None, track: bool = True):
         """`data`: the options that decide the data, recorded in the state and checked on a
@@ -151,24 +270,14 @@ class JobModel:
         tokenizer's digest is worked out when a state is first saved or loaded). `track`:
         follow each source's progress (False: the dry run over lengths alone, which has no
         state to save)."""
+        super().__init__(stepper, sources, seed, world, data)
         self.stepper = stepper
-        self.sources, self.seed, self.world = list(sources), seed, world
-        self._data = data
         self.track = track
         self.states_in_flight = states_in_flight
-        self.num_shards = [0] * len(self.sources)   # listed shards per source (`listed`)
-        self.listing_crcs = [0] * len(self.sources)
         self.trackers: list[SourceTracker] = []
-        self.resume: Optional[LoaderState] = None       # `load`; kept for `state` until a step
         self.resumed_layouts: list[EpochLayout] = []
-        self.resume_ages: list[dict] = [{} for _ in self.sources]   # (shard, record, chunk) -> age
-        self._fresh: dict[tuple[int, int], EpochLayout] = {}   # (source, epoch): fresh deals
-        # Which ranks read each source (`plan/readers.py`), once listed: how many, the first
-        # one, and [R, S] whether rank r reads source s. Every rank until then.
-        S = len(self.sources)
-        self.readers = np.full(S, world, dtype=np.int64)
-        self.offsets = reader_offsets(self.readers, world)
-        self.reads = np.ones((world, S), dtype=bool)
+        # [R, S] whether rank r reads source s. Every rank until listed.
+        self.reads = np.ones((world, len(self.sources)), dtype=bool)
         self._redealt = False    # a resumed layout was dealt again (another world or readers)
 
     @classmethod
@@ -204,14 +313,7 @@ class JobModel:
 
     # -- listing -----------------------------------------------------------------------------------
     def listed(self, shard_names: Sequence[Sequence[str]]) -> None:
-        self.num_shards = [len(names) for names in shard_names]
-        self.listing_crcs = [listing_crc(names) for names in shard_names]
-        S = len(self.sources)
-        self.readers = choose_readers(
-            self.stepper.mixer.max_shares(), [self.virtual_shards(s) for s in range(S)],
-            self.world, [getattr(src, "read_cost", 1.0) for src in self.sources],
-            [getattr(src, "readers", None) for src in self.sources])
-        self.offsets = reader_offsets(self.readers, self.world)
+        super().listed(shard_names)
         self.reads = reader_mask(self.readers, self.offsets, self.world)
         self.stepper.set_readers(self.reads)
 
@@ -219,25 +321,7 @@ class JobModel:
         """Whether `rank` reads `source` (runs its fetcher, buffer and head window)."""
         return bool(self.reads[rank, source])
 
-    def endless(self, source: int) -> bool:
-        """A source with on_exhausted="restart": one stream of passes, across epochs."""
-        return self.sources[source].on_exhausted == "restart"
-
-    def virtual_shards(self, source: int) -> int:
-        """Shards per epoch: each listed shard once per pass (`Source.repeat`)."""
-        return self.num_shards[source] * self.sources[source].repeat
-
-    @property
-    def data(self) -> DataOptions:
-        if callable(self._data):
-            self._data = self._data()
-        return self._data
-
     # -- resumption --------------------------------------------------------------------------------
-    def load(self, state: LoaderState) -> None:
-        """Take a saved state, checked already (`check_resume`)."""
-        self.resume = state
-
     def start(self, holding: Optional[np.ndarray] = None) -> None:
         """After listing: apply a loaded state (checked against this job's shards), then deal
         the first epoch. `holding` [R, S]: which ranks hold data of each source, where the
@@ -261,31 +345,9 @@ class JobModel:
         if not state.sources:   # saved before the first step: a fresh start
             self.resume = None
             return
-        names = [s.name for s in self.sources]
-        if [p.name for p in state.sources] != names:
-            raise ConfigError(f"loader state: saved for sources {[p.name for p in state.sources]}, "
-                              f"but this loader has {names}", key="sources")
-        for s, progress in enumerate(state.sources):
-            if (progress.num_shards, progress.listing_crc) != (self.virtual_shards(s),
-                                                               self.listing_crcs[s]):
-                raise ConfigError(
-                    f"loader state: source {progress.name!r} ({self.sources[s].uri}) has "
-                    f"{self.virtual_shards(s)} shards now (times repeat) but "
-                    f"{progress.num_shards} when the state was saved (or their names changed); "
-                    f"cannot resume exactly", key="sources")
-        self.resumed_layouts = [
-            layout_from_progress(p, seed=self.seed, epoch=state.epoch, source_index=s,
-                                 world=R, endless=self.endless(s),
-                                 rotation=int(self.offsets[s]), readers=int(self.readers[s]))
-            for s, p in enumerate(state.sources)]
-        self._redealt = any(layout.base_world != p.base_world or layout.readers != p.readers
-                            or layout.rotation != p.rotation
-                            for layout, p in zip(self.resumed_layouts, state.sources))
-        for source, shard, record, chunk, age in state.ages:
-            self.resume_ages[source][(shard, record, chunk)] = age
-
-    def resumed(self) -> bool:
-        return self.resume is not None and bool(self.resume.sources)
+        self._check_listing(state)
+        self.resumed_layouts = [self._resumed_layout(s) for s in range(S)]
+        self._redealt = any(self._deals_again(s) for s in range(S))
 
     # -- epochs ------------------------------------------------------------------------------------
     def layout_for(self, source: int, epoch: int) -> EpochLayout:
@@ -293,15 +355,7 @@ class JobModel:
         endless = self.endless(source)
         if self.resumed() and (endless or epoch == self.resume.epoch):
             return self.resumed_layouts[source]
-        key = (source, 0 if endless else epoch)
-        if key not in self._fresh:   # every rank's fetcher (or queue) asks for the same one
-            self._fresh = {k: v for k, v in self._fresh.items() if k[1] >= key[1]}
-            self._fresh[key] = fresh_layout(self.virtual_shards(source), seed=self.seed,
-                                            epoch=key[1], source_index=source,
-                                            world=self.world, endless=endless,
-                                            rotation=int(self.offsets[source]),
-                                            readers=int(self.readers[source]))
-        return self._fresh[key]
+        return self._fresh_layout(source, 0 if endless else epoch)
 
     def _start_epoch(self, epoch: int) -> np.ndarray:
         """New trackers for the finite sources (endless sources keep theirs). Returns [R, S]:
@@ -380,10 +434,7 @@ class JobModel:
         """The resumable state as of `snapshot` (None: where this loader would start). Runs
         where the trackers live: on the loop, or once the loop has ended."""
         if snapshot is None:
-            if self.resume is not None:
-                return self.resume
-            return LoaderState(STATE_VERSION, self.seed, self.world, 0, 0, None, (),
-                               data=self.data)
+            return self._start_state()
         sources, ages = [], []
         for s, (source, (tracker, ranks)) in enumerate(zip(self.sources, snapshot.sources)):
             progress, pending = tracker.progress(ranks, source.name, self.listing_crcs[s],
@@ -393,6 +444,119 @@ class JobModel:
         return LoaderState(STATE_VERSION, self.seed, self.world, snapshot.epoch, snapshot.step,
                            snapshot.mixture, tuple(sources), tuple(sorted(ages)),
                            np.packbits(snapshot.holding).tobytes(), self.data)
+
+
+class RankShare(_Deal):
+    """One rank's share of the job, where rank 0 alone keeps the job model (control_plane
+    "gather"): which sources this rank reads, its fetchers' layouts (its own deal only:
+    `EpochLayout.for_rank`) and its buffers before the first step, equal to what
+    `JobModel.budgets(rank)` gives (afterwards rank 0 sends them with its replies). A pure
+    function of the configuration, the listings, a loaded state and the rank: what it keeps
+    is O(S), not O(R x S) (`docs/architecture.md`)."""
+
+    def __init__(self, parts: StepParts, sources: Sequence[Source], seed: int, world: int,
+                 rank: int, data=None):
+        super().__init__(parts, sources, seed, world, data)
+        self.stepper, self.rank = parts, rank   # the geometry, cost, mixer and memory plan
+        self.epoch = self.step = 0
+        self._reads = np.ones(len(self.sources), dtype=bool)   # [S]: this rank reads s
+        self._budgets: list = []
+        self._resumed: dict[int, EpochLayout] = {}   # this rank's deal of the saved epoch
+
+    @classmethod
+    def build(cls, config: LoaderConfig, sources: Sequence[Source], mixture, world: int,
+              rank: int, data=None) -> "RankShare":
+        return cls(StepParts.build(config, sources, mixture, world), sources, config.seed,
+                   world, rank, data)
+
+    def listed(self, shard_names: Sequence[Sequence[str]]) -> None:
+        super().listed(shard_names)
+        self._reads = (self.rank - self.offsets) % max(self.world, 1) < self.readers
+
+    def reads_source(self, rank: int, source: int) -> bool:
+        self._own(rank)
+        return bool(self._reads[source])
+
+    def budgets(self, rank: int):
+        """This rank's buffers before the first step (`start`)."""
+        self._own(rank)
+        return self._budgets
+
+    def _own(self, rank: int) -> None:
+        if rank != self.rank:
+            raise ValueError(f"rank {self.rank} keeps its own share of the job; asked about "
+                             f"rank {rank} (only rank 0 keeps the job model)")
+
+    def start(self) -> None:
+        """After listing: apply a loaded state, then this rank's buffers, as `JobModel.start`
+        and `JobModel.budgets(rank)` would give them: from the mix's shares, how many ranks
+        hold data of each source (counted without dealing the other ranks' shards when the
+        deal is fresh) and whether this one does."""
+        state, S, R = self.resume, len(self.sources), self.world
+        if state is not None:
+            self.epoch, self.step = state.epoch, state.step
+            if state.mixture is not None:
+                self.stepper.mixer.load_state(state.mixture)
+            if not state.sources:   # saved before the first step: a fresh start
+                self.resume = None
+            else:   # the ages of the items its fetchers read, not the whole job's
+                self._check_listing(state, self._reads)
+        resumed = self.resumed()
+        if resumed and state.holding is not None and state.world_size == R \
+                and not any(self._deals_again(s) for s in range(S)):   # the saved run's windows
+            holding = np.unpackbits(np.frombuffer(state.holding, np.uint8),
+                                    count=R * S).astype(bool).reshape(R, S)
+            holders, held = holding.sum(axis=0), holding[self.rank].copy()
+        else:
+            holders, held = np.zeros(S, dtype=np.int64), np.zeros(S, dtype=bool)
+            for s in range(S):
+                holders[s], held[s] = self._holders(s) if resumed else self._fresh_holders(s)
+        shares = self.stepper.mixer.shares_at(holders > 0)
+        self._budgets = self.stepper.memory.budgets(shares, holders, held, self._reads)
+
+    def _fresh_holders(self, s: int) -> tuple[int, bool]:
+        """(ranks holding data of source `s`, this rank is one) for a fresh deal."""
+        held = bool(self._reads[s]) and (self.endless(s) or
+                                         self.layout_for(s, self.epoch).has_units(self.rank))
+        return fresh_holders(self.virtual_shards(s), self.world, int(self.readers[s]),
+                             self.endless(s)), held
+
+    def _holders(self, s: int) -> tuple[int, bool]:
+        """The same for the saved epoch: an endless source's readers; a finite source's from
+        what is left of it, counted without dealing when it is dealt again, else dealt for
+        every rank here and then dropped (kept for this rank alone, if it reads `s`)."""
+        if self.endless(s):   # `readers_mask`, the new world's or the same saved one
+            return fresh_holders(0, self.world, int(self.readers[s]), True), bool(self._reads[s])
+        progress = self.resume.sources[s]
+        rotation, readers = int(self.offsets[s]), int(self.readers[s])
+        if redeals(progress, self.world, rotation, readers):
+            mask = dealt_again_holding(progress, seed=self.seed, epoch=self.resume.epoch,
+                                       source_index=s, world=self.world, rotation=rotation,
+                                       readers=readers)
+        else:
+            layout = self._resumed_layout(s)
+            mask = layout.holding_mask()
+            if self._reads[s]:
+                self._resumed[s] = layout.for_rank(self.rank)
+        return int(mask.sum()), bool(mask[self.rank])
+
+    def layout_for(self, source: int, epoch: int) -> EpochLayout:
+        """This rank's deal of a source it reads, for `epoch` (an endless source: its stream)."""
+        if not self._reads[source]:
+            raise ValueError(f"rank {self.rank} does not read source "
+                             f"{self.sources[source].name!r}: no layout kept for it")
+        endless = self.endless(source)
+        if self.resumed() and (endless or epoch == self.resume.epoch):
+            if source not in self._resumed:
+                self._resumed[source] = self._resumed_layout(source).for_rank(self.rank)
+            return self._resumed[source]
+        return self._fresh_layout(source, 0 if endless else epoch, self.rank)
+
+    def state(self, snapshot) -> LoaderState:
+        """Where this loader starts (`snapshot` None); any later state comes from rank 0."""
+        if snapshot is not None:
+            raise ValueError(f"rank {self.rank} keeps no job model: its states come from rank 0")
+        return self._start_state()
 
 
 def layout_feed(units: Iterable[ReadUnit], shard_block: Callable[[int], Block],

@@ -54,7 +54,7 @@ from .plan.mix_spec import Mixture
 from .peers import encode_end, encode_step
 from .vision.cost import EncoderCost, visual_counts
 from .vision.hybrid import encoder_model, window_costs
-from .job import JobModel, StepSnapshot, data_options, listing_crc
+from .job import JobModel, RankShare, StepSnapshot, data_options, listing_crc
 from .watch import RunWatch
 from .stage_view import needs_view, stage_view
 from .state import LoaderState, encode_state
@@ -102,14 +102,17 @@ class Runtime:
                               f"{[s.name for s in sources]}", key="sample_costs")
         self.storage_options = storage_options or {}
         batches_held = config.prefetch_steps + 2   # queued, held by the trainer, being packed
-        # control_plane="gather" (the default, "auto"): rank 0 alone steps the job model
-        # (`_plan_replies`); the other ranks keep it for the geometry, the start-up buffers and
-        # their fetchers' layouts, and get the state from rank 0
+        # control_plane="gather" (the default, "auto"): rank 0 alone keeps and steps the job
+        # model (`_plan_replies`); the other ranks keep their share of it (`RankShare`: the
+        # geometry, their start-up buffers, their fetchers' layouts) and get the state from
+        # rank 0
         self.gathering = config.control_plane != "all_gather"
-        self.job = JobModel.build(config, sources, mixture, comm.world, batches_held,
-                                  functools.partial(data_options, config, sources, tokenizer),
-                                  track=not self.gathering or comm.rank == 0)
-        self.stepper = self.job.stepper   # the job's step machine (geometry, cost, mixer)
+        data = functools.partial(data_options, config, sources, tokenizer)
+        self.job: "JobModel | RankShare" = \
+            JobModel.build(config, sources, mixture, comm.world, batches_held, data) \
+            if not self.gathering or comm.rank == 0 else \
+            RankShare.build(config, sources, mixture, comm.world, comm.rank, data)
+        self.stepper = self.job.stepper   # the geometry, cost, mixer and memory plan
         self.agreement = Agreement(comm, config.collective_timeout_s)
         self.source_metrics = [SourceMetrics() for _ in sources]
         self.step_metrics = StepMetrics(step_tokens=self.stepper.geometry.step_tokens,

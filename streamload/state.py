@@ -23,11 +23,13 @@ finite sources end the epoch, the endless ones go on where they are.
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 import zlib
 from collections import deque
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Iterator, Optional, Sequence
+from typing import Iterator, Optional
 
 import msgspec
 import numpy as np
@@ -452,6 +454,23 @@ def deal_readers(order: np.ndarray, world: int, rank: int, rotation: int, shift:
     return order[(j + shift) % k::k]
 
 
+class OneRank(Sequence):
+    """A per-rank list of which one rank's entry is kept (`EpochLayout.for_rank`): O(1) in the
+    world size. Asking for another rank's entry is a bug, and raises."""
+    __slots__ = ("world", "rank", "value")
+
+    def __init__(self, world: int, rank: int, value):
+        self.world, self.rank, self.value = world, rank, value
+
+    def __len__(self) -> int:
+        return self.world
+
+    def __getitem__(self, rank):
+        if rank != self.rank:
+            raise IndexError(f"a layout kept for rank {self.rank} was asked about rank {rank}")
+        return self.value
+
+
 @dataclass
 class EpochLayout:
     """How one source's epoch is dealt to ranks: per rank, filtered units then base shards
@@ -470,6 +489,16 @@ class EpochLayout:
     first_pass: int = 0                        # endless: the pass `base_shards` refers to
     rotation: int = 0                          # the deal's first rank (`deal_epoch`)
     readers: int = 0                           # ranks dealt shards, from `rotation` (0: all)
+
+    def for_rank(self, rank: int) -> "EpochLayout":
+        """This layout as one rank sees it (`rank_units`, `stream`, `has_units` of `rank`
+        only): its per-rank lists shrunk to that rank's entries, so what a rank keeps does not
+        grow with the world size (`job.RankShare`)."""
+        def one(values):
+            return None if values is None else OneRank(self.base_world, rank, values[rank])
+        return dataclasses.replace(self, base=one(self.base),
+                                   base_position=one(self.base_position),
+                                   units=one(self.units), passes=one(self.passes))
 
     def reads(self, rank: int) -> bool:
         """Whether `rank` is one of the source's readers (is dealt its shards at all)."""
@@ -520,6 +549,19 @@ class EpochLayout:
             yield from units
 
 
+def _epoch_order(num_shards: int, seed: int, epoch: int, source_index: int, endless: bool,
+                 base_shards: Optional[np.ndarray]) -> np.ndarray:
+    """The shards `deal_epoch` deals, in order: the epoch's permutation (of `base_shards` only,
+    when given); an endless source's as pass-wide ids."""
+    order = shard_permutation(num_shards, seed, epoch, source_index)
+    if base_shards is not None:
+        order = order[base_shards[order]]
+    if endless:
+        order = order + epoch * num_shards
+        order.setflags(write=False)
+    return order
+
+
 def deal_epoch(num_shards: int, *, seed: int, epoch: int, source_index: int, world: int,
                endless: bool, base_shards: Optional[np.ndarray] = None,
                rotation: int = 0, readers: int = 0) -> list[np.ndarray]:
@@ -530,13 +572,8 @@ def deal_epoch(num_shards: int, *, seed: int, epoch: int, source_index: int, wor
     Fresh layouts rotate by the source's index, so sources with fewer shards than ranks start
     on different ranks: five one-shard sources on two ranks are read 3 and 2, not 5 and 0.
     `readers` (0: all): only that many ranks from `rotation` on are dealt shards."""
-    order = shard_permutation(num_shards, seed, epoch, source_index)
-    if base_shards is not None:
-        order = order[base_shards[order]]
+    order = _epoch_order(num_shards, seed, epoch, source_index, endless, base_shards)
     shift = epoch if endless else 0
-    if endless:
-        order = order + epoch * num_shards
-        order.setflags(write=False)
     k = readers if 0 < readers < world else world
     # `deal_readers` for every rank at once: reader j is rank (rotation + j) % world, the others
     # get none (a loop over the k readers only: one over every rank took 1.6 s at R=4,096, S=300)
@@ -546,22 +583,37 @@ def deal_epoch(num_shards: int, *, seed: int, epoch: int, source_index: int, wor
     return out
 
 
+def fresh_holders(num_shards: int, world: int, readers: int, endless: bool) -> int:
+    """How many ranks a fresh layout deals shards to (`holding_mask().sum()`, every reader for
+    an endless source), without dealing: reader j gets shards j, j + k, ... (j < k readers)."""
+    k = readers if 0 < readers < world else world
+    return k if endless else min(k, num_shards)
+
+
 def fresh_layout(num_shards: int, *, seed: int, epoch: int, source_index: int,
                  world: int, base_shards: Optional[np.ndarray] = None,
                  endless: bool = False, rotation: Optional[int] = None,
-                 readers: int = 0) -> EpochLayout:
+                 readers: int = 0, rank: Optional[int] = None) -> EpochLayout:
     """A fresh epoch; for an endless source, `epoch` is the pass its base deals. `rotation`:
     the deal's first rank (default: the source's index, modulo the world); `readers`: the
-    ranks dealt shards, from `rotation` on (0 or >= world: all)."""
+    ranks dealt shards, from `rotation` on (0 or >= world: all). `rank`: that rank's deal only
+    (`EpochLayout.for_rank`), without dealing the others."""
     rotation = source_index % world if rotation is None else rotation
     readers = 0 if readers >= world else readers
-    base = deal_epoch(num_shards, seed=seed, epoch=epoch, source_index=source_index, world=world,
-                      endless=endless, base_shards=base_shards, rotation=rotation,
-                      readers=readers)
-    return EpochLayout(world, base_shards, base, [0] * world, [()] * world,
-                       num_shards, seed, source_index, endless,
-                       [epoch] * world if endless else None, epoch if endless else 0, rotation,
-                       readers)
+    if rank is None:
+        base = deal_epoch(num_shards, seed=seed, epoch=epoch, source_index=source_index,
+                          world=world, endless=endless, base_shards=base_shards,
+                          rotation=rotation, readers=readers)
+        per_rank = [0] * world, [()] * world, [epoch] * world if endless else None
+    else:
+        order = _epoch_order(num_shards, seed, epoch, source_index, endless, base_shards)
+        base = OneRank(world, rank, deal_readers(order, world, rank, rotation,
+                                                 epoch if endless else 0, readers))
+        per_rank = (OneRank(world, rank, 0), OneRank(world, rank, ()),
+                    OneRank(world, rank, epoch) if endless else None)
+    position, units, passes = per_rank
+    return EpochLayout(world, base_shards, base, position, units, num_shards, seed,
+                       source_index, endless, passes, epoch if endless else 0, rotation, readers)
 
 
 def _deal_units(pooled: list, layout: EpochLayout) -> list[list]:
@@ -575,12 +627,78 @@ def _deal_units(pooled: list, layout: EpochLayout) -> list[list]:
             for r in range(world)]
 
 
+def redeals(progress: SourceProgress, world: int, rotation: Optional[int] = None,
+            readers: Optional[int] = None) -> bool:
+    """Whether `layout_from_progress` deals what is left again (another world size, another
+    first reader or another reader count than the state was saved with), rather than
+    continuing every rank's saved stream."""
+    readers = None if readers is None else (0 if readers >= world else readers)
+    saved_readers = 0 if progress.readers >= progress.base_world else progress.readers
+    return not (world == progress.base_world and rotation in (None, progress.rotation)
+                and readers in (None, saved_readers))
+
+
 def layout_from_progress(progress: SourceProgress, *, seed: int, epoch: int, source_index: int,
                          world: int, endless: bool = False, rotation: Optional[int] = None,
                          readers: Optional[int] = None) -> EpochLayout:
     """The rest of an epoch (an endless source: the rest of its stream), dealt to `world` ranks
     (to `readers` of them from `rotation` on, when given). At the saved world size with the
     saved readers, every rank's exact stream; else what is left, pooled and dealt again."""
+    saved = _saved_layout(progress, seed=seed, epoch=epoch, source_index=source_index,
+                          endless=endless)
+    if not redeals(progress, world, rotation, readers):
+        return saved
+    readers = 0 if readers is None or readers >= world else readers
+    if endless:
+        # Elastic: what each rank has left of every pass up to the furthest one becomes units,
+        # dealt again; the next pass starts fresh for the new world.
+        top = max(saved.passes)
+        pooled = []
+        for q in range(saved.base_world):
+            pooled += saved.rank_units(q)
+            pooled += [ReadUnit(int(s)) for p in range(saved.passes[q] + 1, top + 1)
+                       for s in saved.pass_shards(q, p)]
+        layout = fresh_layout(progress.num_shards, seed=seed, epoch=top + 1,
+                              source_index=source_index, world=world, endless=True,
+                              rotation=rotation, readers=readers)
+        layout.units = _deal_units(pooled, layout)
+        return layout
+    # Elastic: pool what is left and deal it again. Untouched shards keep the epoch's order.
+    untouched, pooled = _left_over(saved)
+    layout = fresh_layout(progress.num_shards, seed=seed, epoch=epoch, source_index=source_index,
+                          world=world, base_shards=untouched, rotation=rotation,
+                          readers=readers)
+    layout.units = _deal_units(pooled, layout)
+    return layout
+
+
+def dealt_again_holding(progress: SourceProgress, *, seed: int, epoch: int, source_index: int,
+                        world: int, rotation: int, readers: int) -> np.ndarray:
+    """bool [world]: `layout_from_progress(...).holding_mask()` for a finite source whose saved
+    deal it deals again (`redeals`), without dealing: reader j gets untouched shards j, j + k,
+    ... and pooled units j, j + k, ... (units by rank, not reader, when every rank reads)."""
+    untouched, pooled = _left_over(_saved_layout(progress, seed=seed, epoch=epoch,
+                                                 source_index=source_index, endless=False))
+    readers = 0 if readers >= world else readers
+    k = readers or world
+    ranks = np.arange(world)
+    reader = (ranks - rotation) % world
+    units_at = reader if readers else ranks
+    return (reader < k) & ((reader < int(untouched.sum())) | (units_at < len(pooled)))
+
+
+def _left_over(saved: EpochLayout) -> tuple[np.ndarray, list]:
+    """A finite epoch's rest, pooled from its saved deal: the untouched shards (bool
+    [num_shards]) and the filtered units, rank after rank."""
+    untouched = np.zeros(saved.num_shards, dtype=bool)
+    for q in range(saved.base_world):
+        untouched[saved.base[q][saved.base_position[q]:]] = True
+    return untouched, [unit for q in range(saved.base_world) for unit in saved.units[q]]
+
+
+def _saved_layout(progress: SourceProgress, *, seed: int, epoch: int, source_index: int,
+                  endless: bool) -> EpochLayout:
+    """Every rank's rest of the epoch (stream) at the world size it was saved at."""
     bits = None
     if progress.base_shards is not None:
         bits = np.unpackbits(np.frombuffer(progress.base_shards, np.uint8),
@@ -597,35 +715,7 @@ def layout_from_progress(progress: SourceProgress, *, seed: int, epoch: int, sou
         for q, pass_index in enumerate(saved.passes):
             if pass_index != progress.first_pass:
                 saved.base[q] = saved.pass_shards(q, pass_index)
-    readers = None if readers is None else (0 if readers >= world else readers)
-    if world == progress.base_world and rotation in (None, saved.rotation) \
-            and readers in (None, saved.readers):
-        return saved
-    readers = readers or 0
-    if endless:
-        # Elastic: what each rank has left of every pass up to the furthest one becomes units,
-        # dealt again; the next pass starts fresh for the new world.
-        top = max(saved.passes)
-        pooled = []
-        for q in range(saved.base_world):
-            pooled += saved.rank_units(q)
-            pooled += [ReadUnit(int(s)) for p in range(saved.passes[q] + 1, top + 1)
-                       for s in saved.pass_shards(q, p)]
-        layout = fresh_layout(progress.num_shards, seed=seed, epoch=top + 1,
-                              source_index=source_index, world=world, endless=True,
-                              rotation=rotation, readers=readers)
-        layout.units = _deal_units(pooled, layout)
-        return layout
-    # Elastic: pool what is left and deal it again. Untouched shards keep the epoch's order.
-    untouched = np.zeros(progress.num_shards, dtype=bool)
-    for q in range(saved.base_world):
-        untouched[saved.base[q][saved.base_position[q]:]] = True
-    pooled = [unit for q in range(saved.base_world) for unit in saved.units[q]]
-    layout = fresh_layout(progress.num_shards, seed=seed, epoch=epoch, source_index=source_index,
-                          world=world, base_shards=untouched, rotation=rotation,
-                          readers=readers)
-    layout.units = _deal_units(pooled, layout)
-    return layout
+    return saved
 
 
 @dataclass

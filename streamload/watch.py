@@ -20,7 +20,7 @@ from .collective.comm import Comm
 from .config import Source
 from .metrics import LOW_FILL
 from .plan.types import Candidates
-from .job import JobModel
+from .job import JobModel, RankShare
 
 LOW_FILL_STREAK = 20      # steps in a row below LOW_FILL (metrics.py) worth a warning
 NEXT = {"renormalize": "the other sources take its share", "stop": "the run stops",
@@ -30,7 +30,7 @@ log = logging.getLogger("streamload")
 
 
 class RunWatch:
-    def __init__(self, sources: Sequence[Source], job: JobModel, comm: Comm):
+    def __init__(self, sources: Sequence[Source], job: "JobModel | RankShare", comm: Comm):
         self.sources, self.comm = list(sources), comm
         self.stepper, self.job = job.stepper, job
         self.short_steps = 0                 # steps in a row below LOW_FILL
@@ -40,7 +40,7 @@ class RunWatch:
         R, memory = self.comm.world, self.stepper.memory
         for s, source in enumerate(self.sources):
             count = self.job.virtual_shards(s)
-            mine = len(self.job.layout_for(s, self.stepper.epoch).rank_units(self.comm.rank))
+            mine = self.job.units_on(s, self.comm.rank)
             log.info("source %r (%s): %d shard(s), %d on rank %d of %d, weight %g, "
                      "format %s", source.name, source.uri, count, mine, self.comm.rank, R,
                      source.weight, shards[s][0].format.name if shards[s] else "-")
@@ -50,7 +50,7 @@ class RunWatch:
                             "spread the reading", source.name, count, R, R - count)
         self._never_read()
         log.info("memory budget %d bytes per rank; buffers of %s tokens",
-                 memory.budget, [b.capacity_tokens for b in self.stepper.budgets(self.comm.rank)])
+                 memory.budget, [b.capacity_tokens for b in self.job.budgets(self.comm.rank)])
 
     def _never_read(self) -> None:
         """A finite source at weight 0 is read only once the weighted sources run out; next to

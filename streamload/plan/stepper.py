@@ -47,6 +47,37 @@ class Step:
     quota: Optional[StepQuota]       # None unless outcome == "continue"
 
 
+@dataclass(frozen=True)
+class StepParts:
+    """What steps are made with, without the job's [R, S] state: the geometry, the planner (and
+    its cost model), the mixer and the memory plan. A rank that does not step the job keeps
+    these alone (`job.RankShare`)."""
+    geometry: Geometry
+    planner: Planner
+    mixer: QuotaMixer
+    memory: MemoryPlan
+
+    @classmethod
+    def build(cls, config: "LoaderConfig", sources: Sequence["Source"],
+              mixture: Optional["Mixture"], world: int) -> "StepParts":
+        geometry = Geometry(world, config.micro_batches, config.micro_batch_tokens,
+                            config.pipeline_stages or 1)
+        cost = CostModel(config.cost_a, config.cost_b, config.document_masking)
+        planner = Planner(geometry, cost, method=config.planner, seed=config.seed,
+                          max_age=config.max_deferral, lookahead=config.lookahead,
+                          step_overhead=config.step_overhead,
+                          caps=RowCaps(config.max_images_per_row, config.max_patches_per_row))
+        mixer = QuotaMixer.from_sources(mixture, sources, capacity=config.micro_batch_tokens)
+        # Built here, so a budget too small for the geometry fails when the Loader is built.
+        memory = MemoryPlan(config, mixer.max_shares(), [s.name for s in sources], world,
+                            source_token_bytes(sources))
+        return cls(geometry, planner, mixer, memory)
+
+    @property
+    def cost(self) -> CostModel:
+        return self.planner.cost
+
+
 class Stepper:
     def __init__(self, geometry: Geometry, planner: Planner, mixer: QuotaMixer, memory: MemoryPlan,
                  epochs: Optional[int] = None):
@@ -62,18 +93,8 @@ class Stepper:
     @classmethod
     def build(cls, config: "LoaderConfig", sources: Sequence["Source"],
               mixture: Optional["Mixture"], world: int) -> "Stepper":
-        geometry = Geometry(world, config.micro_batches, config.micro_batch_tokens,
-                            config.pipeline_stages or 1)
-        cost = CostModel(config.cost_a, config.cost_b, config.document_masking)
-        planner = Planner(geometry, cost, method=config.planner, seed=config.seed,
-                          max_age=config.max_deferral, lookahead=config.lookahead,
-                          step_overhead=config.step_overhead,
-                          caps=RowCaps(config.max_images_per_row, config.max_patches_per_row))
-        mixer = QuotaMixer.from_sources(mixture, sources, capacity=config.micro_batch_tokens)
-        # Built here, so a budget too small for the geometry fails when the Loader is built.
-        memory = MemoryPlan(config, mixer.max_shares(), [s.name for s in sources], world,
-                            source_token_bytes(sources))
-        return cls(geometry, planner, mixer, memory, config.epochs)
+        parts = StepParts.build(config, sources, mixture, world)
+        return cls(parts.geometry, parts.planner, parts.mixer, parts.memory, config.epochs)
 
     @property
     def cost(self) -> CostModel:
