@@ -43,12 +43,12 @@ class ItemBlock:
 
     def __init__(self, shard: int, tokens: np.ndarray, start: np.ndarray, length: np.ndarray,
                  record: np.ndarray, chunk: np.ndarray, age: Optional[np.ndarray] = None,
-                 images: Optional[list] = None, total: Optional[int] = None):
+                 images: Optional[list] = None):
         self.shard, self.tokens = shard, tokens
         self.start, self.length, self.record, self.chunk = start, length, record, chunk
         self.age = np.zeros(length.shape[0], np.int64) if age is None else age
         self.images = images
-        self.total = int(length.sum()) if total is None else total   # tokens in its items
+        self.total = int(length.sum())   # tokens in the block's items
         self.cost: Optional[np.ndarray] = None
 
     @classmethod
@@ -278,64 +278,50 @@ class SourceBuffer:
         if not blocks:
             assert positions.size == 0 and window_size == 0, "took past the buffered items"
             return Taken([], None)
-        # Every head block holds a window item (`_head` stops at the window's end), so each one
-        # is rebuilt: as one set of columns over all of them, masked once and cut back into
-        # blocks, not block by block (a few NumPy calls a step instead of ~20 per block).
         sizes = np.fromiter((len(b) for b in blocks), np.int64, len(blocks))
-        head_n = int(sizes.sum())
-        owner = np.repeat(np.arange(len(blocks)), sizes)
+        first = np.zeros(len(blocks) + 1, np.int64)   # each block's first window position
+        np.cumsum(sizes, out=first[1:])
+        head_n = int(first[-1])
+        taken = np.zeros(head_n, dtype=bool)
+        taken[positions] = True
+        in_window = np.zeros(head_n, dtype=bool)
+        in_window[:window_size] = True
+        cut_at = np.zeros(head_n, np.int64)   # tokens the plan takes of a cut item
+        if cut:
+            at = np.fromiter(cut.keys(), np.int64, len(cut))
+            cut_at[at] = np.fromiter(cut.values(), np.int64, len(cut))
+            taken[at] = False
         start = np.concatenate([b.start for b in blocks])
         length = np.concatenate([b.length for b in blocks])
-        stays = np.ones(head_n, dtype=bool)
-        stays[positions] = False
-        out_len = length[positions]
-        chunk = np.concatenate([b.chunk for b in blocks])
-        if cut:   # the plan's tokens of a cut item go out; the rest stays, as its remainder
-            at = np.fromiter(cut.keys(), np.int64, len(cut))
-            n = np.fromiter(cut.values(), np.int64, len(cut))
-            out_len[np.searchsorted(positions, at)] = n
-            stays[at] = True
         # The items out: their block, start and length (the head of a cut one).
+        owner = np.searchsorted(first, positions, side="right") - 1
+        out_len = np.where(cut_at[positions] > 0, cut_at[positions], length[positions])
         buffers = [b.tokens for b in blocks]
         out = [buffers[b][s:s + n] for b, s, n in
-               zip(owner[positions].tolist(), start[positions].tolist(), out_len.tolist())]
-        images = refs = None
+               zip(owner.tolist(), start[positions].tolist(), out_len.tolist())]
+        images = None
         if any(b.images is not None for b in blocks):
             refs = [r for b in blocks for r in (b.images or [()] * len(b))]
             images = [refs[p] for p in positions.tolist()]
         removed = int(out_len.sum())
-        if cut:
-            start[at] += n
-            length[at] -= n
-            chunk[at] += n
         # What stays: the window's other items aged, cut ones as their remainder.
-        age = np.concatenate([b.age for b in blocks])
-        age[:window_size] += 1
-        record = np.concatenate([b.record for b in blocks])
-        cost = None
-        if any(b.cost is not None for b in blocks):
-            cost = np.concatenate([np.zeros(len(b)) if b.cost is None else b.cost
-                                   for b in blocks])[stays]
-        start, length, record, chunk, age = (column[stays] for column in
-                                             (start, length, record, chunk, age))
-        if refs is not None:
-            refs = [r for r, keep in zip(refs, stays.tolist()) if keep]
-        bounds = np.zeros(len(blocks) + 1, np.int64)   # each block's kept items
-        np.cumsum(np.bincount(owner[stays], minlength=len(blocks)), out=bounds[1:])
-        summed = np.zeros(length.shape[0] + 1, np.int64)
-        np.cumsum(length, out=summed[1:])
-        totals = summed[bounds[1:]] - summed[bounds[:-1]]
         kept = []
-        for k, (lo, hi, total) in enumerate(zip(bounds[:-1].tolist(), bounds[1:].tolist(),
-                                                totals.tolist())):
-            if hi == lo:
+        for k, block in enumerate(blocks):
+            lo, hi = int(first[k]), int(first[k + 1])
+            stays = ~taken[lo:hi]
+            if stays.all() and not in_window[lo:hi].any():
+                kept.append(block)
                 continue
-            block = blocks[k]
-            rest = ItemBlock(block.shard, block.tokens, start[lo:hi], length[lo:hi],
-                             record[lo:hi], chunk[lo:hi], age[lo:hi],
-                             None if block.images is None else refs[lo:hi], total=total)
-            rest.cost = None if block.cost is None else cost[lo:hi]
-            kept.append(rest.compacted())
+            rest = block.subset(stays)
+            win = in_window[lo:hi][stays]
+            rest.age = rest.age + win
+            n = cut_at[lo:hi][stays]
+            if n.any():
+                rest.start, rest.length, rest.chunk = \
+                    rest.start + n, rest.length - n, rest.chunk + n
+                rest.total = int(rest.length.sum())
+            if len(rest):
+                kept.append(rest.compacted())
         for _ in blocks:
             self._entries.popleft()
         self._entries.extendleft(reversed(kept))
