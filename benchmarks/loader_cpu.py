@@ -140,6 +140,8 @@ def profile_loop(root: str, weights: dict, steps: int, top: int) -> None:
             if done >= steps:
                 break
     threading.setprofile(None)
+    if os.environ.get("LOADER_CPU_PROFILE_DUMP"):   # the raw profile, for pstats
+        prof.dump_stats(os.environ["LOADER_CPU_PROFILE_DUMP"])
     stats = pstats.Stats(prof).stats
     rows = sorted(((ct, f"{fn.rsplit('/', 2)[-2]}/{fn.rsplit('/', 1)[-1]}:{line}({name})")
                    for (fn, line, name), (_, _, _, ct, _) in stats.items()
