@@ -36,8 +36,9 @@ class ItemBlock:
     chunk[k]) (`pieces` says what chunk holds), offered age[k] times and not taken. `images`:
     per item, its images (an image source's `ImageRef`s), else None. `cost`: per item, a
     float64 extra cost fixed when the block entered its buffer (`SourceBuffer`'s `item_cost`:
-    the vision encoder's), else None. Columns are int64; a block is not changed once in a
-    buffer (`take` makes new ones)."""
+    the vision encoder's), else None. Columns are int64; once in a buffer, only `age` changes
+    (in place, when a step takes nothing from the block); `take` makes new blocks of the
+    others."""
     __slots__ = ("shard", "tokens", "start", "length", "record", "chunk", "age", "images",
                  "total", "cost")
 
@@ -305,13 +306,18 @@ class SourceBuffer:
             images = [refs[p] for p in positions.tolist()]
         removed = int(out_len.sum())
         # What stays: the window's other items aged, cut ones as their remainder.
+        # Blocks the step takes nothing from (nor cuts) keep their columns: only their window
+        # items age, in place (a block's columns are its own: windows copy them).
+        touched = np.diff(np.searchsorted(positions, first)).tolist()
         kept = []
         for k, block in enumerate(blocks):
             lo, hi = int(first[k]), int(first[k + 1])
-            stays = ~taken[lo:hi]
-            if stays.all() and not in_window[lo:hi].any():
+            if not touched[k]:
+                if lo < window_size:
+                    block.age[:min(hi, window_size) - lo] += 1
                 kept.append(block)
                 continue
+            stays = ~taken[lo:hi]
             rest = block.subset(stays)
             win = in_window[lo:hi][stays]
             rest.age = rest.age + win
