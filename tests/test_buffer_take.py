@@ -69,3 +69,23 @@ def test_take_ages_the_window_of_untouched_blocks():
     buffer.take(np.array([], np.int64), 10)
     assert np.concatenate([b.age for b in buffer._entries]).tolist() == \
         [2, 2, 2, 2, 2, 2, 2, 2, 1, 1]
+
+
+def test_take_a_cut_item_leaves_its_rest_aged():
+    """The plan takes the head of item 1 (30 of its 100 tokens) and all of item 2: item 1's
+    rest stays in place (chunk moved on by 30, its tokens the last 70), aged with the window;
+    a block that only has a cut item taken from it is rebuilt too."""
+    arrays = [np.arange(k * 100, (k + 1) * 100, dtype=np.int32) for k in range(4)]
+    blocks = [ItemBlock.of_arrays(0, arrays[:3], record=np.arange(3), chunk=[0, 0, 0]),
+              ItemBlock.of_arrays(1, arrays[3:], record=[0], chunk=[0])]
+    buffer = SourceBuffer(10**6, 400)
+    asyncio.run(buffer.put(blocks))
+    out = buffer.take(np.array([1, 2, 3]), 4, cut={1: 30, 3: 10})
+    assert [a.tolist() for a in out.tokens] == [list(range(100, 130)), list(range(200, 300)),
+                                                 list(range(300, 310))]
+    window = buffer.window()
+    assert window.lengths.tolist() == [100, 70, 90]
+    assert window.ids[:, 2].tolist() == [0, 30, 10]
+    assert window.ages.tolist() == [1, 1, 1]
+    rests = [buffer._entries[0].item_tokens(1), buffer._entries[1].item_tokens(0)]
+    assert [r.tolist() for r in rests] == [list(range(130, 200)), list(range(310, 400))]
