@@ -140,12 +140,94 @@ def profile_loop(root: str, weights: dict, steps: int, top: int) -> None:
             if done >= steps:
                 break
     threading.setprofile(None)
+    if os.environ.get("LOADER_CPU_PROFILE_DUMP"):   # the raw profile, for pstats
+        prof.dump_stats(os.environ["LOADER_CPU_PROFILE_DUMP"])
     stats = pstats.Stats(prof).stats
     rows = sorted(((ct, f"{fn.rsplit('/', 2)[-2]}/{fn.rsplit('/', 1)[-1]}:{line}({name})")
                    for (fn, line, name), (_, _, _, ct, _) in stats.items()
                    if "streamload" in fn), reverse=True)
     for ct, where in rows[:top]:
         print(f"{ct / steps * 1e3:8.3f} ms/step  {where}", file=sys.stderr)
+
+
+# The loop's synchronous phases `--phases` times: (module, owner, attribute, label). Nested ones
+# count in both (pack_rows inside _pack, window inside the summary's encoding).
+PHASES = [("streamload.pipeline.buffer", "SourceBuffer", "window", "buffer.window"),
+          ("streamload.pipeline.buffer", "SourceBuffer", "take", "buffer.take"),
+          ("streamload.runtime", None, "encode_summary", "encode_summary"),
+          ("streamload.runtime", None, "decode_summaries", "decode_summaries"),
+          ("streamload.runtime", None, "encode_local_plan", "encode_local_plan"),
+          ("streamload.runtime", None, "decode_local_plan", "decode_local_plan"),
+          ("streamload.job", "JobModel", "begin", "job.begin"),
+          ("streamload.job", "JobModel", "assign", "job.assign (planner)"),
+          ("streamload.job", "JobModel", "commit", "job.commit"),
+          ("streamload.job", "JobModel", "snapshot", "job.snapshot"),
+          ("streamload.runtime", None, "step_totals", "step_totals"),
+          ("streamload.delivery", None, "step_totals", "step_totals"),
+          ("streamload.delivery", None, "exchange_tokens", "exchange_tokens"),
+          ("streamload.delivery", "Delivery", "_pack", "delivery._pack"),
+          ("streamload.delivery", None, "pack_rows", "pack_rows"),
+          ("streamload.delivery", "Delivery", "_count", "delivery._count"),
+          # The same work in an older tree (A/B runs against c0c42ce): the mixer's calls that
+          # JobModel.begin / commit now make, _track (now JobModel._observe), packing in the
+          # Runtime. take was async there (it awaits nothing: timed exactly).
+          ("streamload.plan.mixing", "QuotaMixer", "plan", "job.begin"),
+          ("streamload.plan.mixing", "QuotaMixer", "outcome", "job.begin"),
+          ("streamload.plan.mixing", "QuotaMixer", "update", "job.commit"),
+          ("streamload.runtime", "Runtime", "_track", "job.commit"),
+          ("streamload.runtime", None, "pack_rows", "pack_rows")]
+
+
+def measure_phases(root: str, weights: dict, steps: int) -> dict:
+    """The loop thread's CPU in each of its synchronous phases (`PHASES`), in ms per step:
+    each function wrapped in a thread-CPU clock, no profiler (cProfile's per-call cost
+    inflates code made of many small NumPy calls, such as the buffer's and the job model's)."""
+    import functools
+    import importlib
+    import inspect
+    spent: dict[str, float] = {}
+
+    def timed(fn, label):
+        if inspect.iscoroutinefunction(fn):   # one that awaits nothing, such as an old take
+            @functools.wraps(fn)
+            async def waited(*args, **kwargs):
+                started = time.thread_time()
+                try:
+                    return await fn(*args, **kwargs)
+                finally:
+                    spent[label] = spent.get(label, 0.0) + time.thread_time() - started
+            return waited
+
+        @functools.wraps(fn)
+        def wrapper(*args, **kwargs):
+            started = time.thread_time()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                spent[label] = spent.get(label, 0.0) + time.thread_time() - started
+        return wrapper
+
+    import streamload.loader  # noqa: F401  (every module below is loaded)
+    for module, owner, name, label in PHASES:
+        try:   # an older tree (an A/B run) may lack a phase: it is left out of the figures
+            target = importlib.import_module(module)
+            target = getattr(target, owner) if owner else target
+            setattr(target, name, timed(getattr(target, name), label))
+        except (ImportError, AttributeError):
+            print(f"(no {module}.{owner + '.' if owner else ''}{name} here)", file=sys.stderr)
+    loop0 = None
+    with loader(root, weights) as it:
+        for done, _ in enumerate(it, 1):
+            if loop0 is None:
+                loop0 = thread_cpu_s().get("streamload-loop", 0.0)
+                spent.clear()   # steady state: from the first batch on
+            if done >= steps:
+                break
+        loop = thread_cpu_s().get("streamload-loop", 0.0) - loop0
+    per_step = 1e3 / max(done - 1, 1)
+    out = {label: round(t * per_step, 3) for label, t in spent.items()}
+    out["loop thread, all"] = round(loop * per_step, 3)
+    return out
 
 
 def measure_next(root: str, weights: dict, rounds: int = 25) -> dict:
@@ -181,6 +263,8 @@ def main(argv=None) -> int:
     ap.add_argument("--workdir", default="/tmp/streamload-bench")
     ap.add_argument("--profile", type=int, metavar="TOP", default=0,
                     help="instead: profile one rank's loop thread, print the TOP functions")
+    ap.add_argument("--phases", action="store_true",
+                    help="the loop thread's CPU per phase (steady state), ms per step")
     ap.add_argument("--next", action="store_true",
                     help="instead: time next() and the drop of its batch, queue full")
     args = ap.parse_args(argv)
@@ -191,6 +275,12 @@ def main(argv=None) -> int:
     weights = {s.name: s.weight for s in info.sources}
     if args.profile:
         profile_loop(root, weights, args.steps, args.profile)
+        return 0
+    if args.phases:
+        result = measure_phases(root, weights, args.steps)
+        for label, ms in result.items():
+            print(f"{ms:8.3f} ms/step  {label}", file=sys.stderr)
+        print(json.dumps(result))
         return 0
     if args.next:
         result = measure_next(root, weights)

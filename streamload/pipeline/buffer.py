@@ -36,8 +36,9 @@ class ItemBlock:
     chunk[k]) (`pieces` says what chunk holds), offered age[k] times and not taken. `images`:
     per item, its images (an image source's `ImageRef`s), else None. `cost`: per item, a
     float64 extra cost fixed when the block entered its buffer (`SourceBuffer`'s `item_cost`:
-    the vision encoder's), else None. Columns are int64; a block is not changed once in a
-    buffer (`take` makes new ones)."""
+    the vision encoder's), else None. Columns are int64; once in a buffer, only `age` changes
+    (in place, when a step takes nothing from the block); `take` makes new blocks of the
+    others."""
     __slots__ = ("shard", "tokens", "start", "length", "record", "chunk", "age", "images",
                  "total", "cost")
 
@@ -284,18 +285,18 @@ class SourceBuffer:
         head_n = int(first[-1])
         taken = np.zeros(head_n, dtype=bool)
         taken[positions] = True
-        in_window = np.zeros(head_n, dtype=bool)
-        in_window[:window_size] = True
-        cut_at = np.zeros(head_n, np.int64)   # tokens the plan takes of a cut item
-        if cut:
-            at = np.fromiter(cut.keys(), np.int64, len(cut))
-            cut_at[at] = np.fromiter(cut.values(), np.int64, len(cut))
-            taken[at] = False
         start = np.concatenate([b.start for b in blocks])
         length = np.concatenate([b.length for b in blocks])
         # The items out: their block, start and length (the head of a cut one).
         owner = np.searchsorted(first, positions, side="right") - 1
-        out_len = np.where(cut_at[positions] > 0, cut_at[positions], length[positions])
+        out_len = length[positions]
+        if cut:
+            at = np.sort(np.fromiter(cut.keys(), np.int64, len(cut)))
+            cut_at = np.zeros(head_n, np.int64)   # tokens the plan takes of a cut item
+            cut_at[at] = [cut[p] for p in at.tolist()]
+            taken[at] = False
+            out_len[np.searchsorted(positions, at)] = cut_at[at]
+            cut_bounds = np.searchsorted(at, first).tolist()
         buffers = [b.tokens for b in blocks]
         out = [buffers[b][s:s + n] for b, s, n in
                zip(owner.tolist(), start[positions].tolist(), out_len.tolist())]
@@ -305,20 +306,30 @@ class SourceBuffer:
             images = [refs[p] for p in positions.tolist()]
         removed = int(out_len.sum())
         # What stays: the window's other items aged, cut ones as their remainder.
+        # Blocks the step takes nothing from (nor cuts) keep their columns: only their window
+        # items age, in place (a block's columns are its own: windows copy them).
+        bounds = np.searchsorted(positions, first).tolist()   # each block's taken positions
+        first = first.tolist()
         kept = []
         for k, block in enumerate(blocks):
-            lo, hi = int(first[k]), int(first[k + 1])
-            stays = ~taken[lo:hi]
-            if stays.all() and not in_window[lo:hi].any():
+            lo, hi = first[k], first[k + 1]
+            aged = min(hi, window_size) - lo   # its window items (the window is a prefix)
+            if bounds[k] == bounds[k + 1]:
+                if aged > 0:
+                    block.age[:aged] += 1
                 kept.append(block)
                 continue
-            rest = block.subset(stays)
-            win = in_window[lo:hi][stays]
-            rest.age = rest.age + win
-            n = cut_at[lo:hi][stays]
-            if n.any():
-                rest.start, rest.length, rest.chunk = \
-                    rest.start + n, rest.length - n, rest.chunk + n
+            stays = ~taken[lo:hi]
+            rest = block.subset(stays)   # new columns (gathers): changed in place below
+            cuts = cut_bounds[k + 1] - cut_bounds[k] if cut else 0
+            # Every taken item lies in the window, so the window items that stay are the
+            # first of those that stay.
+            rest.age[:aged - (bounds[k + 1] - bounds[k] - cuts)] += 1
+            if cuts:
+                n = cut_at[lo:hi][stays]
+                rest.start += n
+                rest.length -= n
+                rest.chunk += n
                 rest.total = int(rest.length.sum())
             if len(rest):
                 kept.append(rest.compacted())
