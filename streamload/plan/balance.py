@@ -33,6 +33,10 @@ Phases, in order (vectorized over bins; Python loops run per round, never per it
    step when that gains the epoch: the step saves more than the items cost later, at w/R, plus
    the overhead of the steps they add (`fill.deferral_gain`; never at R = 1).
 
+6. **Arrival order** (over-full steps). The items left out should be each window's latest:
+   an earlier item left out takes the place of a later one of its own (rank, source) window
+   where it has at least `SWAP_SHARE` of its tokens, fits, and keeps the bin at or below the
+   step's most loaded one; what is left out then fills the gaps it can (`_arrival_swaps`).
 With rows as bins (P > 1), the filled rows are then dealt to ranks costliest first in snake
 order (`deal_rows`), so rows that could not come out even land one per rank.
 
