@@ -631,8 +631,19 @@ def _trim(bins: _Bins, droppable: np.ndarray, geometry: Geometry, overhead: floa
     return out
 
 
+def _arrival_windows(c: Candidates, selected: np.ndarray):
+    """For `_arrival_swaps`: each selected item's window (source · ranks + rank), its position,
+    and the order that sorts them by (window, position): None when they already are (the
+    candidates' own order, as windows lay them out)."""
+    window = c.source[selected].astype(np.int64) * c.num_ranks + c.rank[selected]
+    position = c.position[selected].astype(np.int64)
+    key = window * (int(position.max(initial=0)) + 1) + position
+    order = np.argsort(key, kind="stable") if (key[1:] < key[:-1]).any() else None
+    return window, position, order, c.num_ranks * c.num_sources
+
+
 def _arrival_swaps(bins: _Bins, eligible: np.ndarray, window: np.ndarray,
-                   position: np.ndarray, num_windows: int) -> int:
+                   position: np.ndarray, order: np.ndarray | None, num_windows: int) -> int:
     """Leave out the *latest* items of each window, not arbitrary ones: an eligible item left
     out takes the place of a later placed one of its own window (rank, source), the earliest
     left out with the latest placed, and so on. Only where the earlier item has at least
@@ -642,14 +653,10 @@ def _arrival_swaps(bins: _Bins, eligible: np.ndarray, window: np.ndarray,
     by running sums that count every pair before it (conservative).
     """
     w, length = bins.weight, bins.length
-    items = np.flatnonzero(eligible)
+    # By (window, position) (`_arrival_windows`).
+    items = np.flatnonzero(eligible) if order is None else order[eligible[order]]
     if items.size == 0:
         return 0
-    # By (window, position): the candidates' own order (source, rank, position) when they are
-    # laid out by window, as they come; else sorted.
-    key = window[items] * (int(position.max()) + 1) + position[items]
-    if key.size > 1 and (key[1:] < key[:-1]).any():
-        items = items[np.argsort(key, kind="stable")]
     placed = bins.bin[items] >= 0
     out, inn = items[~placed], items[placed]
     if out.size == 0 or inn.size == 0:
@@ -919,9 +926,7 @@ def assign_balanced(c: Candidates, selected: np.ndarray, geometry: Geometry, cos
     if refine_iters is None:
         refine_iters = min(4 * bins.num_bins, 32) if bins.num_bins <= REFINE_BINS else 0
     extra = bool(c.extra_cost[selected].any())
-    num_windows = c.num_ranks * c.num_sources
-    window = c.source[selected].astype(np.int64) * c.num_ranks + c.rank[selected]
-    position = c.position[selected].astype(np.int64)
+    arrival = _arrival_windows(c, selected) if tight and ARRIVAL_SWAPS else None
 
     def largest_first(items):
         if not extra:   # weight and excess both grow with length: sort integers
@@ -958,13 +963,13 @@ def assign_balanced(c: Candidates, selected: np.ndarray, geometry: Geometry, cos
             if out.size:
                 # What was left out may still fit below the new maximum elsewhere.
                 _fill_light(bins, out, cap=0.0, home_first=True)
-        if tight and ARRIVAL_SWAPS:
+        if arrival is not None:
             # Items left out wait a step: let them be each window's latest (among items small
             # against a bin, those trim may leave out).
             movable = ~forced & usable & (weight <= DROP_SHARE * float(bins.load.max()))
-            if _arrival_swaps(bins, movable, window, position, num_windows):
+            if _arrival_swaps(bins, movable, *arrival):
                 _fill_light(bins, local[movable & (bins.bin < 0)], cap=0.0, home_first=masking)
-                _arrival_swaps(bins, movable, window, position, num_windows)
+                _arrival_swaps(bins, movable, *arrival)
         return True
 
     # Forced items (usually the oldest, light ones) ride along with the rest; a forced item
