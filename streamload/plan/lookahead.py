@@ -125,6 +125,7 @@ def select_lookahead(c: Candidates, targets: np.ndarray, geometry: Geometry, cos
                                 minlength=S).astype(np.float64)
     key = c.source.astype(np.int64) * (int(c.position.max()) + 1) + c.position
     pool = forced | _take_arrival(c, ~forced, forced_tokens.copy(), window_quota, key)
+    weight = item_costs(c, None, cost)
     pool_by_source = c.source_tokens(pool)
     quota = step_quotas(targets, pool_by_source)
     pool_tokens = float(pool_by_source.sum())   # whole numbers: the float sum is exact
@@ -132,23 +133,19 @@ def select_lookahead(c: Candidates, targets: np.ndarray, geometry: Geometry, cos
         return np.zeros(0, dtype=np.int64), np.zeros(0, dtype=bool)
     slot_tokens = geometry.capacity if slots == geometry.rows else \
         geometry.micro_batches * geometry.capacity
-    # Item costs over the pool only (what is read below; the window may be several times it).
-    in_pool = np.flatnonzero(pool)
-    weight, pool_length = item_costs(c, in_pool, cost), length[in_pool]
     # Heavy: what a step of light documents cannot even out (`straggler_limit`).
-    attention = np.maximum(weight - float(cost.b) * c.float_length[in_pool], 0.0)
+    attention = np.maximum(weight - float(cost.b) * length, 0.0)
     linear = float(cost.b) * slot_tokens if cost.b > 0 else float(cost.a) * slot_tokens ** 2
-    is_heavy = (attention > straggler_limit(attention, pool_length, None, slot_tokens, linear)) \
-        & (pool_length <= geometry.capacity)
-    heavy = np.zeros(len(c), dtype=bool)
-    heavy_items = in_pool[is_heavy]
-    heavy[heavy_items] = True
+    heavy = pool & (attention > straggler_limit(attention, length, pool, slot_tokens, linear)) \
+        & (length <= geometry.capacity)
     # What a heavy item costs above the light documents' rate per token: what its slot
     # carries more than a slot of light documents of the same tokens.
-    density = float(weight[~is_heavy].sum()) / float(pool_length[~is_heavy].sum()) \
-        if not is_heavy.all() else float(cost.b)
+    light_pool = pool & ~heavy
+    density = float(weight[light_pool].sum()) / float(length[light_pool].sum()) \
+        if light_pool.any() else float(cost.b)
     excess = np.zeros(len(c))                      # read for heavy items only
-    excess[heavy_items] = np.maximum(weight[is_heavy] - density * length[heavy_items], 0.0)
+    heavy_items = np.flatnonzero(heavy)
+    excess[heavy_items] = np.maximum(weight[heavy_items] - density * length[heavy_items], 0.0)
 
     used = forced_tokens
     taken = forced.copy()
@@ -269,7 +266,7 @@ def bounded_forced(c: Candidates, force_age: int, limit: int) -> np.ndarray:
     return forced
 
 
-def straggler_limit(attention: np.ndarray, length: np.ndarray, pool: np.ndarray | None,
+def straggler_limit(attention: np.ndarray, length: np.ndarray, pool: np.ndarray,
                     slot_tokens: int, linear: float) -> float:
     """The most attention work a light document may have: a step of light documents gives
     every slot (of `slot_tokens` tokens, `linear` of linear cost when full) about X = T x their
@@ -279,8 +276,7 @@ def straggler_limit(attention: np.ndarray, length: np.ndarray, pool: np.ndarray 
 
     A fixed share of a slot's cost (the rule before) left documents just under it as the lone
     stragglers of light steps: at C = 128k over CP, R = 64, such steps ran at 0.90-0.93."""
-    x, l = (attention, length) if pool is None or pool.all() else \
-        (attention[pool], length[pool])
+    x, l = (attention, length) if pool.all() else (attention[pool], length[pool])
     limit = float(x.max(initial=0.0))
     # Every item is light in the first round; later rounds only drop items above the limit,
     # never below LIGHT_TOLERANCE · linear (the mean is not negative). So the sums are the
