@@ -2,6 +2,8 @@
 
     python benchmarks/long_context.py                       # every configuration, loader + dry run
     python benchmarks/long_context.py --configs 128k_pp4 --sim-ranks 64 --no-loader
+    python benchmarks/long_context.py --no-loader --sim-ranks 4,64,512 --seeds 0,1,2 \
+        --planners lookahead --jsonl q.jsonl      # dry runs over three corpus seeds
 
 Corpus: `benchmarks/_long_tail.py`, five sources of published long-tail shapes (ByteScale's
 production mix among them: 80% of documents <= 4k, the 1% >= 128k holding ~40% of the tokens).
@@ -162,7 +164,7 @@ def run_sim(name: str, R: int, planners, args, seed: int = 0) -> list[dict]:
     from streamload.configfile import LoaderSpec
     C, M, P, CP = CONFIGS[name]
     step_tokens = R * M * C
-    steps = args.sim_steps or (32 if R <= 64 else 12 if R <= 512 else 4)
+    steps = args.sim_steps or (96 if R <= 4 else 32 if R <= 64 else 12 if R <= 512 else 4)
     corpus = _long_tail.corpus(step_tokens * steps * 1.25, seed=seed)
     scans = scans_for(corpus, C, R)
     base = baseline_rows(np.concatenate(list(corpus.values())), C, R, M, seed)
@@ -187,7 +189,7 @@ def run_sim(name: str, R: int, planners, args, seed: int = 0) -> list[dict]:
         res["delay_mean_all"] = round(sum(r.waited_token_steps for r in reports) /
                                       max(sum(int(r.tokens.sum()) for r in reports), 1), 3)
         res["age_max"] = int(max(r.max_age for r in reports))
-        out.append({"config": name, "mode": "sim", "ranks": R, "planner": planner,
+        out.append({"config": name, "mode": "sim", "ranks": R, "planner": planner, "seed": seed,
                     "wall_s": round(wall, 1), **res})
     return out
 
@@ -208,7 +210,9 @@ def main(argv=None) -> int:
     ap.add_argument("--planners", default=",".join(PLANNERS))
     ap.add_argument("--sim-ranks", default="64,512,4096")
     ap.add_argument("--sim-steps", type=int, default=None,
-                    help="dry-run steps per run (default: 32 up to R=64, 12 up to 512, else 4)")
+                    help="dry-run steps per run (default: 96 up to R=4, 32 up to 64, 12 up to 512, else 4)")
+    ap.add_argument("--seeds", default="0",
+                    help="corpus seeds of the dry runs, e.g. 0,1,2 (one run per seed)")
     ap.add_argument("--loader-ranks", default="2,4")
     ap.add_argument("--loader-tokens", type=float, default=None, help="loader corpus tokens (default: 96 steps of R*M*C)")
     ap.add_argument("--no-loader", action="store_true")
@@ -225,9 +229,10 @@ def main(argv=None) -> int:
                     print_row(r, args.jsonl)
                     results.append(r)
         for R in [int(x) for x in args.sim_ranks.split(",") if x]:
-            for r in run_sim(name, R, planners, args):
-                print_row(r, args.jsonl)
-                results.append(r)
+            for seed in [int(x) for x in args.seeds.split(",") if x]:
+                for r in run_sim(name, R, planners, args, seed=seed):
+                    print_row(r, args.jsonl)
+                    results.append(r)
     print(json.dumps({"results": results}))
     return 0
 

@@ -33,6 +33,10 @@ Phases, in order (vectorized over bins; Python loops run per round, never per it
    step when that gains the epoch: the step saves more than the items cost later, at w/R, plus
    the overhead of the steps they add (`fill.deferral_gain`; never at R = 1).
 
+6. **Arrival order** (over-full steps). The items left out should be each window's latest:
+   an earlier item left out takes the place of a later one of its own (rank, source) window
+   where it has at least `SWAP_SHARE` of its tokens, fits, and keeps the bin at or below the
+   step's most loaded one; what is left out then fills the gaps it can (`_arrival_swaps`).
 With rows as bins (P > 1), the filled rows are then dealt to ranks costliest first in snake
 order (`deal_rows`), so rows that could not come out even land one per rank.
 
@@ -58,6 +62,8 @@ LIGHT_SHARE = 1 / 256    # an item is light below this fraction of a bin's fair 
 ROW_LIGHT_SHARE = 1 / 128  # the same where rows are the bins (1F1B): still 1/(128·M) of a
                            # rank's; half the items for LPT rounds (~950 a step at 32k, M=8)
 WAVE_ITEMS = 4           # light items per row left to the waves after the runs (`_runs`)
+ARRIVAL_SWAPS = True     # items left out are each window's latest (`_arrival_swaps`)
+SWAP_SHARE = 0.5         # an earlier item takes a later one's place from this share of its tokens
 RUN_ROWS = 1024          # open rows from which the runs go first (fewer: the waves are cheap)
 
 
@@ -625,6 +631,83 @@ def _trim(bins: _Bins, droppable: np.ndarray, geometry: Geometry, overhead: floa
     return out
 
 
+def _arrival_windows(c: Candidates, selected: np.ndarray):
+    """For `_arrival_swaps`: each selected item's window (source · ranks + rank), its position,
+    and the order that sorts them by (window, position): None when they already are (the
+    candidates' own order, as windows lay them out)."""
+    window = c.source[selected].astype(np.int64) * c.num_ranks + c.rank[selected]
+    position = c.position[selected].astype(np.int64)
+    key = window * (int(position.max(initial=0)) + 1) + position
+    order = np.argsort(key, kind="stable") if (key[1:] < key[:-1]).any() else None
+    return window, position, order, c.num_ranks * c.num_sources
+
+
+def _arrival_swaps(bins: _Bins, eligible: np.ndarray, window: np.ndarray,
+                   position: np.ndarray, order: np.ndarray | None, num_windows: int) -> int:
+    """Leave out the *latest* items of each window, not arbitrary ones: an eligible item left
+    out takes the place of a later placed one of its own window (rank, source), the earliest
+    left out with the latest placed, and so on. Only where the earlier item has at least
+    `SWAP_SHARE` of the later one's tokens, fits its row, and keeps its bin at or below the
+    step's most loaded bin: the step time never rises and no row overflows. Returns the number
+    of swaps. Vectorized: every pair is checked against its row's room and its bin's headroom
+    by running sums that count every pair before it (conservative).
+    """
+    w, length = bins.weight, bins.length
+    # By (window, position) (`_arrival_windows`).
+    items = np.flatnonzero(eligible) if order is None else order[eligible[order]]
+    if items.size == 0:
+        return 0
+    placed = bins.bin[items] >= 0
+    out, inn = items[~placed], items[placed]
+    if out.size == 0 or inn.size == 0:
+        return 0
+    # The i-th earliest left out of a window against its i-th latest placed.
+    count = np.bincount(window[inn], minlength=num_windows)
+    end = np.cumsum(count)
+    rank_out = np.arange(out.size) - _group_starts(window[out])
+    has = rank_out < count[window[out]]
+    x = out[has]
+    y = inn[end[window[x]] - 1 - rank_out[has]]
+    later = position[x] < position[y]
+    # At least half the later one's tokens: the refill that follows can close a smaller gap
+    # with what is left out, a larger one not (every length: 0.6 points of efficiency lost).
+    x, y = x[later], y[later]
+    keep = length[x] >= SWAP_SHARE * length[y]
+    x, y = x[keep], y[keep]
+    if x.size == 0:
+        return 0
+    M = bins.rows
+    b, r = bins.bin[y], bins.row[y]
+    cell = b * M + r
+    grow = np.maximum(length[x] - length[y], 0)
+    heavier = np.maximum(w[x] - w[y], 0.0)
+    order = np.argsort(cell, kind="stable")
+    start = _group_starts(cell[order])
+    used = np.cumsum(grow[order])
+    used = used - used[start] + grow[order][start]
+    ok = np.zeros(x.size, dtype=bool)
+    ok[order] = used <= (bins.capacity - bins.fill.ravel()[cell[order]])
+    top = float(bins.load.max())
+    order = np.argsort(b, kind="stable")
+    start = _group_starts(b[order])
+    extra = np.cumsum(heavier[order])
+    extra = extra - extra[start] + heavier[order][start]
+    ok[order] &= bins.load[b[order]] + extra <= top * (1 + 1e-12)
+    x, y, b, r, cell = x[ok], y[ok], b[ok], r[ok], cell[ok]
+    if x.size == 0:
+        return 0
+    B = bins.num_bins
+    bins.fill += np.bincount(cell, weights=length[x] - length[y],
+                             minlength=B * M).astype(np.int64).reshape(B, M)
+    bins.load += np.bincount(b, weights=w[x] - w[y], minlength=B)
+    bins.tokens += np.bincount(b, weights=length[x] - length[y], minlength=B).astype(np.int64)
+    bins.maxroom = bins.capacity - bins.fill.min(axis=1)
+    bins.bin[x], bins.row[x] = b, r
+    bins.bin[y] = -1
+    bins.row[y] = -1
+    return int(x.size)
+
+
 class _Members:
     """Items of each bin, for the few bins that refinement looks at."""
 
@@ -843,6 +926,7 @@ def assign_balanced(c: Candidates, selected: np.ndarray, geometry: Geometry, cos
     if refine_iters is None:
         refine_iters = min(4 * bins.num_bins, 32) if bins.num_bins <= REFINE_BINS else 0
     extra = bool(c.extra_cost[selected].any())
+    arrival = _arrival_windows(c, selected) if tight and ARRIVAL_SWAPS else None
 
     def largest_first(items):
         if not extra:   # weight and excess both grow with length: sort integers
@@ -879,6 +963,13 @@ def assign_balanced(c: Candidates, selected: np.ndarray, geometry: Geometry, cos
             if out.size:
                 # What was left out may still fit below the new maximum elsewhere.
                 _fill_light(bins, out, cap=0.0, home_first=True)
+        if arrival is not None:
+            # Items left out wait a step: let them be each window's latest (among items small
+            # against a bin, those trim may leave out).
+            movable = ~forced & usable & (weight <= DROP_SHARE * float(bins.load.max()))
+            if _arrival_swaps(bins, movable, *arrival):
+                _fill_light(bins, local[movable & (bins.bin < 0)], cap=0.0, home_first=masking)
+                _arrival_swaps(bins, movable, *arrival)
         return True
 
     # Forced items (usually the oldest, light ones) ride along with the rest; a forced item

@@ -183,19 +183,24 @@ def _light_take(c: Candidates, light: np.ndarray, quota: np.ndarray, used: np.nd
     return _take_arrival(c, light, used, used + remaining, key)
 
 
-def _arrived(c: Candidates, window: np.ndarray, candidates: np.ndarray,
+def _arrived(c: Candidates, window: np.ndarray, bounds: np.ndarray, candidates: np.ndarray,
              left: np.ndarray) -> np.ndarray:
     """Of `candidates` (mask), those with no item of `left` (mask: light items this step
     leaves) before them in their own window (`window`: each candidate's (source, rank) index):
-    taking them overtakes no light item. Candidates come by (source, rank, position), so each
-    window's first item left is its first in candidate order (no sort, no `np.minimum.at`)."""
-    items = np.flatnonzero(left)
-    first_left = np.full(c.num_sources * c.num_ranks, np.iinfo(np.int64).max)
-    if items.size:
-        w = window[items]
-        first = np.concatenate([[True], w[1:] != w[:-1]])
-        first_left[w[first]] = c.position[items[first]]
-    return candidates & (c.position < first_left[window])
+    taking them overtakes no light item. Candidates come by (source, rank, position), so a
+    window's items are one segment (`bounds`: where each starts, and the end): its first item
+    left is the segment's least position among them (one `np.minimum.reduceat`; the candidates,
+    few, are looked up alone)."""
+    cand = np.flatnonzero(candidates)
+    out = np.zeros(len(c), dtype=bool)
+    if cand.size == 0:
+        return out
+    never = np.iinfo(c.position.dtype).max
+    starts = bounds[:-1][bounds[:-1] < bounds[1:]]              # windows with items
+    first_left = np.full(bounds.size - 1, never, dtype=c.position.dtype)
+    first_left[window[starts]] = np.minimum.reduceat(np.where(left, c.position, never), starts)
+    out[cand[c.position[cand] < first_left[window[cand]]]] = True
+    return out
 
 
 def _arrived_layer(c: Candidates, excess: np.ndarray, must: np.ndarray, free: np.ndarray,
@@ -214,18 +219,19 @@ def _arrived_layer(c: Candidates, excess: np.ndarray, must: np.ndarray, free: np
     rounds); a picked item still behind a light one left waits for the next step."""
     length, age = c.length, c.age
     window = c.source.astype(np.int64) * c.num_ranks + c.rank
+    bounds = np.searchsorted(window, np.arange(c.num_sources * c.num_ranks + 1))
     must_items = np.flatnonzero(must)
     candidates = free
     whole_room = take = _light_take(c, light, quota, used.copy(), room, key)
     for _ in range(ARRIVAL_ROUNDS):
-        candidates = _arrived(c, window, candidates, light & ~take)
+        candidates = _arrived(c, window, bounds, candidates, light & ~take)
         picked = heavy_layer(excess, must_items, np.flatnonzero(candidates), age, length, slots,
                              slot_tokens, room)
         if picked.size == 0:   # no layer: the light take is the whole room's
             return picked, whole_room
         take = _light_take(c, light, quota, used.copy(), room - float(length[picked].sum()),
                            key)
-        arrived = _arrived(c, window, free, light & ~take)
+        arrived = _arrived(c, window, bounds, free, light & ~take)
         if arrived[picked].all():
             break
     return picked[arrived[picked]], take
