@@ -108,12 +108,14 @@ class StepMetrics:
         `encoder_cost` [R, M]: the vision encoder's part of `row_cost`."""
         self.steps += 1
         rank_cost = row_cost.sum(axis=1)
-        self.last_row_cost = row_cost
+        # copies: the Batch the trainer gets holds the same arrays
+        self.last_row_cost = np.array(row_cost, dtype=np.float64)
         self.last_step_time = float(pipeline_time(row_cost, pipeline_stages).max(initial=0.0))
         tokens = int(rank_tokens.sum())
         if self.step_tokens:
             self.fill_bins[min(int(round(tokens / self.step_tokens * FILL_BINS)), FILL_BINS)] += 1
-        self.last_rank_tokens, self.last_rank_cost = rank_tokens, rank_cost
+        self.last_rank_tokens = np.array(rank_tokens, dtype=np.float64)
+        self.last_rank_cost = rank_cost
         mean = float(rank_cost.mean()) if rank_cost.size else 0.0
         self.last_imbalance = float(rank_cost.max() / mean) if mean > 0 else 1.0
         self.imbalance_sum += self.last_imbalance
