@@ -203,7 +203,10 @@ def instrument_loop(timer: LoopTimer, runtime) -> None:
     from streamload.pipeline.buffer import SourceBuffer
     for cls, name in ((SourceBuffer, "take"), (Delivery, "_pack"), (Delivery, "_count")):
         setattr(cls, name, timer.wrap("deliver", getattr(cls, name)))
-    runtime._summary = timer.wrap("encode_decode", runtime._summary)
+    # building this rank's summary: its windows, encoded (`Runtime._summary` is a coroutine
+    # function: wrapping it would time only the coroutine's creation)
+    rt.encode_summary = timer.wrap("encode_decode", rt.encode_summary)
+    SourceBuffer.window = timer.wrap("encode_decode", SourceBuffer.window)
     job = runtime.job
     if hasattr(job, "assign"):   # the job model: rank 0 under gather (the others keep a share)
         job.assign = timer.wrap("plan", job.assign)
