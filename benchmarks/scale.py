@@ -36,9 +36,11 @@ divided by the steps the loader *planned* in between, since it plans ahead of th
                              JobModel.begin + commit (the stepper's and the progress's: every
                              rank tracks every rank's ids), encode/decode: building and
                              encoding this rank's summary, decoding every rank's, encoding and
-                             decoding the plan (or the replies);
-                             rest: the loop's other work (fetch callbacks, buffers, exchange,
-                             packing). Each timed with time.thread_time on the loop thread.
+                             decoding the plan (or the replies); deliver: the delivery's
+                             synchronous parts (SourceBuffer.take, packing the rows, counting
+                             the step's figures: `Delivery._pack` / `_count`);
+                             rest: the loop's other work (fetch callbacks, asyncio, awaiting
+                             the exchange). Each timed with time.thread_time on the loop thread.
   plan_ms_median             stats()["plan_ms_median"] (rank 0: wall ms of Stepper.assign)
   state_bytes                len of the encoded state (`state_dict()["streamload"]`)
   fetchers, sources_read     fetchers this rank runs (one per source, whatever its share), and
@@ -178,7 +180,7 @@ def instrument_collectives(counters: Counters, world: int) -> None:
 class LoopTimer:
     """time.thread_time spent in wrapped functions, by bucket (they run on the loop thread)."""
     def __init__(self):
-        self.ms = {"plan": 0.0, "bookkeeping": 0.0, "encode_decode": 0.0}
+        self.ms = {"plan": 0.0, "bookkeeping": 0.0, "encode_decode": 0.0, "deliver": 0.0}
 
     def wrap(self, bucket: str, fn):
         def timed(*a, **k):
@@ -196,7 +198,15 @@ def instrument_loop(timer: LoopTimer, runtime) -> None:
                  "decode_local_plan"):
         setattr(rt, name, timer.wrap("encode_decode", getattr(rt, name)))
     rt.step_totals = timer.wrap("bookkeeping", rt.step_totals)
-    runtime._summary = timer.wrap("encode_decode", runtime._summary)
+    # the synchronous parts of a delivery: taking from the buffers, packing rows, counting
+    from streamload.delivery import Delivery
+    from streamload.pipeline.buffer import SourceBuffer
+    for cls, name in ((SourceBuffer, "take"), (Delivery, "_pack"), (Delivery, "_count")):
+        setattr(cls, name, timer.wrap("deliver", getattr(cls, name)))
+    # building this rank's summary: its windows, encoded (`Runtime._summary` is a coroutine
+    # function: wrapping it would time only the coroutine's creation)
+    rt.encode_summary = timer.wrap("encode_decode", rt.encode_summary)
+    SourceBuffer.window = timer.wrap("encode_decode", SourceBuffer.window)
     job = runtime.job
     if hasattr(job, "assign"):   # the job model: rank 0 under gather (the others keep a share)
         job.assign = timer.wrap("plan", job.assign)
@@ -397,6 +407,8 @@ def summarize(results: list[dict]) -> dict:
                                     for w in worlds],
         "encode_decode_ms_other_ranks": [mean(by[w][1:], lambda r: r["loop_ms"]["encode_decode"])
                                          for w in worlds],
+        "deliver_ms_other_ranks": [mean(by[w][1:], lambda r: r["loop_ms"]["deliver"])
+                                   for w in worlds],
         "recv_bytes_other_ranks_step": [mean(by[w][1:], lambda r: r["recv_bytes"])
                                         for w in worlds],
     }

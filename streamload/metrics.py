@@ -55,16 +55,18 @@ class SourceMetrics:
 class StepMetrics:
     steps: int = 0
     epoch: int = 0
-    last_rank_tokens: list = field(default_factory=list)
-    last_rank_cost: list = field(default_factory=list)
-    last_row_cost: list = field(default_factory=list)   # [R][M]: each (rank, micro-batch)
+    # The last step's per-rank figures, kept as arrays (lists only in `snapshot()`: turning
+    # R x M floats into Python objects every step would grow a rank's step with R)
+    last_rank_tokens: np.ndarray = field(default_factory=lambda: np.zeros(0))
+    last_rank_cost: np.ndarray = field(default_factory=lambda: np.zeros(0))
+    last_row_cost: np.ndarray = field(default_factory=lambda: np.zeros((0, 0)))   # [R, M]
     last_step_time: float = 0.0    # the slowest rank's 1F1B time (`cost.pipeline_time`)
     last_imbalance: float = 0.0
     imbalance_sum: float = 0.0
     # The vision encoder's part of each rank's cost and the rest (the backbone) [R], apart, and
     # their max / mean imbalance (image sources under image_cost="hybrid"; zeros / 1.0 without)
-    last_encoder_cost: list = field(default_factory=list)
-    last_backbone_cost: list = field(default_factory=list)
+    last_encoder_cost: np.ndarray = field(default_factory=lambda: np.zeros(0))
+    last_backbone_cost: np.ndarray = field(default_factory=lambda: np.zeros(0))
     last_encoder_imbalance: float = 1.0
     last_backbone_imbalance: float = 1.0
     encoder_imbalance_sum: float = 0.0
@@ -106,19 +108,20 @@ class StepMetrics:
         `encoder_cost` [R, M]: the vision encoder's part of `row_cost`."""
         self.steps += 1
         rank_cost = row_cost.sum(axis=1)
-        self.last_row_cost = row_cost.tolist()
+        # copies: the Batch the trainer gets holds the same arrays
+        self.last_row_cost = np.array(row_cost, dtype=np.float64)
         self.last_step_time = float(pipeline_time(row_cost, pipeline_stages).max(initial=0.0))
         tokens = int(rank_tokens.sum())
         if self.step_tokens:
             self.fill_bins[min(int(round(tokens / self.step_tokens * FILL_BINS)), FILL_BINS)] += 1
-        self.last_rank_tokens = rank_tokens.tolist()
-        self.last_rank_cost = rank_cost.tolist()
+        self.last_rank_tokens = np.array(rank_tokens, dtype=np.float64)
+        self.last_rank_cost = rank_cost
         mean = float(rank_cost.mean()) if rank_cost.size else 0.0
         self.last_imbalance = float(rank_cost.max() / mean) if mean > 0 else 1.0
         self.imbalance_sum += self.last_imbalance
         encoder = np.zeros_like(rank_cost) if encoder_cost is None else encoder_cost.sum(axis=1)
         backbone = rank_cost - encoder
-        self.last_encoder_cost, self.last_backbone_cost = encoder.tolist(), backbone.tolist()
+        self.last_encoder_cost, self.last_backbone_cost = encoder, backbone
         self.last_encoder_imbalance = _imbalance(encoder)
         self.last_backbone_imbalance = _imbalance(backbone)
         self.encoder_imbalance_sum += self.last_encoder_imbalance
@@ -145,11 +148,13 @@ class StepMetrics:
         return {
             "tokens_per_step": self.tokens_per_step(), "step_capacity_tokens": self.step_tokens,
             "steps_planned": self.steps, "epoch": self.epoch,
-            "rank_tokens": self.last_rank_tokens, "rank_cost": self.last_rank_cost,
-            "row_cost": self.last_row_cost, "step_time": self.last_step_time,
+            "rank_tokens": self.last_rank_tokens.tolist(),
+            "rank_cost": self.last_rank_cost.tolist(),
+            "row_cost": self.last_row_cost.tolist(), "step_time": self.last_step_time,
             "imbalance": self.last_imbalance,
             "imbalance_mean": self.imbalance_sum / self.steps if self.steps else None,
-            "encoder_cost": self.last_encoder_cost, "backbone_cost": self.last_backbone_cost,
+            "encoder_cost": self.last_encoder_cost.tolist(),
+            "backbone_cost": self.last_backbone_cost.tolist(),
             "encoder_imbalance": self.last_encoder_imbalance,
             "backbone_imbalance": self.last_backbone_imbalance,
             "encoder_imbalance_mean": self.encoder_imbalance_sum / self.steps
