@@ -128,6 +128,12 @@ class Batch:
     def num_tokens(self) -> int:
         return sum(mb.num_tokens for mb in self.micro_batches)
 
+    def rank_cost_of(self, dp_rank: int) -> float:
+        """DP rank `dp_rank`'s predicted cost, asked on that rank (or on rank 0, which holds
+        every rank's): a rank other than 0 holds its own alone under control_plane="gather"."""
+        cost = self.rank_cost
+        return float(cost[0] if cost.size == 1 else cost[dp_rank])
+
     @property
     def imbalance(self) -> float:
         """Predicted max rank cost / mean rank cost (1.0 is perfect)."""
