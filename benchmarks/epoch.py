@@ -174,7 +174,7 @@ def run_rank(rank: int, world: int, port: int, corpus: _epoch_corpus.EpochCorpus
                         ids.append((sid, n))
                 tokens.append(step_tokens)
                 costs.append(step_cost)
-                planned.append(float(batch.rank_cost[rank]))
+                planned.append(batch.rank_cost_of(rank))
                 by_source.append(per_source)
             stats = loader.stats()
         wall = time.perf_counter() - started

@@ -356,7 +356,7 @@ def run_rank(rank: int, world: int, port: int, root: str, options: dict, queue) 
                 steps.append(int(batch.step))
                 enc.append(e)
                 bb.append(b)
-                planned.append(float(batch.rank_cost[rank]))
+                planned.append(batch.rank_cost_of(rank))
         queue.put({"rank": rank, "steps": steps, "enc": enc, "bb": bb, "ids": ids,
                    "planned": planned, "tokens": tokens})
         if world > 1:

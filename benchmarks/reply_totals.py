@@ -1,5 +1,6 @@
 """What a non-zero rank does each step with the job-wide figures rank 0's reply carries under
-control_plane="gather" (`StepTotals`: every rank's tokens and row costs, R x M floats), against R:
+control_plane="gather" (`StepTotals`: its own rank's tokens and row costs and the fixed-size
+`StepCosts`; before, every rank's, R x M floats), against R:
 decoding them from its reply (`decode_local_plan`) and recording them for stats()
 (`StepMetrics.record`), in CPU ms per step (time.thread_time, no process group).
 
@@ -22,6 +23,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from streamload.collective.messages import (StepTotals, decode_local_plan,  # noqa: E402
                                             encode_local_plan)
 from streamload.metrics import StepMetrics  # noqa: E402
+from streamload.plan.cost import StepCosts  # noqa: E402
 from streamload.mixreport import StepMix  # noqa: E402
 
 SOURCES = 30
@@ -30,9 +32,10 @@ SOURCES = 30
 def measure(R: int, M: int, repeats: int) -> dict:
     rng = np.random.default_rng(0)
     S = SOURCES
-    totals = StepTotals(rng.random(R), rng.random((R, M)), np.arange(S), 1, 2, 3, 4, 5, 0.5,
-                        np.zeros((R, M)))
-    reply = encode_local_plan(0, 0, 1, totals=totals, units=np.ones(S),
+    tokens, rows = rng.random(R), rng.random((R, M))
+    totals = StepTotals(tokens, rows, np.arange(S), 1, 2, 3, 4, 5, 0.5, np.zeros((R, M)),
+                        StepCosts.of(tokens, rows.sum(axis=1), rows, 1, np.zeros(R)))
+    reply = encode_local_plan(0, 0, 1, totals=totals, rank=1, units=np.ones(S),
                               mix=StepMix(np.ones(S), False, np.zeros(S, bool)))
     metrics = StepMetrics(step_tokens=R * M * 2048)
     started = time.thread_time()
@@ -41,7 +44,8 @@ def measure(R: int, M: int, repeats: int) -> dict:
     decoded = time.thread_time()
     for _ in range(repeats):
         t = local.totals
-        metrics.record(t.rank_tokens, t.row_cost, 1, encoder_cost=t.encoder_cost)
+        metrics.record(t.rank_tokens, t.row_cost, 1, encoder_cost=t.encoder_cost,
+                       costs=t.costs)
     recorded = time.thread_time()
     return {"R": R, "M": M, "reply_bytes": int(reply.nbytes),
             "decode_ms": round((decoded - started) * 1e3 / repeats, 4),

@@ -16,7 +16,7 @@ import numpy as np
 import torch
 
 from .mixreport import StepMix
-from .plan.cost import balanced_time, pipeline_time
+from .plan.cost import StepCosts
 from .plan.packing import IGNORE_INDEX   # labels with no target: segment ends, padding
 
 __all__ = ["Batch", "MicroBatch", "IGNORE_INDEX"]
@@ -63,12 +63,6 @@ class MicroBatch:
             _row(self.labels)
 
 
-def _imbalance(costs: Optional[np.ndarray]) -> float:
-    costs = np.zeros(0) if costs is None else np.asarray(costs, np.float64)
-    mean = float(costs.mean()) if costs.size else 0.0
-    return float(costs.max() / mean) if mean > 0 else 1.0
-
-
 def _row(tensor: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
     """[n] -> [1, n], a view; None (a field this rank's stage does not receive) stays None."""
     return None if tensor is None else tensor.unsqueeze(0)
@@ -79,8 +73,12 @@ class Batch:
     step: int
     epoch: int
     micro_batches: list[MicroBatch]
-    rank_tokens: np.ndarray = field(repr=False)  # tokens planned for each rank this step
-    rank_cost: np.ndarray = field(repr=False)    # predicted cost of each rank this step
+    # Tokens planned for, and predicted cost of, each rank this step [R]. Under
+    # control_plane="gather" only rank 0 holds every rank's: another rank's Batch holds its own
+    # rank's alone ([1]; likewise `row_cost` [1, M] and `encoder_cost` [1]). The step's
+    # job-wide figures are in `costs`, the same on every rank.
+    rank_tokens: np.ndarray = field(repr=False)
+    rank_cost: np.ndarray = field(repr=False)
     max_deferral: int = 0      # steps the longest-waiting sample of this step was deferred
     # The job's tokens of each source this step, over every DP rank (the Loader's source order)
     source_tokens: Optional[np.ndarray] = field(default=None, repr=False)
@@ -99,6 +97,14 @@ class Batch:
     # image_cost="hybrid": the per-item encoder cost the planner balanced; zeros without one);
     # None on a broadcast follower
     encoder_cost: Optional[np.ndarray] = field(default=None, repr=False)
+    # The step's job-wide cost figures (`plan.cost.StepCosts`), which the properties below
+    # read; counted from the arrays above when not given
+    costs: Optional[StepCosts] = field(default=None, repr=False)
+
+    def __post_init__(self):
+        if self.costs is None:
+            self.costs = StepCosts.of(self.rank_tokens, self.rank_cost, self.row_cost,
+                                      self.pipeline_stages, self.encoder_cost)
 
     @property
     def backbone_cost(self) -> np.ndarray:
@@ -111,39 +117,39 @@ class Batch:
     @property
     def encoder_imbalance(self) -> float:
         """Max / mean over ranks of `encoder_cost` (1.0: even, or no encoder cost)."""
-        return _imbalance(self.encoder_cost)
+        return self.costs.encoder_imbalance
 
     @property
     def backbone_imbalance(self) -> float:
         """Max / mean over ranks of `backbone_cost`."""
-        return _imbalance(self.backbone_cost)
+        return self.costs.backbone_imbalance
 
     @property
     def num_tokens(self) -> int:
         return sum(mb.num_tokens for mb in self.micro_batches)
 
+    def rank_cost_of(self, dp_rank: int) -> float:
+        """DP rank `dp_rank`'s predicted cost, asked on that rank (or on rank 0, which holds
+        every rank's): a rank other than 0 holds its own alone under control_plane="gather"."""
+        cost = self.rank_cost
+        return float(cost[0] if cost.size == 1 else cost[dp_rank])
+
     @property
     def imbalance(self) -> float:
         """Predicted max rank cost / mean rank cost (1.0 is perfect)."""
-        mean = float(self.rank_cost.mean())
-        return float(self.rank_cost.max() / mean) if mean > 0 else 1.0
+        return self.costs.imbalance
 
     @property
     def step_time(self) -> float:
         """The step's predicted time: the slowest rank's 1F1B time over its micro-batches,
         (sum + (P - 1) * max) / P (`cost.pipeline_time`); the largest rank cost without rows."""
-        if self.row_cost is None:
-            return float(self.rank_cost.max(initial=0.0))
-        return float(pipeline_time(self.row_cost, self.pipeline_stages).max(initial=0.0))
+        return self.costs.step_time
 
     @property
     def pipeline_efficiency(self) -> float:
         """The step's time with its work spread evenly over every (rank, micro-batch), over its
-        predicted time (1.0: no rank and no micro-batch waits on another)."""
-        if self.row_cost is None or self.row_cost.size == 0:
-            return 1.0
-        time = self.step_time
-        return balanced_time(self.row_cost, self.pipeline_stages) / time if time > 0 else 1.0
+        predicted time (1.0: no rank and no micro-batch waits on another; 1.0 without rows)."""
+        return self.costs.pipeline_efficiency
 
     def to_megatron(self) -> list[dict]:
         """One dict per micro-batch, in order (`MicroBatch.to_megatron`). Megatron's external

@@ -130,7 +130,7 @@ class Delivery:
                      max_deferral=totals.deferral_max, source_tokens=totals.source_tokens,
                      exchanged_tokens=totals.exchanged, mix=mix,
                      encoder_cost=None if totals.encoder_cost is None
-                     else totals.encoder_cost.sum(axis=1))
+                     else totals.encoder_cost.sum(axis=1), costs=totals.costs)
 
     def _pack(self, tokens: list, row_of: np.ndarray, source_list: list, id_list: list,
               memory: np.ndarray) -> tuple[list, list[MicroBatch]]:
@@ -186,7 +186,7 @@ class Delivery:
             metrics.delivered_tokens += int(t)
         metrics = self.step_metrics
         metrics.record(totals.rank_tokens, totals.row_cost, self.geometry.pipeline_stages,
-                       encoder_cost=totals.encoder_cost)
+                       encoder_cost=totals.encoder_cost, costs=totals.costs)
         metrics.pieces_cut += totals.pieces_cut
         metrics.cut_work += totals.cut_work
         metrics.deferral_max = max(metrics.deferral_max, totals.deferral_max)

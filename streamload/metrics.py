@@ -10,7 +10,7 @@ from typing import Optional
 import numpy as np
 
 from .mixreport import MixTally, StepMix
-from .plan.cost import pipeline_time
+from .plan.cost import StepCosts
 
 FILL_BINS = 1000   # tokens-per-step histogram resolution: 0.1% of a full step
 LOW_FILL = 0.9     # a step below this share of its capacity counts as low
@@ -103,27 +103,29 @@ class StepMetrics:
         self.mix.add(epoch, step, units, mix)
 
     def record(self, rank_tokens: np.ndarray, row_cost: np.ndarray, pipeline_stages: int = 1,
-               encoder_cost: np.ndarray | None = None) -> None:
-        """One step: the job's tokens per rank [R] and predicted cost per (rank, row) [R, M];
-        `encoder_cost` [R, M]: the vision encoder's part of `row_cost`."""
+               encoder_cost: np.ndarray | None = None, costs: StepCosts | None = None) -> None:
+        """One step: tokens per rank [R] and predicted cost per (rank, row) [R, M];
+        `encoder_cost` [R, M]: the vision encoder's part of `row_cost`; `costs`: the step's
+        job-wide figures, counted from the arrays when not given. Under control_plane="gather"
+        a rank other than 0 has only its own rank's arrays ([1], [1, M]) and rank 0's `costs`."""
         self.steps += 1
         rank_cost = row_cost.sum(axis=1)
+        encoder = np.zeros_like(rank_cost) if encoder_cost is None else encoder_cost.sum(axis=1)
+        if costs is None:
+            costs = StepCosts.of(rank_tokens, rank_cost, row_cost, pipeline_stages, encoder)
         # copies: the Batch the trainer gets holds the same arrays
         self.last_row_cost = np.array(row_cost, dtype=np.float64)
-        self.last_step_time = float(pipeline_time(row_cost, pipeline_stages).max(initial=0.0))
-        tokens = int(rank_tokens.sum())
+        self.last_step_time = costs.step_time
         if self.step_tokens:
-            self.fill_bins[min(int(round(tokens / self.step_tokens * FILL_BINS)), FILL_BINS)] += 1
+            fill = int(costs.tokens) / self.step_tokens
+            self.fill_bins[min(int(round(fill * FILL_BINS)), FILL_BINS)] += 1
         self.last_rank_tokens = np.array(rank_tokens, dtype=np.float64)
         self.last_rank_cost = rank_cost
-        mean = float(rank_cost.mean()) if rank_cost.size else 0.0
-        self.last_imbalance = float(rank_cost.max() / mean) if mean > 0 else 1.0
+        self.last_imbalance = costs.imbalance
         self.imbalance_sum += self.last_imbalance
-        encoder = np.zeros_like(rank_cost) if encoder_cost is None else encoder_cost.sum(axis=1)
-        backbone = rank_cost - encoder
-        self.last_encoder_cost, self.last_backbone_cost = encoder, backbone
-        self.last_encoder_imbalance = _imbalance(encoder)
-        self.last_backbone_imbalance = _imbalance(backbone)
+        self.last_encoder_cost, self.last_backbone_cost = encoder, rank_cost - encoder
+        self.last_encoder_imbalance = costs.encoder_imbalance
+        self.last_backbone_imbalance = costs.backbone_imbalance
         self.encoder_imbalance_sum += self.last_encoder_imbalance
         self.backbone_imbalance_sum += self.last_backbone_imbalance
 
@@ -230,9 +232,3 @@ def job_totals(ranks: list[dict]) -> dict:
             "bytes_read_per_token": read / delivered if delivered else None,
             "stall_s_max": max((r.get("stall_s", 0.0) for r in ranks), default=0.0),
             "sources": sources}
-
-
-def _imbalance(costs: np.ndarray) -> float:
-    """max / mean over ranks (1.0: even; nothing to balance counts as even)."""
-    mean = float(costs.mean()) if costs.size else 0.0
-    return float(costs.max() / mean) if mean > 0 else 1.0

@@ -83,9 +83,8 @@ def step_record(batch: "Batch", step_tokens: int, sources: Sequence[str]) -> dic
             tokens.setdefault(name, 0)
             if lengths is not None and k < lengths.size:
                 tokens[name] += int(lengths[k])
-    rank_tokens = np.asarray(batch.rank_tokens, dtype=np.float64).reshape(-1)
-    rank_cost = np.asarray(batch.rank_cost, dtype=np.float64).reshape(-1)
-    job_tokens = float(rank_tokens.sum())
+    costs = batch.costs   # the job-wide figures: the same on every rank
+    job_tokens = costs.tokens
     record = {
         "step": float(batch.step), "epoch": float(batch.epoch),
         "tokens": float(batch.num_tokens),
@@ -93,18 +92,17 @@ def step_record(batch: "Batch", step_tokens: int, sources: Sequence[str]) -> dic
         "padding": float(padding),
         "job_tokens": job_tokens,
         "fill": job_tokens / step_tokens if step_tokens > 0 else 0.0,
-        "imbalance": float(batch.imbalance) if rank_cost.size else 1.0,
-        "rank_cost_max": float(rank_cost.max()) if rank_cost.size else 0.0,
-        "rank_cost_mean": float(rank_cost.mean()) if rank_cost.size else 0.0,
-        "step_time": float(batch.step_time) if rank_cost.size else 0.0,
-        "pipeline_efficiency": float(batch.pipeline_efficiency),
-        "row_cost_max": float(np.max(batch.row_cost)) if batch.row_cost is not None
-        and batch.row_cost.size else 0.0,
+        "imbalance": costs.imbalance,
+        "rank_cost_max": costs.rank_cost_max,
+        "rank_cost_mean": costs.rank_cost_mean,
+        "step_time": costs.step_time,
+        "pipeline_efficiency": costs.pipeline_efficiency,
+        "row_cost_max": costs.row_cost_max,
         "max_deferral": float(batch.max_deferral),
     }
     if getattr(batch, "encoder_cost", None) is not None:
-        record["encoder_imbalance"] = float(batch.encoder_imbalance)
-        record["backbone_imbalance"] = float(batch.backbone_imbalance)
+        record["encoder_imbalance"] = costs.encoder_imbalance
+        record["backbone_imbalance"] = costs.backbone_imbalance
     for name, count in tokens.items():
         record[f"tokens/{name}"] = float(count)
     for name, count in samples.items():

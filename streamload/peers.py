@@ -25,6 +25,7 @@ from .collective.comm import GlooComm, collective_thread
 from .collective.topology import Topology
 from .errors import DistributedError
 from .mixreport import StepMix
+from .plan.cost import StepCosts
 from .stage_view import needs_view, stage_view
 from .state import LoaderState, decode_state
 from .vision.batch import VisionMicroBatch
@@ -44,6 +45,7 @@ class StepMessage(msgspec.Struct, frozen=True):
     epoch: int = 0
     rank_tokens: list = []
     rank_cost: list = []
+    costs: list = []                # the step's job-wide cost figures (`StepCosts`)
     max_deferral: int = 0
     source_tokens: list = []
     exchanged_tokens: int = 0
@@ -68,7 +70,8 @@ def encode_step(batch: Batch, state: bytes) -> bytes:
         rows.append(row)
     return msgspec.msgpack.encode(StepMessage(
         "step", step=batch.step, epoch=batch.epoch, rank_tokens=batch.rank_tokens.tolist(),
-        rank_cost=batch.rank_cost.tolist(), max_deferral=batch.max_deferral,
+        rank_cost=batch.rank_cost.tolist(), costs=batch.costs.to_array().tolist(),
+        max_deferral=batch.max_deferral,
         source_tokens=[] if batch.source_tokens is None else batch.source_tokens.tolist(),
         exchanged_tokens=batch.exchanged_tokens,
         **({} if batch.mix is None else {"target": batch.mix.target.tolist(),
@@ -100,6 +103,7 @@ def decode_step(message: StepMessage) -> Batch:
     return Batch(message.step, message.epoch, micro_batches,
                  np.asarray(message.rank_tokens, dtype=np.float64),
                  np.asarray(message.rank_cost, dtype=np.float64),
+                 costs=StepCosts.from_array(message.costs) if message.costs else None,
                  max_deferral=message.max_deferral,
                  source_tokens=np.asarray(message.source_tokens, dtype=np.int64),
                  exchanged_tokens=message.exchanged_tokens,

@@ -155,6 +155,9 @@ class Runtime:
         self._window_sizes: list[int] = [0] * len(sources)   # this rank's last summary's
         self._sent_budgets: list = []        # rank 0, gather: the budgets each rank was sent
         self._snapshot: Optional[StepSnapshot] = None   # rank 0, gather: after the last step
+        # rank 0, gather: the last step's totals with every rank's figures (a reply carries
+        # only its rank's: `encode_local_plan`)
+        self._totals = None
         # gather, more than one rank: the states of recent steps, from rank 0 to the others.
         # With broadcast delivery every DP rank's leader sends its ranks each step's state with
         # the step (`peers`), so rank 0 sends every step's state with that step's reply.
@@ -401,6 +404,7 @@ class Runtime:
         while True:
             mine = await agreement.gather_step(self._summary, plan_replies, self.relay)
             local = decode_local_plan(mine, S, R, M)
+            totals = local.totals if self.comm.rank else self._totals   # rank 0: every rank's
             if local.budgets is not None:
                 self._set_budgets(local.budgets)
             outcome = OUTCOMES[local.outcome]
@@ -420,7 +424,7 @@ class Runtime:
             mix = StepMix(target, tail, ran_out)
             batch = await self.delivery.deliver(local.step, local.epoch, local.summaries,
                                                 local.plan, self.buffers, self._window_sizes,
-                                                agreement.run, mix, local.totals)
+                                                agreement.run, mix, totals)
             self.step_metrics.record_mix(local.epoch, local.step, batch.source_tokens,
                                          local.units, mix)
             batch.skipped = np.array([[m.skipped_records, m.skipped_shards]
@@ -478,15 +482,15 @@ class Runtime:
         units = job.commit(step, plan.take, plan.length, summaries.ids)
         mix = self.mix_tracker.commit(job.stepper)
         self.watch.step(step.index, float(plan.length.sum()))
-        totals = step_totals(c, plan, self.stepper.cost, self.stepper.geometry,
-                             self.delivery.encoder_sources)
+        totals = self._totals = step_totals(c, plan, self.stepper.cost, self.stepper.geometry,
+                                            self.delivery.encoder_sources)
         self._snapshot = job.snapshot()
         if self.relay is not None:
             self.relay.kept(step.index, self._snapshot)
         holder = c.rank[plan.take]
         return [encode_local_plan(0, job.epoch, step.index, c=c, ids=summaries.ids, plan=plan,
                                   entries=np.flatnonzero((holder == r) | (plan.rank == r)),
-                                  totals=totals, units=units, mix=mix,
+                                  totals=totals, rank=r, units=units, mix=mix,
                                   budgets=self._budgets_for(r))
                 for r in range(R)]
 

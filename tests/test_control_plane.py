@@ -12,6 +12,8 @@ import pytest
 from corpus import base_ids, write_jsonl_source, write_token_source
 from distributed import run_ranks
 
+from streamload.collective.topology import Parallel, Topology
+
 pytestmark = pytest.mark.timeout(240)
 
 STATE_EVERY = 3
@@ -42,7 +44,9 @@ def job(rank, world, root, control_plane, state_every, epochs=1, parallel=None):
             except sl.UsageError as exc:
                 state = f"UsageError: {exc}"
             out.append((batch.step, digest.hexdigest(), ids, state,
-                        [float(c) for c in batch.rank_cost], batch.exchanged_tokens))
+                        [float(c) for c in batch.rank_cost], batch.exchanged_tokens,
+                        batch.costs.to_array().tolist(),
+                        (batch.imbalance, batch.step_time, batch.pipeline_efficiency)))
         stats = loader.stats()
     return out, stats["steps"], stats.get("control_plane", {}).get("path")
 
@@ -66,7 +70,11 @@ def test_gather_delivers_the_all_gather_batches_and_states(corpus, world, state_
     for rank in range(world):
         ref_steps, got_steps = reference[rank][0], gathered[rank][0]
         assert [s[:2] for s in got_steps] == [s[:2] for s in ref_steps]   # the same batches
-        assert [s[4:] for s in got_steps] == [s[4:] for s in ref_steps]   # the same totals
+        # the same job-wide totals and figures on every rank
+        assert [s[5:] for s in got_steps] == [s[5:] for s in ref_steps]
+        # every rank's costs on rank 0; on another, its own alone (its reply does not grow with R)
+        own = [s[4] if rank == 0 else s[4][rank:rank + 1] for s in ref_steps]
+        assert [s[4] for s in got_steps] == own
         for (step, _, _, state, *_), (_, _, _, ref_state, *_) in zip(got_steps, ref_steps):
             assert state == ref_state, f"rank {rank} step {step}: another state"
     ids = [i for r in gathered for s in r[0] for i in s[2]]
@@ -95,8 +103,11 @@ def test_gather_under_broadcast_delivery(corpus, world, parallel, node_size):
     for rank in range(world):
         ref_steps, got_steps = reference[rank][0], gathered[rank][0]
         assert len(got_steps) == len(ref_steps) > 3
+        d = Topology.from_parallel(Parallel(**parallel), world, rank).dp_rank
         for got, ref in zip(got_steps, ref_steps):
-            assert got[:3] == ref[:3] and got[4:] == ref[4:], f"rank {rank} step {got[0]}"
+            assert got[:3] == ref[:3] and got[5:] == ref[5:], f"rank {rank} step {got[0]}"
+            # every DP rank's costs on DP rank 0's ranks; on another, its own alone
+            assert got[4] == (ref[4] if d == 0 else ref[4][d:d + 1]), f"rank {rank}"
             assert got[3] == ref[3], f"rank {rank} step {got[0]}: another state"
     assert len({str(s[3]) for r in gathered for s in r[0][-1:]}) == 1   # one state everywhere
     ids = [i for r in leaders for s in gathered[r][0] for i in s[2]]

@@ -15,6 +15,7 @@ from typing import Optional
 
 import numpy as np
 
+from ..plan.cost import STEP_COSTS_FIELDS, StepCosts
 from ..plan.types import Assignment, Candidates, flatten_windows
 from .protocol import OK
 
@@ -143,7 +144,9 @@ def decode_plan(array: np.ndarray) -> PlanMessage:
 @dataclass(frozen=True)
 class StepTotals:
     """What a step did over the whole job, which a rank given only its own part of the plan
-    cannot count itself (the Batch's and `stats()`'s job-wide figures)."""
+    cannot count itself (the Batch's and `stats()`'s job-wide figures). The per-rank arrays
+    are every rank's on rank 0 ([R], [R, M]); in another rank's reply, its own rank's alone
+    ([1], [1, M]), so that a reply does not grow with R: `costs` has the job-wide figures."""
     rank_tokens: np.ndarray     # float64 [R] (a weighted bincount, as the Batch has it)
     row_cost: np.ndarray        # float64 [R, M]
     source_tokens: np.ndarray   # int64 [S]
@@ -156,6 +159,7 @@ class StepTotals:
     # float64 [R, M]: the vision encoder's part of `row_cost` (the extra cost of the samples of
     # image sources balanced under image_cost="hybrid"); zeros without one
     encoder_cost: Optional[np.ndarray] = None
+    costs: Optional[StepCosts] = None    # the step's job-wide cost figures
 
 
 def step_totals(c: Candidates, plan: "PlanMessage", cost, geometry,
@@ -173,14 +177,17 @@ def step_totals(c: Candidates, plan: "PlanMessage", cost, geometry,
     if encoder_sources is not None and np.any(encoder_sources) and extra.size:
         weights = np.where(np.asarray(encoder_sources, bool)[c.source[plan.take]], extra, 0.0)
         encoder = np.bincount(slots, weights=weights, minlength=R * M)
+    rank_tokens = np.bincount(plan.rank, weights=lengths, minlength=R)
+    row_cost = cost.row_costs(lengths, slots, R * M, extra_cost=extra).reshape(R, M)
+    encoder = encoder.reshape(R, M)
     return StepTotals(
-        np.bincount(plan.rank, weights=lengths, minlength=R),
-        cost.row_costs(lengths, slots, R * M, extra_cost=extra).reshape(R, M),
+        rank_tokens, row_cost,
         np.bincount(c.source[plan.take], weights=lengths, minlength=S).astype(np.int64),
         int(lengths[holder != plan.rank].sum()), int(ages.max()) if ages.size else 0,
         int(ages.sum()), int(ages.size), int(cut.sum()),
         float(cost.cut_savings(whole[cut], lengths[cut])) if cut.any() else 0.0,
-        encoder.reshape(R, M))
+        encoder, StepCosts.of(rank_tokens, row_cost.sum(axis=1), row_cost,
+                              geometry.pipeline_stages, encoder.sum(axis=1)))
 
 
 ENTRY_FIELDS = 12   # holder, dest, row, source, position, whole length, length, shard, record,
@@ -213,9 +220,10 @@ def _f64(values) -> np.ndarray:
 def encode_local_plan(outcome: int, epoch: int, step: int, *, finished: bool = False,
                       c: Optional[Candidates] = None, ids: Optional[np.ndarray] = None,
                       plan: Optional[PlanMessage] = None, entries: Optional[np.ndarray] = None,
-                      totals: Optional[StepTotals] = None, units=None, mix=None,
-                      budgets=None) -> np.ndarray:
-    """Rank 0: one rank's reply. `entries`: the plan entries (indices into `plan`) it needs."""
+                      totals: Optional[StepTotals] = None, rank: int = 0, units=None,
+                      mix=None, budgets=None) -> np.ndarray:
+    """Rank 0: one rank's reply. `entries`: the plan entries (indices into `plan`) it needs;
+    of `totals`' per-rank figures, only `rank`'s go, with the job-wide `costs`."""
     n = 0 if entries is None else entries.shape[0]
     parts = [np.array([OK, outcome, int(finished), epoch, step, n, int(budgets is not None),
                        int(totals is not None)],
@@ -230,7 +238,8 @@ def encode_local_plan(outcome: int, epoch: int, step: int, *, finished: bool = F
     if totals is not None:
         t = totals
         encoder = t.encoder_cost if t.encoder_cost is not None else np.zeros(t.row_cost.shape)
-        parts += [_f64(t.rank_tokens), _f64(t.row_cost), _f64(encoder), t.source_tokens,
+        parts += [_f64(t.rank_tokens[rank:rank + 1]), _f64(t.row_cost[rank]),
+                  _f64(encoder[rank]), _f64(t.costs.to_array()), t.source_tokens,
                   _f64(units),
                   np.array([t.exchanged, t.deferral_max, t.deferral_sum, t.delivered,
                             t.pieces_cut], np.int64), _f64([t.cut_work]),
@@ -244,6 +253,7 @@ def encode_local_plan(outcome: int, epoch: int, step: int, *, finished: bool = F
 
 def decode_local_plan(array: np.ndarray, num_sources: int, ranks: int,
                       micro_batches: int) -> LocalPlan:
+    """A rank's reply; its totals hold its own rank's figures ([1], [1, M]) and `costs`."""
     S, R, M = num_sources, ranks, micro_batches
     _, outcome, finished, epoch, step, n, has_budgets, has_totals = (int(v) for v in array[:8])
     at = 8
@@ -265,9 +275,11 @@ def decode_local_plan(array: np.ndarray, num_sources: int, ranks: int,
             out = array[at:at + k]
             at += k
             return out
-        rank_tokens = np.ascontiguousarray(take(R)).view(np.float64)
-        row_cost = np.ascontiguousarray(take(R * M)).view(np.float64).reshape(R, M)
-        encoder_cost = np.ascontiguousarray(take(R * M)).view(np.float64).reshape(R, M)
+        rank_tokens = np.ascontiguousarray(take(1)).view(np.float64)
+        row_cost = np.ascontiguousarray(take(M)).view(np.float64).reshape(1, M)
+        encoder_cost = np.ascontiguousarray(take(M)).view(np.float64).reshape(1, M)
+        costs = StepCosts.from_array(np.ascontiguousarray(take(STEP_COSTS_FIELDS))
+                                     .view(np.float64))
         source_tokens = take(S).copy()
         units = np.ascontiguousarray(take(S)).view(np.float64)
         exchanged, deferral_max, deferral_sum, delivered, pieces_cut = (int(v) for v in take(5))
@@ -276,7 +288,8 @@ def decode_local_plan(array: np.ndarray, num_sources: int, ranks: int,
         target = np.ascontiguousarray(take(S)).view(np.float64)
         ran_out = take(S).astype(bool)
         totals = StepTotals(rank_tokens, row_cost, source_tokens, exchanged, deferral_max,
-                            deferral_sum, delivered, pieces_cut, cut_work, encoder_cost)
+                            deferral_sum, delivered, pieces_cut, cut_work, encoder_cost,
+                            costs)
         mix = (target if has_target else None, bool(tail), ran_out)
     if has_budgets:
         budgets = array[at:at + 3 * S].reshape(S, 3)

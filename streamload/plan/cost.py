@@ -69,6 +69,75 @@ def balanced_time(row_costs, stages: int) -> float:
     return float(row_costs.sum()) / R * (M + stages - 1) / (M * stages)
 
 
+def _max_over_mean(maximum: float, mean: float) -> float:
+    return maximum / mean if mean > 0 else 1.0
+
+
+@dataclass(frozen=True)
+class StepCosts:
+    """A step's job-wide cost figures, of fixed size whatever R: what `Batch.imbalance`,
+    `step_time`, `pipeline_efficiency` and the encoder / backbone imbalances read, so that they
+    are the same on every rank when only rank 0 holds every rank's figures
+    (control_plane="gather": a rank's reply carries these and its own rank's figures)."""
+    tokens: float = 0.0           # the job's tokens this step
+    rank_cost_max: float = 0.0
+    rank_cost_mean: float = 0.0
+    row_cost_max: float = 0.0
+    step_time: float = 0.0        # the slowest rank's 1F1B time (`pipeline_time`)
+    balanced_time: float = 0.0    # `balanced_time`; `step_time` without rows
+    encoder_max: float = 0.0      # the vision encoder's part of the rank costs
+    encoder_mean: float = 0.0
+    backbone_max: float = 0.0     # the rest
+    backbone_mean: float = 0.0
+
+    @property
+    def imbalance(self) -> float:
+        return _max_over_mean(self.rank_cost_max, self.rank_cost_mean)
+
+    @property
+    def encoder_imbalance(self) -> float:
+        return _max_over_mean(self.encoder_max, self.encoder_mean)
+
+    @property
+    def backbone_imbalance(self) -> float:
+        return _max_over_mean(self.backbone_max, self.backbone_mean)
+
+    @property
+    def pipeline_efficiency(self) -> float:
+        return self.balanced_time / self.step_time if self.step_time > 0 else 1.0
+
+    def to_array(self) -> np.ndarray:
+        return np.array([getattr(self, f.name) for f in fields(self)], dtype=np.float64)
+
+    @classmethod
+    def from_array(cls, values) -> "StepCosts":
+        return cls(*(float(v) for v in values))
+
+    @classmethod
+    def of(cls, rank_tokens, rank_cost, row_cost=None, stages: int = 1,
+           encoder_cost=None) -> "StepCosts":
+        """From every rank's figures: tokens [R], cost [R], rows [R, M] (None: a rank's step
+        time is its cost), the encoder's part of each rank's cost [R] (None: none)."""
+        cost = np.asarray(rank_cost, dtype=np.float64).reshape(-1)
+        encoder = np.zeros_like(cost) if encoder_cost is None \
+            else np.asarray(encoder_cost, dtype=np.float64).reshape(-1)
+        backbone = cost - encoder
+        has_rows = row_cost is not None and np.size(row_cost) > 0
+        rows = np.asarray(row_cost, dtype=np.float64) if has_rows else None
+        time = pipeline_time(rows, stages) if has_rows else cost
+        def top(values):
+            return float(values.max()) if values.size else 0.0
+        def mean(values):
+            return float(values.mean()) if values.size else 0.0
+        return cls(float(np.sum(rank_tokens)), top(cost), mean(cost),
+                   top(rows) if has_rows else 0.0, top(time),
+                   balanced_time(rows, stages) if has_rows else top(time),
+                   top(encoder), mean(encoder), top(backbone), mean(backbone))
+
+
+STEP_COSTS_FIELDS = len(fields(StepCosts))
+
+
 def _config_error(message: str):
     from ..errors import ConfigError
     return ConfigError(message)
