@@ -38,7 +38,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 
 from streamload import pieces  # noqa: E402
 from streamload.config import LoaderConfig, Source  # noqa: E402
-from streamload.job import JobModel, RankShare, data_options, layout_feed  # noqa: E402
+from streamload.job import JobModel, RankShare, data_options, layout_feed, step_windows  # noqa: E402
 from streamload.plan.windows import Block, ItemQueue, Windows  # noqa: E402
 from streamload.state import decode_state, encode_state, shard_permutation  # noqa: E402
 import tracemalloc  # noqa: E402
@@ -96,13 +96,8 @@ def measure(num_sources: int, ranks: int, steps: int, readers: str = "auto",
                         for s in range(num_sources)] for r in range(ranks)])
     started = time.process_time()
     for _ in range(steps):
-        offer = windows.offer(job.window_tokens())
-        step = job.begin(offer.candidates, offer.exhausted)
-        if step.outcome != "continue":
+        if step_windows(job, windows)[2] is None:
             break
-        plan = job.assign(step)
-        job.commit(step, plan.take, plan.length, offer.ids)
-        windows.commit(offer, plan.take, plan.length, step.index)
     run_s = time.process_time() - started
     t0 = time.process_time()
     state = job.state(job.snapshot())
@@ -157,11 +152,7 @@ def saved_state(config: LoaderConfig, sources: list, corpus: list, ranks: int, s
     windows = Windows([[ItemQueue(layout_feed(job.layout_for(s, 0).rank_units(r), blocks[s]))
                         for s in range(len(sources))] for r in range(ranks)])
     for _ in range(steps):
-        offer = windows.offer(job.window_tokens())
-        step = job.begin(offer.candidates, offer.exhausted)
-        plan = job.assign(step)
-        job.commit(step, plan.take, plan.length, offer.ids)
-        windows.commit(offer, plan.take, plan.length, step.index)
+        step_windows(job, windows)
     return decode_state(encode_state(job.state(job.snapshot())))
 
 

@@ -45,7 +45,7 @@ from .plan.quota_mixer import MixtureState
 from .plan.readers import choose_readers, reader_mask, reader_offsets
 from .plan.stepper import Step, StepParts, Stepper
 from .plan.types import Assignment, Candidates
-from .plan.windows import Block, Feed
+from .plan.windows import Block, Feed, Offer, Windows
 from .state import (STATE_VERSION, DataOptions, EpochLayout, LoaderState, RankProgress,
                     ReadUnit, SourceData, SourceTracker, dealt_again_holding, fresh_holders,
                     fresh_layout, layout_from_progress, redeals)
@@ -557,6 +557,21 @@ class RankShare(_Deal):
         if snapshot is not None:
             raise ValueError(f"rank {self.rank} keeps no job model: its states come from rank 0")
         return self._start_state()
+
+
+def step_windows(job: JobModel, windows: Windows) -> tuple[Step, Offer, Optional[Assignment]]:
+    """One step of the job model over length windows (`plan.windows.Windows`; the benchmarks'
+    and the job model's tests' loop): the windows' offer, `begin`, and, when the step goes on,
+    `assign` with the plan committed to the model and to the windows. The plan is None when
+    the step does not go on (`step.outcome` says why)."""
+    offer = windows.offer(job.window_tokens())
+    step = job.begin(offer.candidates, offer.exhausted)
+    if step.outcome != "continue":
+        return step, offer, None
+    plan = job.assign(step)
+    job.commit(step, plan.take, plan.length, offer.ids)
+    windows.commit(offer, plan.take, plan.length, step.index)
+    return step, offer, plan
 
 
 def layout_feed(units: Iterable[ReadUnit], shard_block: Callable[[int], Block],

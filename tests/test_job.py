@@ -14,7 +14,7 @@ import pytest
 
 from streamload import pieces
 from streamload.config import LoaderConfig, Source
-from streamload.job import JobModel, data_options, layout_feed
+from streamload.job import JobModel, data_options, layout_feed, step_windows
 from streamload.plan.windows import Block, ItemQueue, Windows
 from streamload.state import decode_state, encode_state
 
@@ -73,15 +73,11 @@ def run(job: JobModel, windows: Windows, stop_at: int | None = None):
     items as (source, shard, record, chunk, tokens) rows."""
     steps = []
     while stop_at is None or job.step < stop_at:
-        offer = windows.offer(job.window_tokens())
-        step = job.begin(offer.candidates, offer.exhausted)
-        if step.outcome != "continue":
+        step, offer, plan = step_windows(job, windows)
+        if plan is None:
             assert step.outcome == "end_epoch"
             assert job.end_epoch()   # epochs=1
             break
-        plan = job.assign(step)
-        job.commit(step, plan.take, plan.length, offer.ids)
-        windows.commit(offer, plan.take, plan.length, step.index)
         c = offer.candidates
         steps.append(np.column_stack([c.source[plan.take], offer.ids[plan.take],
                                       plan.length]).astype(np.int64))

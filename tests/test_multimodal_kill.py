@@ -23,6 +23,7 @@ import pytest
 
 from distributed import free_port, start_process
 from imagecorpus import color_of, images_in, options, visual_tokens, write_tar
+from kill_worker import write_atomically
 
 EVERY = 2        # rank 0 saves the loader state after steps 1, 3, 5, ...
 DIE_AFTER = 3    # both ranks SIGKILL themselves after logging step index 2 (one past a save)
@@ -59,15 +60,6 @@ def own_images(mb) -> dict[str, str]:
             digest.update(mb.pixel_values[bounds[k]:bounds[k + 1]].numpy().tobytes())
         out[sample_id] = digest.hexdigest()
     return out
-
-
-def write_atomically(path: Path, data: bytes) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
 
 
 def worker(rank: int, world: int, port: int, root: str, run: str, attempt: int,

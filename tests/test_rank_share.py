@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from streamload.config import LoaderConfig, Source
-from streamload.job import JobModel, RankShare, data_options, layout_feed
+from streamload.job import JobModel, RankShare, data_options, layout_feed, step_windows
 from streamload.plan.windows import ItemQueue, Windows
 from streamload.state import (OneRank, dealt_again_holding, decode_state, encode_state,
                              layout_from_progress, redeals)
@@ -83,16 +83,12 @@ def saved_after(job: JobModel, blocks, epoch: int, steps: int):
     """Drive `job` into `epoch`, then `steps` steps into it: the state then (decoded)."""
     windows, taken = windows_for(job, blocks), 0
     while job.epoch < epoch or taken < steps:
-        offer = windows.offer(job.window_tokens())
-        step = job.begin(offer.candidates, offer.exhausted)
+        step, _, plan = step_windows(job, windows)
         if step.outcome == "end_epoch":
             assert not job.end_epoch()
             windows = windows_for(job, blocks)
             continue
-        assert step.outcome == "continue"
-        plan = job.assign(step)
-        job.commit(step, plan.take, plan.length, offer.ids)
-        windows.commit(offer, plan.take, plan.length, step.index)
+        assert plan is not None
         taken += job.epoch == epoch
     return decode_state(encode_state(job.state(job.snapshot())))
 

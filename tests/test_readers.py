@@ -14,6 +14,7 @@ from corpus import base_ids, write_jsonl_source, write_token_source
 from distributed import run_ranks
 from streamload.config import Source
 from streamload.errors import ConfigError
+from streamload.job import step_windows
 from streamload.plan.readers import READER_LOAD, choose_readers, reader_mask, reader_offsets
 from streamload.state import (deal, deal_epoch, deal_readers, fresh_layout,
                               shard_permutation)
@@ -130,14 +131,10 @@ def test_job_model_with_readers_exactly_once_and_resumed_at_another_world(ranks,
     seen_sources = np.zeros((ranks, 3), dtype=bool)
     full = []
     while True:
-        offer = windows.offer(job.window_tokens())
+        _, offer, plan = step_windows(job, windows)
         seen_sources[offer.candidates.rank, offer.candidates.source] = True
-        step = job.begin(offer.candidates, offer.exhausted)
-        if step.outcome != "continue":
+        if plan is None:
             break
-        plan = job.assign(step)
-        job.commit(step, plan.take, plan.length, offer.ids)
-        windows.commit(offer, plan.take, plan.length, step.index)
         full.append(np.column_stack([offer.candidates.source[plan.take],
                                      offer.ids[plan.take], plan.length]).astype(np.int64))
     assert not (seen_sources & ~job.reads).any(), "a non-reader offered a source's items"

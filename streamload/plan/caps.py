@@ -99,6 +99,13 @@ def enforce(c: Candidates, take, rank, row, length, geometry: Geometry, caps: Ro
     # Share of each cap an item takes: the row gives up its largest shares first.
     share = np.where(np.isfinite(limit), visual / np.where(np.isfinite(limit), limit, 1), 0)
     keep = np.ones(take.size, bool)
+
+    def shift(i: int, s: int, sign: int) -> None:
+        """Item i's images and patches, tokens and cost into (+1) or out of (-1) slot s."""
+        load[s] += sign * visual[i]
+        tokens[s] += sign * length[i]
+        rank_load[s // M] += sign * weight[take[i]]
+
     moved = []
     for s in over.tolist():
         members = np.flatnonzero(slot == s)
@@ -107,9 +114,7 @@ def enforce(c: Candidates, take, rank, row, length, geometry: Geometry, caps: Ro
             if (load[s] <= limit).all() or keep[members].sum() <= 1:
                 break
             keep[i] = False
-            load[s] -= visual[i]
-            tokens[s] -= length[i]
-            rank_load[s // M] -= weight[take[i]]
+            shift(i, s, -1)
             moved.append(i)
     removed = int(length[~keep].sum())
 
@@ -158,13 +163,9 @@ def enforce(c: Candidates, take, rank, row, length, geometry: Geometry, caps: Ro
             if tokens[target] + length[i] <= C and (load[target] + visual[i] <= limit).all():
                 break
             keep[j] = False
-            load[target] -= visual[j]
-            tokens[target] -= length[j]
-            rank_load[target // M] -= weight[take[j]]
+            shift(j, target, -1)
             out.append(j)
-        load[target] += visual[i]
-        tokens[target] += length[i]
-        rank_load[target // M] += weight[take[i]]
+        shift(i, target, 1)
         return target, out
 
     # Re-place what the over rows gave up: overdue (oldest first) and largest first, in a row
