@@ -52,7 +52,7 @@ from .plan.cost import CostModel
 from .plan.memory import SourceBudget
 from .plan.mix_spec import Mixture
 from .peers import encode_end, encode_step
-from .vision.cost import EncoderCost, visual_counts
+from .vision.cost import EncoderCost
 from .vision.hybrid import encoder_model, window_costs
 from .job import JobModel, RankShare, StepSnapshot, data_options, listing_crc
 from .watch import RunWatch
@@ -322,8 +322,8 @@ class Runtime:
                     (0.0 if extra is None else extra)
             visual = None   # an image source's images and patches per item: the caps per row
             if self.sources[s].images is not None:
-                visual = visual_counts(window.images if window.images is not None
-                                       else [()] * int(window.lengths.shape[0]))
+                visual = window.visual if window.visual is not None else \
+                    np.zeros((2, window.lengths.shape[0]), np.int64)
             windows.append(SourceWindow(window.lengths, window.ages, window.ids, window.done,
                                         extra, visual))
         return encode_summary(windows)

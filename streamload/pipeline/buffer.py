@@ -21,6 +21,7 @@ from typing import Callable, Iterable, NamedTuple, Optional, Sequence
 import numpy as np
 
 from ..plan.windows import head_window
+from ..vision.cost import visual_counts
 from .changes import Changes
 
 _EMPTY = np.zeros(0, np.int64)
@@ -36,19 +37,22 @@ class ItemBlock:
     chunk[k]) (`pieces` says what chunk holds), offered age[k] times and not taken. `images`:
     per item, its images (an image source's `ImageRef`s), else None. `cost`: per item, a
     float64 extra cost fixed when the block entered its buffer (`SourceBuffer`'s `item_cost`:
-    the vision encoder's), else None. Columns are int64; once in a buffer, only `age` changes
+    the vision encoder's), else None. `visual`: int64 [2, n], each item's images and patches
+    (what the caps per row count), worked out once from `images`, else None. Columns are
+    int64; once in a buffer, only `age` changes
     (in place, when a step takes nothing from the block); `take` makes new blocks of the
     others."""
     __slots__ = ("shard", "tokens", "start", "length", "record", "chunk", "age", "images",
-                 "total", "cost")
+                 "total", "cost", "visual")
 
     def __init__(self, shard: int, tokens: np.ndarray, start: np.ndarray, length: np.ndarray,
                  record: np.ndarray, chunk: np.ndarray, age: Optional[np.ndarray] = None,
-                 images: Optional[list] = None):
+                 images: Optional[list] = None, visual: Optional[np.ndarray] = None):
         self.shard, self.tokens = shard, tokens
         self.start, self.length, self.record, self.chunk = start, length, record, chunk
         self.age = np.zeros(length.shape[0], np.int64) if age is None else age
         self.images = images
+        self.visual = visual if visual is not None or images is None else visual_counts(images)
         self.total = int(length.sum())   # tokens in the block's items
         self.cost: Optional[np.ndarray] = None
 
@@ -79,7 +83,8 @@ class ItemBlock:
         block = ItemBlock(self.shard, self.tokens, self.start[index], self.length[index],
                           self.record[index], self.chunk[index], self.age[index],
                           None if self.images is None else
-                          [self.images[k] for k in np.arange(len(self))[index].tolist()])
+                          [self.images[k] for k in np.arange(len(self))[index].tolist()],
+                          None if self.visual is None else self.visual[:, index])
         block.cost = None if self.cost is None else self.cost[index]
         return block
 
@@ -95,7 +100,7 @@ class ItemBlock:
         start = np.zeros(len(self), np.int64)
         np.cumsum(self.length[:-1], out=start[1:])
         block = ItemBlock(self.shard, kept, start, self.length, self.record, self.chunk,
-                          self.age, self.images)
+                          self.age, self.images, self.visual)
         block.cost = self.cost
         return block
 
@@ -109,13 +114,15 @@ class Window(NamedTuple):
     """A source's head window as columns (`SourceBuffer.window`): per item, its length, age
     and id (shard, record, chunk) [n, 3]; `done`: it holds the rest of the epoch. `images`:
     per item, its images (an image source), else None. `cost`: per item, the extra cost fixed
-    when it entered the buffer (float64; `SourceBuffer`'s `item_cost`), else None."""
+    when it entered the buffer (float64; `SourceBuffer`'s `item_cost`), else None. `visual`:
+    int64 [2, n], each item's images and patches (an image source), else None."""
     lengths: np.ndarray
     ages: np.ndarray
     ids: np.ndarray
     done: bool
     images: Optional[list] = None
     cost: Optional[np.ndarray] = None
+    visual: Optional[np.ndarray] = None
 
 
 class Taken(NamedTuple):
@@ -137,9 +144,9 @@ class EndOfEpoch:
 
 def _columns(blocks: Sequence[ItemBlock], n: int):
     """The first `n` items of `blocks`, as concatenated columns: lengths, ages, ids [n, 3],
-    images (or None), extra costs (or None)."""
+    images (or None), extra costs (or None), images and patches [2, n] (or None)."""
     if not blocks:
-        return _EMPTY, _EMPTY, np.zeros((0, 3), np.int64), None, None
+        return _EMPTY, _EMPTY, np.zeros((0, 3), np.int64), None, None, None
     lengths = np.concatenate([b.length for b in blocks])[:n]
     ages = np.concatenate([b.age for b in blocks])[:n]
     ids = np.empty((n, 3), np.int64)
@@ -153,7 +160,11 @@ def _columns(blocks: Sequence[ItemBlock], n: int):
     if any(b.cost is not None for b in blocks):
         cost = np.concatenate([np.zeros(len(b)) if b.cost is None else b.cost
                                for b in blocks])[:n]
-    return lengths, ages, ids, images, cost
+    visual = None
+    if any(b.visual is not None for b in blocks):
+        visual = np.concatenate([np.zeros((2, len(b)), np.int64) if b.visual is None else
+                                 b.visual for b in blocks], axis=1)[:, :n]
+    return lengths, ages, ids, images, cost, visual
 
 
 class SourceBuffer:
@@ -266,8 +277,8 @@ class SourceBuffer:
         blocks, ended = self._head()
         at_hand = np.concatenate([b.length for b in blocks]) if blocks else _EMPTY
         n, done = head_window(at_hand, self.window_tokens, ended) or (at_hand.shape[0], False)
-        lengths, ages, ids, images, cost = _columns(blocks, n)
-        return Window(lengths, ages, ids, done, images, cost)
+        lengths, ages, ids, images, cost, visual = _columns(blocks, n)
+        return Window(lengths, ages, ids, done, images, cost, visual)
 
     def take(self, positions: np.ndarray, window_size: int,
              cut: Optional[dict[int, int]] = None) -> Taken:
