@@ -70,8 +70,11 @@ RUN_ROWS = 1024          # open rows from which the runs go first (fewer: the wa
 def item_costs(c: Candidates, idx: np.ndarray | None, cost: CostModel) -> np.ndarray:
     """Cost of each candidate in `idx` (None: all) on its own (document-masking cost + the
     source's hook)."""
-    if idx is None:
-        return cost.doc_cost(c.length) + c.extra_cost
+    if idx is None:   # every candidate: the lengths already as floats, nothing added for none
+        weight = cost.doc_cost(c.float_length)
+        if c.has_extra_cost:
+            weight += c.extra_cost
+        return weight
     return cost.doc_cost(c.length[idx]) + c.extra_cost[idx]
 
 

@@ -65,29 +65,39 @@ ARRIVAL_ROUNDS = 3   # rounds for the arrived heavy items and the light take to 
 step_quotas = water_fill
 
 
+def _arrival_through(c: Candidates, mask: np.ndarray, key: np.ndarray) -> np.ndarray:
+    """[S, P]: tokens of the items in `mask` per source up to and including each position (P:
+    the largest position + 1), for `_take_arrival`. `key`: each candidate's source · P +
+    position. Sums of whole numbers, so exact. Worked out once per mask: the light take reads
+    the same mask in every round of `_arrived_layer`."""
+    P = int(c.position.max()) + 1
+    tokens = np.bincount(key, weights=np.where(mask, c.float_length, 0.0),
+                         minlength=c.num_sources * P).reshape(c.num_sources, P)
+    return np.cumsum(tokens, axis=1)
+
+
 def _take_arrival(c: Candidates, mask: np.ndarray, used: np.ndarray,
-                  quota: np.ndarray, key: np.ndarray | None = None) -> np.ndarray:
+                  quota: np.ndarray, key: np.ndarray | None = None,
+                  through: np.ndarray | None = None) -> np.ndarray:
     """Among candidates in `mask`, per source in arrival order (position, then rank), those
     taken while the source's tokens are below its quota (one item of overshoot, like `select`).
 
     Whole positions are taken while a source's quota lasts; only the one position where it runs
     out is sorted by rank, so this is O(n). Updates `used`; returns a mask of what is taken.
-    `key`: each candidate's source · (largest position + 1) + position, when already known.
+    `key`: each candidate's source · (largest position + 1) + position, when already known;
+    `through`: `_arrival_through(c, mask, key)`, when already known.
     """
     S = used.shape[0]
     take = np.zeros(len(c), dtype=bool)
     if not mask.any():
         return take
-    P = int(c.position.max()) + 1
-    if key is None:
-        key = c.source.astype(np.int64) * P + c.position
-    tokens = np.bincount(key, weights=np.where(mask, c.float_length, 0.0),
-                         minlength=S * P).reshape(S, P)
-    through = np.cumsum(tokens, axis=1)                          # tokens up to and including p
+    if through is None:
+        through = _arrival_through(c, mask, c.arrival_key if key is None else key)
     remaining = quota - used
-    # First position where a source reaches its quota (P when it never does).
+    # First position where a source reaches its quota (P when it never does), in the
+    # positions' own dtype: the comparisons below then convert nothing.
     cutoff = (through < remaining[:, None]).sum(axis=1)
-    limit = c.by_source(cutoff)
+    limit = c.by_source(cutoff.astype(c.position.dtype))
     take = mask & (c.position < limit)
     edge = np.flatnonzero(mask & (c.position == limit))
     if edge.size:
@@ -123,7 +133,7 @@ def select_lookahead(c: Candidates, targets: np.ndarray, geometry: Geometry, cos
     overdue = np.flatnonzero(forced)
     forced_tokens = np.bincount(source[overdue], weights=length[overdue],
                                 minlength=S).astype(np.float64)
-    key = c.source.astype(np.int64) * (int(c.position.max()) + 1) + c.position
+    key = c.arrival_key
     pool = forced | _take_arrival(c, ~forced, forced_tokens.copy(), window_quota, key)
     weight = item_costs(c, None, cost)
     pool_by_source = c.source_tokens(pool)
@@ -134,7 +144,8 @@ def select_lookahead(c: Candidates, targets: np.ndarray, geometry: Geometry, cos
     slot_tokens = geometry.capacity if slots == geometry.rows else \
         geometry.micro_batches * geometry.capacity
     # Heavy: what a step of light documents cannot even out (`straggler_limit`).
-    attention = np.maximum(weight - float(cost.b) * length, 0.0)
+    attention = weight - float(cost.b) * c.float_length
+    np.maximum(attention, 0.0, out=attention)
     linear = float(cost.b) * slot_tokens if cost.b > 0 else float(cost.a) * slot_tokens ** 2
     heavy = pool & (attention > straggler_limit(attention, length, pool, slot_tokens, linear)) \
         & (length <= geometry.capacity)
@@ -153,14 +164,15 @@ def select_lookahead(c: Candidates, targets: np.ndarray, geometry: Geometry, cos
     # A source owed tokens this step (quota > 0) may give heavy documents past its quota: the
     # mixer's carry takes the overshoot back over the next steps (the mix stays exact over the
     # window). A source with nothing owed waits.
-    free = heavy & ~forced & (quota > used)[source]
+    free = np.zeros(len(c), dtype=bool)            # heavy items are few: looked up alone
+    free[heavy_items] = ~forced[heavy_items] & (quota > used)[source[heavy_items]]
     light = pool & ~taken & ~heavy
     if not HOLD_ARRIVED:
         picked = heavy_layer(excess, np.flatnonzero(forced & heavy), np.flatnonzero(free), age,
                              length, slots, slot_tokens, room)
         used += np.bincount(source[picked], weights=length[picked], minlength=S)
         taken[picked] = True
-        light_take = _light_take(c, light, quota, used, room - float(length[picked].sum()), key)
+        light_take = _LightTake(c, light, key)(quota, used, room - float(length[picked].sum()))
     else:
         picked, light_take = _arrived_layer(c, excess, forced & heavy, free, light, quota,
                                             used, room, slots, slot_tokens, key)
@@ -170,36 +182,46 @@ def select_lookahead(c: Candidates, targets: np.ndarray, geometry: Geometry, cos
     return selected, forced[selected]
 
 
-def _light_take(c: Candidates, light: np.ndarray, quota: np.ndarray, used: np.ndarray,
-                room: float, key: np.ndarray) -> np.ndarray:
+class _LightTake:
     """Light documents fill the quotas in arrival order (round-robin over ranks by position),
     in `room` tokens: quotas still open shrink in proportion when it is short. A source short
     of light documents (one of long ones only) hands its part to the others, as `step_quotas`
-    does (its heavy ones wait for their layer; the carry keeps the mix). Updates `used`."""
-    remaining = np.maximum(quota - used, 0.0)
-    light_available = c.source_tokens(light)
-    remaining = step_quotas(remaining * (max(room, 0.0) / max(remaining.sum(), 1e-9)),
-                            light_available)
-    return _take_arrival(c, light, used, used + remaining, key)
+    does (its heavy ones wait for their layer; the carry keeps the mix).
+
+    The light items' tokens per source and per (source, position) are worked out once: the
+    rounds of `_arrived_layer` take from the same light items in different rooms."""
+
+    def __init__(self, c: Candidates, light: np.ndarray, key: np.ndarray):
+        self.c, self.light = c, light
+        self.available = c.source_tokens(light)
+        self.through = _arrival_through(c, light, key)
+
+    def __call__(self, quota: np.ndarray, used: np.ndarray, room: float) -> np.ndarray:
+        """The take (a mask) in `room` tokens, `used` tokens of each source taken already
+        (updated)."""
+        remaining = np.maximum(quota - used, 0.0)
+        remaining = step_quotas(remaining * (max(room, 0.0) / max(remaining.sum(), 1e-9)),
+                                self.available)
+        return _take_arrival(self.c, self.light, used, used + remaining, through=self.through)
 
 
-def _arrived(c: Candidates, window: np.ndarray, bounds: np.ndarray, candidates: np.ndarray,
-             left: np.ndarray) -> np.ndarray:
+def _arrived(c: Candidates, candidates: np.ndarray, left: np.ndarray) -> np.ndarray:
     """Of `candidates` (mask), those with no item of `left` (mask: light items this step
-    leaves) before them in their own window (`window`: each candidate's (source, rank) index):
-    taking them overtakes no light item. Candidates come by (source, rank, position), so a
-    window's items are one segment (`bounds`: where each starts, and the end): its first item
-    left is the segment's least position among them (one `np.minimum.reduceat`; the candidates,
-    few, are looked up alone)."""
+    leaves) before them in their own window (rank, source): taking them overtakes no light
+    item. Candidates come by (source, rank, position), so a window's items are one segment
+    (`Candidates.window_bounds`): its first item left is the segment's least position among
+    them (one `np.minimum.reduceat`; the candidates, few, are looked up alone)."""
     cand = np.flatnonzero(candidates)
     out = np.zeros(len(c), dtype=bool)
     if cand.size == 0:
         return out
+    bounds = c.window_bounds
     never = np.iinfo(c.position.dtype).max
-    starts = bounds[:-1][bounds[:-1] < bounds[1:]]              # windows with items
+    windows = np.flatnonzero(bounds[:-1] < bounds[1:])          # windows with items
     first_left = np.full(bounds.size - 1, never, dtype=c.position.dtype)
-    first_left[window[starts]] = np.minimum.reduceat(np.where(left, c.position, never), starts)
-    out[cand[c.position[cand] < first_left[window[cand]]]] = True
+    first_left[windows] = np.minimum.reduceat(np.where(left, c.position, never), bounds[windows])
+    window = c.source[cand].astype(np.int64) * c.num_ranks + c.rank[cand]
+    out[cand[c.position[cand] < first_left[window]]] = True
     return out
 
 
@@ -218,20 +240,18 @@ def _arrived_layer(c: Candidates, excess: np.ndarray, must: np.ndarray, free: np
     depends on the room the layer leaves, so the candidates shrink until they agree (a few
     rounds); a picked item still behind a light one left waits for the next step."""
     length, age = c.length, c.age
-    window = c.source.astype(np.int64) * c.num_ranks + c.rank
-    bounds = np.searchsorted(window, np.arange(c.num_sources * c.num_ranks + 1))
     must_items = np.flatnonzero(must)
     candidates = free
-    whole_room = take = _light_take(c, light, quota, used.copy(), room, key)
+    light_take = _LightTake(c, light, key)
+    whole_room = take = light_take(quota, used.copy(), room)
     for _ in range(ARRIVAL_ROUNDS):
-        candidates = _arrived(c, window, bounds, candidates, light & ~take)
+        candidates = _arrived(c, candidates, light & ~take)
         picked = heavy_layer(excess, must_items, np.flatnonzero(candidates), age, length, slots,
                              slot_tokens, room)
         if picked.size == 0:   # no layer: the light take is the whole room's
             return picked, whole_room
-        take = _light_take(c, light, quota, used.copy(), room - float(length[picked].sum()),
-                           key)
-        arrived = _arrived(c, window, bounds, free, light & ~take)
+        take = light_take(quota, used.copy(), room - float(length[picked].sum()))
+        arrived = _arrived(c, free, light & ~take)
         if arrived[picked].all():
             break
     return picked[arrived[picked]], take

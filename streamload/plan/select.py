@@ -125,7 +125,7 @@ def interleaved_head(c: Candidates, member: np.ndarray, longest: int,
     the first one past it: tokens ahead / the source's tokens, then the source)."""
     S = c.num_sources
     span = int(c.position.max()) + 1
-    key = c.source.astype(np.int64) * span + c.position
+    key = c.arrival_key
     short = member & (c.length <= longest)
     tok = np.bincount(key, weights=np.where(member, c.float_length, 0.0), minlength=S * span)
     short_tok = np.bincount(key, weights=np.where(short, c.float_length, 0.0), minlength=S * span)

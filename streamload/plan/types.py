@@ -120,6 +120,19 @@ class Candidates:
         on every call, which costs twice the count itself)."""
         return self.length.astype(np.float64)
 
+    @cached_property
+    def arrival_key(self) -> np.ndarray:
+        """int64 per item: source · (largest position + 1) + position, its cell in a histogram
+        by (source, position), arrival order's unit (`lookahead`, `select.interleaved_head`).
+        Worked out once per step, whoever asks first."""
+        span = int(self.position.max(initial=-1)) + 1
+        return self.by_source(np.arange(self.num_sources, dtype=np.int64) * span) + self.position
+
+    @cached_property
+    def has_extra_cost(self) -> bool:
+        """Whether any item has a cost of its own (`extra_cost` not all zero)."""
+        return bool(self.extra_cost.any())
+
     def by_source(self, values: np.ndarray) -> np.ndarray:
         """`values[source]` for every item (one value per source): a repeat per source where the
         items come by source, not a gather."""
@@ -142,10 +155,24 @@ class Candidates:
             out[nonempty] = np.add.reduceat(length, bounds[nonempty])
         return out
 
+    @cached_property
+    def window_bounds(self) -> np.ndarray:
+        """Where each window (source · num_ranks + rank) starts, and the end (num_sources ·
+        num_ranks + 1 offsets; the items come by (source, rank, position)). Searched per
+        source over its ranks, not over a key per item."""
+        S, R = self.num_sources, self.num_ranks
+        by_source = np.searchsorted(self.source, np.arange(S + 1))
+        bounds = np.empty(S * R + 1, dtype=np.int64)
+        queries = np.arange(R)
+        for s in range(S):
+            first, end = int(by_source[s]), int(by_source[s + 1])
+            bounds[s * R:(s + 1) * R] = first + np.searchsorted(self.rank[first:end], queries)
+        bounds[S * R] = len(self)
+        return bounds
+
     def windows(self):
         """((source, rank), slice) of every non-empty window, in candidate order."""
-        key = self.source.astype(np.int64) * self.num_ranks + self.rank
-        bounds = np.searchsorted(key, np.arange(self.num_sources * self.num_ranks + 1))
+        bounds = self.window_bounds
         for k in np.flatnonzero(np.diff(bounds)).tolist():
             yield divmod(k, self.num_ranks), slice(int(bounds[k]), int(bounds[k + 1]))
 
