@@ -134,9 +134,11 @@ def select_lookahead(c: Candidates, targets: np.ndarray, geometry: Geometry, cos
     forced_tokens = np.bincount(source[overdue], weights=length[overdue],
                                 minlength=S).astype(np.float64)
     key = c.arrival_key
-    pool = forced | _take_arrival(c, ~forced, forced_tokens.copy(), window_quota, key)
+    # The pool's tokens per source: the forced ones and what the arrival fill takes (which it
+    # counts into `pool_by_source`; whole numbers, so exact).
+    pool_by_source = forced_tokens.copy()
+    pool = forced | _take_arrival(c, ~forced, pool_by_source, window_quota, key)
     weight = item_costs(c, None, cost)
-    pool_by_source = c.source_tokens(pool)
     quota = step_quotas(targets, pool_by_source)
     pool_tokens = float(pool_by_source.sum())   # whole numbers: the float sum is exact
     if pool_tokens <= 0:
@@ -147,15 +149,18 @@ def select_lookahead(c: Candidates, targets: np.ndarray, geometry: Geometry, cos
     attention = weight - float(cost.b) * c.float_length
     np.maximum(attention, 0.0, out=attention)
     linear = float(cost.b) * slot_tokens if cost.b > 0 else float(cost.a) * slot_tokens ** 2
-    heavy = pool & (attention > straggler_limit(attention, length, pool, slot_tokens, linear)) \
-        & (length <= geometry.capacity)
+    # Only items above the limit's floor can pass it: the heavy ones are looked up among them.
+    high = above_floor(attention, pool, linear)
+    limit = straggler_limit(attention, length, pool, slot_tokens, linear, high)
+    heavy_items = high[(attention[high] > limit) & (length[high] <= geometry.capacity)]
+    heavy = np.zeros(len(c), dtype=bool)
+    heavy[heavy_items] = True
     # What a heavy item costs above the light documents' rate per token: what its slot
     # carries more than a slot of light documents of the same tokens.
     light_pool = pool & ~heavy
-    density = float(weight[light_pool].sum()) / float(length[light_pool].sum()) \
+    density = float(weight[light_pool].sum()) / float(length.sum(where=light_pool)) \
         if light_pool.any() else float(cost.b)
     excess = np.zeros(len(c))                      # read for heavy items only
-    heavy_items = np.flatnonzero(heavy)
     excess[heavy_items] = np.maximum(weight[heavy_items] - density * length[heavy_items], 0.0)
 
     used = forced_tokens
@@ -164,17 +169,18 @@ def select_lookahead(c: Candidates, targets: np.ndarray, geometry: Geometry, cos
     # A source owed tokens this step (quota > 0) may give heavy documents past its quota: the
     # mixer's carry takes the overshoot back over the next steps (the mix stays exact over the
     # window). A source with nothing owed waits.
-    free = np.zeros(len(c), dtype=bool)            # heavy items are few: looked up alone
-    free[heavy_items] = ~forced[heavy_items] & (quota > used)[source[heavy_items]]
+    # (Heavy items are few: these are indices, looked up among them alone.)
+    heavy_forced = forced[heavy_items]
+    free = heavy_items[~heavy_forced & (quota > used)[source[heavy_items]]]
+    must = heavy_items[heavy_forced]
     light = pool & ~taken & ~heavy
     if not HOLD_ARRIVED:
-        picked = heavy_layer(excess, np.flatnonzero(forced & heavy), np.flatnonzero(free), age,
-                             length, slots, slot_tokens, room)
+        picked = heavy_layer(excess, must, free, age, length, slots, slot_tokens, room)
         used += np.bincount(source[picked], weights=length[picked], minlength=S)
         taken[picked] = True
         light_take = _LightTake(c, light, key)(quota, used, room - float(length[picked].sum()))
     else:
-        picked, light_take = _arrived_layer(c, excess, forced & heavy, free, light, quota,
+        picked, light_take = _arrived_layer(c, excess, must, free, light, quota,
                                             used, room, slots, slot_tokens, key)
         taken[picked] = True
     taken |= light_take
@@ -205,24 +211,27 @@ class _LightTake:
         return _take_arrival(self.c, self.light, used, used + remaining, through=self.through)
 
 
-def _arrived(c: Candidates, candidates: np.ndarray, left: np.ndarray) -> np.ndarray:
-    """Of `candidates` (mask), those with no item of `left` (mask: light items this step
-    leaves) before them in their own window (rank, source): taking them overtakes no light
-    item. Candidates come by (source, rank, position), so a window's items are one segment
-    (`Candidates.window_bounds`): its first item left is the segment's least position among
-    them (one `np.minimum.reduceat`; the candidates, few, are looked up alone)."""
-    cand = np.flatnonzero(candidates)
-    out = np.zeros(len(c), dtype=bool)
-    if cand.size == 0:
-        return out
+def _first_left(c: Candidates, light_position: np.ndarray, take: np.ndarray) -> np.ndarray:
+    """Per window (source · num_ranks + rank), the least position of a light item the step
+    leaves (`light_position`: each light item's position, the dtype's largest value for the
+    others; `take`: the light take, a mask); that largest value where there is none.
+    Candidates come by (source, rank, position), so a window's items are one segment
+    (`Candidates.window_bounds`): one `np.minimum.reduceat`."""
     bounds = c.window_bounds
     never = np.iinfo(c.position.dtype).max
     windows = np.flatnonzero(bounds[:-1] < bounds[1:])          # windows with items
     first_left = np.full(bounds.size - 1, never, dtype=c.position.dtype)
-    first_left[windows] = np.minimum.reduceat(np.where(left, c.position, never), bounds[windows])
-    window = c.source[cand].astype(np.int64) * c.num_ranks + c.rank[cand]
-    out[cand[c.position[cand] < first_left[window]]] = True
-    return out
+    first_left[windows] = np.minimum.reduceat(np.where(take, never, light_position),
+                                              bounds[windows])
+    return first_left
+
+
+def _arrived(c: Candidates, candidates: np.ndarray, first_left: np.ndarray) -> np.ndarray:
+    """Of `candidates` (indices, ascending), those with no light item the step leaves before
+    them in their own window (`first_left`, from `_first_left`): taking them overtakes no
+    light item. The candidates, few, are looked up alone."""
+    window = c.source[candidates].astype(np.int64) * c.num_ranks + c.rank[candidates]
+    return candidates[c.position[candidates] < first_left[window]]
 
 
 def _arrived_layer(c: Candidates, excess: np.ndarray, must: np.ndarray, free: np.ndarray,
@@ -230,7 +239,8 @@ def _arrived_layer(c: Candidates, excess: np.ndarray, must: np.ndarray, free: np
                    slots: int, slot_tokens: int, key: np.ndarray
                    ) -> tuple[np.ndarray, np.ndarray]:
     """The heavy layer out of the heavy documents that have *arrived* (`HOLD_ARRIVED`), and
-    the light take around it. Returns (picked heavy indices, light take mask).
+    the light take around it. Returns (picked heavy indices, light take mask). `must`, `free`:
+    the forced and the free heavy items (indices, ascending).
 
     Light documents flow in arrival order at their quotas, so none of them is ever deferred;
     a heavy one may join a layer only when every light item before it in its window is taken
@@ -240,21 +250,22 @@ def _arrived_layer(c: Candidates, excess: np.ndarray, must: np.ndarray, free: np
     depends on the room the layer leaves, so the candidates shrink until they agree (a few
     rounds); a picked item still behind a light one left waits for the next step."""
     length, age = c.length, c.age
-    must_items = np.flatnonzero(must)
     candidates = free
     light_take = _LightTake(c, light, key)
+    light_position = np.where(light, c.position, np.iinfo(c.position.dtype).max)
     whole_room = take = light_take(quota, used.copy(), room)
+    first_left = _first_left(c, light_position, take)
     for _ in range(ARRIVAL_ROUNDS):
-        candidates = _arrived(c, candidates, light & ~take)
-        picked = heavy_layer(excess, must_items, np.flatnonzero(candidates), age, length, slots,
-                             slot_tokens, room)
+        candidates = _arrived(c, candidates, first_left)
+        picked = heavy_layer(excess, must, candidates, age, length, slots, slot_tokens, room)
         if picked.size == 0:   # no layer: the light take is the whole room's
             return picked, whole_room
         take = light_take(quota, used.copy(), room - float(length[picked].sum()))
-        arrived = _arrived(c, free, light & ~take)
-        if arrived[picked].all():
+        first_left = _first_left(c, light_position, take)
+        arrived = np.isin(picked, _arrived(c, free, first_left))
+        if arrived.all():
             break
-    return picked[arrived[picked]], take
+    return picked[arrived], take
 
 
 def bounded_forced(c: Candidates, force_age: int, limit: int) -> np.ndarray:
@@ -286,8 +297,14 @@ def bounded_forced(c: Candidates, force_age: int, limit: int) -> np.ndarray:
     return forced
 
 
+def above_floor(attention: np.ndarray, pool: np.ndarray, linear: float) -> np.ndarray:
+    """The items of `pool` whose attention passes LIGHT_TOLERANCE · `linear`, the floor that
+    `straggler_limit` never goes below: the only ones it can make heavy (indices, ascending)."""
+    return np.flatnonzero(pool & (attention > LIGHT_TOLERANCE * linear * (1 - 1e-9)))
+
+
 def straggler_limit(attention: np.ndarray, length: np.ndarray, pool: np.ndarray,
-                    slot_tokens: int, linear: float) -> float:
+                    slot_tokens: int, linear: float, high: np.ndarray | None = None) -> float:
     """The most attention work a light document may have: a step of light documents gives
     every slot (of `slot_tokens` tokens, `linear` of linear cost when full) about X = T x their
     attention per token, and the balancer evens that out only when no document alone passes X
@@ -295,16 +312,17 @@ def straggler_limit(attention: np.ndarray, length: np.ndarray, pool: np.ndarray,
     the light ones: the fixed point, approached from above (each round only lowers it).
 
     A fixed share of a slot's cost (the rule before) left documents just under it as the lone
-    stragglers of light steps: at C = 128k over CP, R = 64, such steps ran at 0.90-0.93."""
-    x, l = (attention, length) if pool.all() else (attention[pool], length[pool])
+    stragglers of light steps: at C = 128k over CP, R = 64, such steps ran at 0.90-0.93.
+    `high`: `above_floor(attention, pool, linear)`, when already known."""
+    x = attention if pool.all() else attention[pool]
     limit = float(x.max(initial=0.0))
     # Every item is light in the first round; later rounds only drop items above the limit,
     # never below LIGHT_TOLERANCE · linear (the mean is not negative). So the sums are the
     # first round's less those of the few items above the limit, found among the items above
-    # that floor (looked up once). Token sums are whole numbers, so exact.
-    total_x, total_l = float(x.sum()), float(l.sum(dtype=np.float64))
-    high = np.flatnonzero(x > LIGHT_TOLERANCE * linear * (1 - 1e-9))
-    above, above_l = x[high], l[high].astype(np.float64)
+    # that floor (`above_floor`, looked up once). Token sums are whole numbers, so exact.
+    total_x, total_l = float(x.sum()), float(length.sum(where=pool))
+    high = above_floor(attention, pool, linear) if high is None else high
+    above, above_l = attention[high], length[high].astype(np.float64)
     for _ in range(LIGHT_ROUNDS):
         out = above > limit
         tokens = total_l - float(above_l[out].sum())
