@@ -371,7 +371,7 @@ def _put_many(bins: _Bins, items: np.ndarray, cells: np.ndarray, gaps: np.ndarra
             bins.tokens[b] += lengths
         else:
             bins.load += np.bincount(b, weights=bins.weight[items], minlength=B)
-            np.add.at(bins.tokens, b, lengths)
+            bins.tokens += np.bincount(b, weights=lengths, minlength=B).astype(np.int64)
         bins.bin[items] = b
         bins.row[items] = r
         return
@@ -876,12 +876,15 @@ def assign_balanced(c: Candidates, selected: np.ndarray, geometry: Geometry, cos
     selected = np.asarray(selected, dtype=np.int64)
     if forced is None:
         forced = np.zeros(selected.size, dtype=bool)
-    # Candidate index order, the tie-break everywhere below (an O(n) sort by marking).
-    mark = np.zeros(len(c), dtype=np.int8)
-    mark[selected] = 1
-    mark[selected[np.asarray(forced, dtype=bool)]] = 2
-    selected = np.flatnonzero(mark)
-    forced = mark[selected] == 2
+    # Candidate index order, the tie-break everywhere below: as the selections give it (a
+    # check over the selection), else an O(n) sort by marking (over every candidate).
+    forced = np.array(forced, dtype=bool)
+    if selected.size > 1 and not (selected[1:] > selected[:-1]).all():
+        mark = np.zeros(len(c), dtype=np.int8)
+        mark[selected] = 1
+        mark[selected[forced]] = 2
+        selected = np.flatnonzero(mark)
+        forced = mark[selected] == 2
     if selected.size == 0:
         return np.zeros(0, np.int64), np.zeros(0, np.int32), np.zeros(0, np.int32)
     forced = _oldest_that_fit(c, selected, forced, geometry)

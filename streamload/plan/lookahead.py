@@ -65,34 +65,36 @@ ARRIVAL_ROUNDS = 3   # rounds for the arrived heavy items and the light take to 
 step_quotas = water_fill
 
 
-def _arrival_through(c: Candidates, mask: np.ndarray, key: np.ndarray) -> np.ndarray:
-    """[S, P]: tokens of the items in `mask` per source up to and including each position (P:
-    the largest position + 1), for `_take_arrival`. `key`: each candidate's source · P +
-    position. Sums of whole numbers, so exact. Worked out once per mask: the light take reads
-    the same mask in every round of `_arrived_layer`."""
+def _arrival_tokens(c: Candidates, mask: np.ndarray, key: np.ndarray) -> np.ndarray:
+    """[S, P]: tokens of the items in `mask` per (source, position) (P: the largest position
+    + 1), for `_take_arrival`. `key`: `Candidates.arrival_key`. Sums of whole numbers, so
+    exact: a histogram made from another by adding and taking away items is the same."""
     P = int(c.position.max()) + 1
-    tokens = np.bincount(key, weights=np.where(mask, c.float_length, 0.0),
-                         minlength=c.num_sources * P).reshape(c.num_sources, P)
-    return np.cumsum(tokens, axis=1)
+    return np.bincount(key, weights=np.where(mask, c.float_length, 0.0),
+                       minlength=c.num_sources * P).reshape(c.num_sources, P)
 
 
 def _take_arrival(c: Candidates, mask: np.ndarray, used: np.ndarray,
                   quota: np.ndarray, key: np.ndarray | None = None,
-                  through: np.ndarray | None = None) -> np.ndarray:
+                  tokens: np.ndarray | None = None, through: np.ndarray | None = None,
+                  with_tokens: bool = False):
     """Among candidates in `mask`, per source in arrival order (position, then rank), those
     taken while the source's tokens are below its quota (one item of overshoot, like `select`).
 
     Whole positions are taken while a source's quota lasts; only the one position where it runs
-    out is sorted by rank, so this is O(n). Updates `used`; returns a mask of what is taken.
-    `key`: each candidate's source · (largest position + 1) + position, when already known;
-    `through`: `_arrival_through(c, mask, key)`, when already known.
+    out is sorted by rank, so this is O(n). Updates `used`; returns a mask of what is taken,
+    and with `with_tokens` its tokens per (source, position) too (as `_arrival_tokens` gives
+    them). `key`: `Candidates.arrival_key`, when already known; `tokens`: `_arrival_tokens(c,
+    mask, key)` and `through`: their running sums over positions, when already known.
     """
     S = used.shape[0]
     take = np.zeros(len(c), dtype=bool)
+    if tokens is None and (through is None or with_tokens):
+        tokens = _arrival_tokens(c, mask, c.arrival_key if key is None else key)
     if not mask.any():
-        return take
+        return (take, np.zeros_like(tokens)) if with_tokens else take
     if through is None:
-        through = _arrival_through(c, mask, c.arrival_key if key is None else key)
+        through = np.cumsum(tokens, axis=1)                     # up to and including p
     remaining = quota - used
     # First position where a source reaches its quota (P when it never does), in the
     # positions' own dtype: the comparisons below then convert nothing.
@@ -100,6 +102,7 @@ def _take_arrival(c: Candidates, mask: np.ndarray, used: np.ndarray,
     limit = c.by_source(cutoff.astype(c.position.dtype))
     take = mask & (c.position < limit)
     edge = np.flatnonzero(mask & (c.position == limit))
+    edge_tokens = None
     if edge.size:
         es = c.source[edge].astype(np.int64)
         edge = edge[np.lexsort((c.rank[edge], es))]
@@ -111,10 +114,19 @@ def _take_arrival(c: Candidates, mask: np.ndarray, used: np.ndarray,
         within = csum - lengths - (csum[starts] - lengths[starts])
         taken = before_position + within < remaining[es]
         take[edge[taken]] = True
-        used += np.bincount(es, weights=np.where(taken, lengths, 0), minlength=S)
+        edge_tokens = np.bincount(es, weights=np.where(taken, lengths, 0), minlength=S)
+        used += edge_tokens
     # Whole positions: their tokens are known already (sums of whole numbers, so exact).
     used += np.where(cutoff > 0, through[np.arange(S), np.maximum(cutoff - 1, 0)], 0.0)
-    return take
+    if not with_tokens:
+        return take
+    # What was taken: the whole positions before each source's cutoff, and the edge items
+    # taken at it.
+    took = np.where(np.arange(tokens.shape[1]) < cutoff[:, None], tokens, 0.0)
+    if edge_tokens is not None:
+        at = np.flatnonzero(edge_tokens > 0)
+        took[at, cutoff[at]] += edge_tokens[at]
+    return take, took
 
 
 def select_lookahead(c: Candidates, targets: np.ndarray, geometry: Geometry, cost: CostModel, *,
@@ -129,15 +141,21 @@ def select_lookahead(c: Candidates, targets: np.ndarray, geometry: Geometry, cos
     # The lookahead pool: `window` steps' worth per source, overdue items first, then arrival
     # order (what `select` does with window * targets). Masks over all candidates from here on.
     forced = bounded_forced(c, force_age, geometry.step_tokens // 2)
-    window_quota = step_quotas(targets * window, c.source_tokens())
     overdue = np.flatnonzero(forced)
     forced_tokens = np.bincount(source[overdue], weights=length[overdue],
                                 minlength=S).astype(np.float64)
     key = c.arrival_key
+    # Token sums below are whole numbers, so exact: they are made from this histogram of the
+    # items not forced, by adding and taking away items, not by more passes over every item.
+    unforced = ~forced
+    unforced_tokens = _arrival_tokens(c, unforced, key)
+    window_quota = step_quotas(targets * window, unforced_tokens.sum(axis=1) + forced_tokens)
     # The pool's tokens per source: the forced ones and what the arrival fill takes (which it
-    # counts into `pool_by_source`; whole numbers, so exact).
+    # counts into `pool_by_source`).
     pool_by_source = forced_tokens.copy()
-    pool = forced | _take_arrival(c, ~forced, pool_by_source, window_quota, key)
+    pool_take, pool_by_position = _take_arrival(c, unforced, pool_by_source, window_quota,
+                                                key, tokens=unforced_tokens, with_tokens=True)
+    pool = forced | pool_take
     weight = item_costs(c, None, cost)
     quota = step_quotas(targets, pool_by_source)
     pool_tokens = float(pool_by_source.sum())   # whole numbers: the float sum is exact
@@ -153,11 +171,10 @@ def select_lookahead(c: Candidates, targets: np.ndarray, geometry: Geometry, cos
     high = above_floor(attention, pool, linear)
     limit = straggler_limit(attention, length, pool, slot_tokens, linear, high)
     heavy_items = high[(attention[high] > limit) & (length[high] <= geometry.capacity)]
-    heavy = np.zeros(len(c), dtype=bool)
-    heavy[heavy_items] = True
     # What a heavy item costs above the light documents' rate per token: what its slot
     # carries more than a slot of light documents of the same tokens.
-    light_pool = pool & ~heavy
+    light_pool = pool.copy()
+    light_pool[heavy_items] = False
     density = float(weight[light_pool].sum()) / float(length.sum(where=light_pool)) \
         if light_pool.any() else float(cost.b)
     excess = np.zeros(len(c))                      # read for heavy items only
@@ -173,15 +190,22 @@ def select_lookahead(c: Candidates, targets: np.ndarray, geometry: Geometry, cos
     heavy_forced = forced[heavy_items]
     free = heavy_items[~heavy_forced & (quota > used)[source[heavy_items]]]
     must = heavy_items[heavy_forced]
-    light = pool & ~taken & ~heavy
+    light = pool_take.copy()                       # the pool less the forced and heavy items
+    light[heavy_items] = False
+    # The light items' tokens: the pool's not forced, less its heavy ones (few).
+    heavy_unforced = heavy_items[~heavy_forced]
+    light_tokens = pool_by_position - np.bincount(
+        key[heavy_unforced], weights=c.float_length[heavy_unforced],
+        minlength=pool_by_position.size).reshape(pool_by_position.shape)
     if not HOLD_ARRIVED:
         picked = heavy_layer(excess, must, free, age, length, slots, slot_tokens, room)
         used += np.bincount(source[picked], weights=length[picked], minlength=S)
         taken[picked] = True
-        light_take = _LightTake(c, light, key)(quota, used, room - float(length[picked].sum()))
+        light_take = _LightTake(c, light, light_tokens)(quota, used,
+                                                        room - float(length[picked].sum()))
     else:
         picked, light_take = _arrived_layer(c, excess, must, free, light, quota,
-                                            used, room, slots, slot_tokens, key)
+                                            used, room, slots, slot_tokens, light_tokens)
         taken[picked] = True
     taken |= light_take
     selected = np.flatnonzero(taken)
@@ -194,13 +218,14 @@ class _LightTake:
     of light documents (one of long ones only) hands its part to the others, as `step_quotas`
     does (its heavy ones wait for their layer; the carry keeps the mix).
 
-    The light items' tokens per source and per (source, position) are worked out once: the
-    rounds of `_arrived_layer` take from the same light items in different rooms."""
+    The light items' tokens per (source, position) (`tokens`, as `_arrival_tokens` gives
+    them) are summed once: the rounds of `_arrived_layer` take from the same light items in
+    different rooms."""
 
-    def __init__(self, c: Candidates, light: np.ndarray, key: np.ndarray):
+    def __init__(self, c: Candidates, light: np.ndarray, tokens: np.ndarray):
         self.c, self.light = c, light
-        self.available = c.source_tokens(light)
-        self.through = _arrival_through(c, light, key)
+        self.available = tokens.sum(axis=1)
+        self.through = np.cumsum(tokens, axis=1)
 
     def __call__(self, quota: np.ndarray, used: np.ndarray, room: float) -> np.ndarray:
         """The take (a mask) in `room` tokens, `used` tokens of each source taken already
@@ -236,11 +261,12 @@ def _arrived(c: Candidates, candidates: np.ndarray, first_left: np.ndarray) -> n
 
 def _arrived_layer(c: Candidates, excess: np.ndarray, must: np.ndarray, free: np.ndarray,
                    light: np.ndarray, quota: np.ndarray, used: np.ndarray, room: float,
-                   slots: int, slot_tokens: int, key: np.ndarray
+                   slots: int, slot_tokens: int, light_tokens: np.ndarray
                    ) -> tuple[np.ndarray, np.ndarray]:
     """The heavy layer out of the heavy documents that have *arrived* (`HOLD_ARRIVED`), and
     the light take around it. Returns (picked heavy indices, light take mask). `must`, `free`:
-    the forced and the free heavy items (indices, ascending).
+    the forced and the free heavy items (indices, ascending); `light_tokens`: the light
+    items' tokens per (source, position) (`_arrival_tokens`).
 
     Light documents flow in arrival order at their quotas, so none of them is ever deferred;
     a heavy one may join a layer only when every light item before it in its window is taken
@@ -251,7 +277,7 @@ def _arrived_layer(c: Candidates, excess: np.ndarray, must: np.ndarray, free: np
     rounds); a picked item still behind a light one left waits for the next step."""
     length, age = c.length, c.age
     candidates = free
-    light_take = _LightTake(c, light, key)
+    light_take = _LightTake(c, light, light_tokens)
     light_position = np.where(light, c.position, np.iinfo(c.position.dtype).max)
     whole_room = take = light_take(quota, used.copy(), room)
     first_left = _first_left(c, light_position, take)
