@@ -328,12 +328,15 @@ def _sorted_by(*keys: tuple[np.ndarray, int]) -> np.ndarray:
     fits in 16 bits NumPy's stable sort is a radix sort, which is what makes this cheap. Up to
     32 bits, two such sorts (low half, then high half) still beat a comparison sort.
     """
-    bound = 1
-    packed = np.zeros(keys[0][0].shape[0], dtype=np.int64)
-    for key, key_bound in keys:
-        bound *= max(int(key_bound), 1)
-        packed *= max(int(key_bound), 1)
-        packed += key
+    if len(keys) == 1:   # one key: it is the packed key (no passes to pack it)
+        packed, bound = keys[0][0], max(int(keys[0][1]), 1)
+    else:
+        bound = 1
+        packed = np.zeros(keys[0][0].shape[0], dtype=np.int64)
+        for key, key_bound in keys:
+            bound *= max(int(key_bound), 1)
+            packed *= max(int(key_bound), 1)
+            packed += key
     if bound > 2 ** 62:
         return np.lexsort(tuple(k for k, _ in reversed(keys)))
     if bound <= 2 ** 16:
@@ -394,8 +397,11 @@ def _keep_home(bins: _Bins, items: np.ndarray, gaps: np.ndarray) -> np.ndarray:
     B, M, C = bins.num_bins, bins.rows, bins.capacity
     length = bins.length
     home = bins.home_bin[items]
-    own = np.flatnonzero(home >= 0)
-    own = own[_sorted_by((home[own], B))]
+    if home.size and int(home.min()) >= 0:   # every item has a home (rows under 1F1B)
+        own = _sorted_by((home, B))
+    else:
+        own = np.flatnonzero(home >= 0)
+        own = own[_sorted_by((home[own], B))]
     own_items, own_home = items[own], home[own]
     lengths = length[own_items]
     # Tokens before each item in its bin: whole numbers, so the float sums are exact.
