@@ -1,4 +1,5 @@
-"""Mechanics the planner's speed rests on: per-source sums by segment (`Candidates`), and the
+"""Mechanics the planner's speed rests on: per-source sums by segment (`Candidates`), window
+bounds and arrival keys, the arrival take's own count of what it took, and the
 light fill's runs (`balance._runs`) ahead of the waves.
 
 The per-source helpers must give what the weighted counts and gathers they replace give,
@@ -93,3 +94,46 @@ def test_runs_leave_few_rows_and_rank_bins_to_the_waves():
     many = _Bins(RUN_ROWS, 2, 16384, bins.weight, bins.length, bins.home_bin)
     gaps2 = np.full(RUN_ROWS * 2, 8000.0)
     assert np.array_equal(_runs(many, items, gaps2), items)    # several rows per bin
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_window_bounds_and_arrival_keys_match_the_per_item_keys(seed):
+    """`Candidates.window_bounds` (searched per source) is where each (source, rank) key
+    starts, empty windows included; `arrival_key` is source · (largest position + 1) +
+    position; `windows()` walks the same segments."""
+    rng = np.random.default_rng(seed)
+    c = _candidates(rng, shuffled=False)
+    S, R = c.num_sources, c.num_ranks
+    window = c.source.astype(np.int64) * R + c.rank
+    assert np.array_equal(c.window_bounds, np.searchsorted(window, np.arange(S * R + 1)))
+    span = int(c.position.max(initial=-1)) + 1
+    assert np.array_equal(c.arrival_key, c.source.astype(np.int64) * span + c.position)
+    seen = np.zeros(len(c), dtype=int)
+    for (s, r), part in c.windows():
+        assert (c.source[part] == s).all() and (c.rank[part] == r).all()
+        seen[part] += 1
+    assert (seen == 1).all()
+    assert c.has_extra_cost is False
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_the_arrival_take_counts_what_it_took_by_source_and_position(seed):
+    """`lookahead._take_arrival(..., with_tokens=True)` reports the tokens it took per
+    (source, position) from the histogram it was given: the same as a histogram of the take
+    (the selection derives the pool's and the light items' sums from it), and the tokens it
+    adds to `used` are their sums per source."""
+    from streamload.plan.lookahead import _arrival_tokens, _take_arrival
+    rng = np.random.default_rng(seed)
+    c = _candidates(rng, shuffled=False)
+    if len(c) == 0:
+        return
+    mask = rng.random(len(c)) < 0.8
+    key = c.arrival_key
+    tokens = _arrival_tokens(c, mask, key)
+    quota = tokens.sum(axis=1) * rng.uniform(0, 1.2, c.num_sources)
+    used = np.zeros(c.num_sources)
+    take, took = _take_arrival(c, mask, used, quota, key, tokens=tokens, with_tokens=True)
+    assert not (take & ~mask).any()
+    assert np.array_equal(took, _arrival_tokens(c, take, key))
+    assert np.array_equal(used, took.sum(axis=1))
+    assert np.array_equal(take, _take_arrival(c, mask, np.zeros(c.num_sources), quota))
