@@ -896,6 +896,12 @@ def assign_balanced(c: Candidates, selected: np.ndarray, geometry: Geometry, cos
     forced = _oldest_that_fit(c, selected, forced, geometry)
     length = c.length[selected].astype(np.int64)
     usable = length <= C
+    all_usable = bool(usable.all())
+
+    def of_usable(values):   # `values[usable]` (a copy, not needed when all are)
+        return values if all_usable else values[usable]
+
+    usable_tokens = float(of_usable(length).sum())
     masking = cost.document_masking
     # With P pipeline stages a rank's step waits on its costliest micro-batch (1F1B), so the
     # rows are the bins: even rows make even ranks, and the bubble small.
@@ -904,36 +910,39 @@ def assign_balanced(c: Candidates, selected: np.ndarray, geometry: Geometry, cos
         light_share = ROW_LIGHT_SHARE if rows_are_bins else LIGHT_SHARE
     if rows_are_bins:
         weight = item_costs(c, selected, cost)
-        target_tokens = min(float(C), float(length[usable].sum()) / (R * M))
+        usable_weight = float(of_usable(weight).sum())
+        target_tokens = min(float(C), usable_tokens / (R * M))
         # An item's home is a row of the rank that holds it (spread by position).
         home = c.rank[selected].astype(np.int64) * M + c.position[selected] % M
         bins = _Bins(R * M, 1, C, weight, length, home, float(cost.b), target_tokens)
-        light = usable & ~forced & (weight < light_share * float(weight[usable].sum()) / (R * M))
+        light = usable & ~forced & (weight < light_share * usable_weight / (R * M))
         if light.any():
-            bins.light_density = float(weight[light].sum()) / float(length[light].sum())
+            bins.light_density = float(weight[light].sum()) / float(length.sum(where=light))
     elif masking:
         weight = item_costs(c, selected, cost)
+        usable_weight = float(of_usable(weight).sum())
         # Every token costs at least b: bins short of the average token count will still get
         # that many tokens of light items, at about b each.
-        target_tokens = min(float(M * C), float(length[usable].sum()) / R)
+        target_tokens = min(float(M * C), usable_tokens / R)
         bins = _Bins(R, M, C, weight, length, c.rank[selected].astype(np.int64),
                      float(cost.b), target_tokens)
-        light = usable & ~forced & (weight < light_share * float(weight[usable].sum()) / R)
+        light = usable & ~forced & (weight < light_share * usable_weight / R)
         if light.any():
-            bins.light_density = float(weight[light].sum()) / float(length[light].sum())
+            bins.light_density = float(weight[light].sum()) / float(length.sum(where=light))
     else:
         # Rows are the bins; evening out row tokens minimizes every rank's sum of row costs.
         weight = length.astype(np.float64) + c.extra_cost[selected] / max(cost.b + cost.a * C, _EPS)
+        usable_weight = float(of_usable(weight).sum())
         bins = _Bins(R * M, 1, C, weight, length, np.full(selected.size, -1, np.int64))
     excess = weight - bins.light_density * length
     local = np.arange(selected.size, dtype=np.int64)
     # Leaving an item for the next step only pays when steps are full anyway (then the next
     # step is full too, and the step time is what counts). When the selection fits with room
     # to spare, everything that fits is taken.
-    tight = float(length[usable].sum()) >= TIGHT * M * C * R
+    tight = usable_tokens >= TIGHT * M * C * R
     # The level no plan can beat: the fair load, or the heaviest item on its own. (Capping
     # below the heaviest item would leave it waiting for ever.)
-    bound = max(float(weight[usable].sum()) / bins.num_bins, float(weight[usable].max(initial=0)))
+    bound = max(usable_weight / bins.num_bins, float(weight.max(initial=0, where=usable)))
     cap = bound if tight else None
     if refine_iters is None:
         refine_iters = min(4 * bins.num_bins, 32) if bins.num_bins <= REFINE_BINS else 0
@@ -946,14 +955,15 @@ def assign_balanced(c: Candidates, selected: np.ndarray, geometry: Geometry, cos
         return items[np.lexsort((items, -weight[items], -excess[items]))]
 
     def run(forced_first: bool) -> bool:
-        rest = local[usable]
+        rest = of_usable(local)
         if forced_first:
             # Longest first, so first-fit-decreasing guarantees they fit while they take at
             # most half the step's capacity.
             f = local[forced & usable]
             _lpt(bins, f[np.lexsort((f, -weight[f], -length[f]))], cap=None)
             rest = local[~forced & usable]
-        light = weight[rest] < light_share * float(weight[usable].sum()) / bins.num_bins
+        light = (weight if rest is local else weight[rest]) < \
+            light_share * usable_weight / bins.num_bins
         # Going home may cost balance only where light items will even it out afterwards.
         _lpt(bins, largest_first(rest[~light]), cap=cap, home_first=masking, forced=forced,
              home_slack=HOME_SLACK if tight else 0.0)
@@ -991,13 +1001,13 @@ def assign_balanced(c: Candidates, selected: np.ndarray, geometry: Geometry, cos
         run(forced_first=True)
 
     placed = local[bins.bin >= 0]
+    # Each item's (rank, row) as rank · M + row, and the plan in that order.
     if masking and not rows_are_bins:
-        rank, row = bins.bin[placed], bins.row[placed]
+        cell = bins.bin[placed] * M + bins.row[placed]
     elif rows_are_bins:
         cell = deal_rows(bins.load, R, M)[bins.bin[placed]]
-        rank, row = cell // M, cell % M
     else:
-        rank, row = bins.bin[placed] // M, bins.bin[placed] % M
-    take = selected[placed]
-    out = _sorted_by((rank, R), (row, M))
-    return take[out], rank[out].astype(np.int32), row[out].astype(np.int32)
+        cell = bins.bin[placed]
+    out = _sorted_by((cell, R * M))
+    cell = cell[out]
+    return selected[placed[out]], (cell // M).astype(np.int32), (cell % M).astype(np.int32)
