@@ -137,16 +137,16 @@ class _Bins:
             return np.zeros(0, dtype=bool)
         lengths = self.length[items]
         if self.rows == 1:                                           # rows are the bins
-            ok = self.capacity - self.fill[bins, 0] >= lengths
+            fill = self.fill.reshape(-1)                             # a view: one row each
+            ok = self.capacity - fill[bins] >= lengths
             b, it, placed = (bins, items, lengths) if ok.all() else \
                 (bins[ok], items[ok], lengths[ok])
-            r = np.zeros(b.size, dtype=np.int64)
-            self.fill[b, 0] += placed
+            fill[b] += placed
             self.load[b] += self.weight[it]
             self.tokens[b] += placed
-            self.maxroom[b] = self.capacity - self.fill[b, 0]
+            self.maxroom[b] = self.capacity - fill[b]
             self.bin[it] = b
-            self.row[it] = r
+            self.row[it] = 0
             return ok
         room = self.capacity - self.fill[bins]                       # (k, rows)
         fits = room >= lengths[:, None]
@@ -365,7 +365,7 @@ def _put_many(bins: _Bins, items: np.ndarray, cells: np.ndarray, gaps: np.ndarra
     several rows, where the bins' loads are still summed by `np.bincount`)."""
     M, B = bins.rows, bins.num_bins
     lengths = bins.length[items]
-    b, r = cells // M, cells % M
+    b, r = (cells, 0) if M == 1 else (cells // M, cells % M)   # one row per bin: the cell
     if one_per_row:
         bins.fill[b, r] += lengths
         gaps[cells] -= lengths
@@ -379,9 +379,11 @@ def _put_many(bins: _Bins, items: np.ndarray, cells: np.ndarray, gaps: np.ndarra
         bins.row[items] = r
         return
     per_cell = np.bincount(cells, weights=lengths, minlength=B * M)
-    bins.fill += per_cell.astype(np.int64).reshape(B, M)
+    cell_tokens = per_cell.astype(np.int64)
+    bins.fill += cell_tokens.reshape(B, M)
     bins.load += np.bincount(b, weights=bins.weight[items], minlength=B)
-    bins.tokens += np.bincount(b, weights=lengths, minlength=B).astype(np.int64)
+    bins.tokens += cell_tokens if M == 1 else \
+        np.bincount(b, weights=lengths, minlength=B).astype(np.int64)
     gaps -= per_cell
     bins.bin[items] = b
     bins.row[items] = r
