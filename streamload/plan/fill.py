@@ -106,7 +106,8 @@ class _Rows:
         cells = rank.astype(np.int64) * M + row
         self.fill = np.bincount(cells, weights=c.length[take], minlength=R * M).astype(np.int64)
         self.room = C - self.fill
-        row_load = cost.row_costs(c.length[take], cells, R * M, extra_cost=c.extra_cost[take])
+        row_load = cost.row_costs(c.length[take], cells, R * M,
+                                  extra_cost=c.extra_cost[take] if c.has_extra_cost else None)
         if geometry.pipelined:   # under 1F1B each row counts on its own (balance.py)
             self.load, self.row_rank = row_load, np.arange(R * M)
         else:

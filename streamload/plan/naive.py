@@ -72,7 +72,7 @@ def finish(c: Candidates, take, rank, row, geometry: Geometry, cost,
     R, M = geometry.ranks, geometry.micro_batches
     length = c.length[take] if length is None else np.asarray(length, dtype=np.int64)
     row_costs = cost.row_costs(length, rank.astype(np.int64) * M + row, R * M,
-                               extra_cost=c.extra_cost[take])
+                               extra_cost=c.extra_cost[take] if c.has_extra_cost else None)
     row_costs = row_costs.reshape(R, M)
     return Assignment(take=take, rank=rank, row=row, rank_cost=row_costs.sum(axis=1),
                       length=length, row_cost=row_costs,
