@@ -137,3 +137,26 @@ def test_the_arrival_take_counts_what_it_took_by_source_and_position(seed):
     assert np.array_equal(took, _arrival_tokens(c, take, key))
     assert np.array_equal(used, took.sum(axis=1))
     assert np.array_equal(take, _take_arrival(c, mask, np.zeros(c.num_sources), quota))
+
+
+@pytest.mark.parametrize("shuffled", [False, True])
+@pytest.mark.parametrize("seed", range(20))
+def test_first_light_item_left_per_window_whatever_the_layout(seed, shuffled):
+    """`lookahead._first_left`: per (source, rank) window, the least position of a light item
+    not taken. By segments where the items come by window, by window key where they do not
+    (sources relabelled by length buckets come in any order): the same answer as a loop."""
+    from streamload.plan.lookahead import _first_left
+    rng = np.random.default_rng(seed)
+    c = _candidates(rng, shuffled)
+    window = c.source.astype(np.int64) * c.num_ranks + c.rank
+    assert (c.window_bounds is None) == bool((window[1:] < window[:-1]).any())
+    never = np.iinfo(c.position.dtype).max
+    light = rng.random(len(c)) < 0.7
+    take = rng.random(len(c)) < 0.5
+    got = _first_left(c, np.where(light, c.position, never), take)
+    expected = np.full(c.num_sources * c.num_ranks, never, dtype=c.position.dtype)
+    for i in range(len(c)):
+        if light[i] and not take[i]:
+            w = int(c.source[i]) * c.num_ranks + int(c.rank[i])
+            expected[w] = min(expected[w], c.position[i])
+    assert np.array_equal(got, expected)

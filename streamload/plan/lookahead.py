@@ -240,14 +240,19 @@ def _first_left(c: Candidates, light_position: np.ndarray, take: np.ndarray) -> 
     """Per window (source · num_ranks + rank), the least position of a light item the step
     leaves (`light_position`: each light item's position, the dtype's largest value for the
     others; `take`: the light take, a mask); that largest value where there is none.
-    Candidates come by (source, rank, position), so a window's items are one segment
-    (`Candidates.window_bounds`): one `np.minimum.reduceat`."""
+    Where candidates come by (source, rank, position), a window's items are one segment
+    (`Candidates.window_bounds`): one `np.minimum.reduceat`; else (sources relabelled by
+    length buckets) a minimum per window key."""
     bounds = c.window_bounds
     never = np.iinfo(c.position.dtype).max
+    left_position = np.where(take, never, light_position)
+    first_left = np.full(c.num_sources * c.num_ranks, never, dtype=c.position.dtype)
+    if bounds is None:
+        np.minimum.at(first_left, c.source.astype(np.int64) * c.num_ranks + c.rank,
+                      left_position)
+        return first_left
     windows = np.flatnonzero(bounds[:-1] < bounds[1:])          # windows with items
-    first_left = np.full(bounds.size - 1, never, dtype=c.position.dtype)
-    first_left[windows] = np.minimum.reduceat(np.where(take, never, light_position),
-                                              bounds[windows])
+    first_left[windows] = np.minimum.reduceat(left_position, bounds[windows])
     return first_left
 
 

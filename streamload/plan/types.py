@@ -156,23 +156,34 @@ class Candidates:
         return out
 
     @cached_property
-    def window_bounds(self) -> np.ndarray:
+    def window_bounds(self) -> np.ndarray | None:
         """Where each window (source · num_ranks + rank) starts, and the end (num_sources ·
-        num_ranks + 1 offsets; the items come by (source, rank, position)). Searched per
-        source over its ranks, not over a key per item."""
+        num_ranks + 1 offsets), when the items come by (source, rank, position) as windows
+        lay them out; None when they do not (sources relabelled by length buckets,
+        `quota_mixer`, come in any order). Searched per source over its ranks, not over a key
+        per item."""
+        by_source = self._source_bounds
+        if by_source is None:
+            return None
         S, R = self.num_sources, self.num_ranks
-        by_source = np.searchsorted(self.source, np.arange(S + 1))
         bounds = np.empty(S * R + 1, dtype=np.int64)
         queries = np.arange(R)
         for s in range(S):
             first, end = int(by_source[s]), int(by_source[s + 1])
-            bounds[s * R:(s + 1) * R] = first + np.searchsorted(self.rank[first:end], queries)
+            ranks = self.rank[first:end]
+            if not (ranks[1:] >= ranks[:-1]).all():
+                return None
+            bounds[s * R:(s + 1) * R] = first + np.searchsorted(ranks, queries)
         bounds[S * R] = len(self)
         return bounds
 
     def windows(self):
-        """((source, rank), slice) of every non-empty window, in candidate order."""
+        """((source, rank), slice) of every non-empty window, in candidate order (items laid
+        out by window)."""
         bounds = self.window_bounds
+        if bounds is None:
+            key = self.source.astype(np.int64) * self.num_ranks + self.rank
+            bounds = np.searchsorted(key, np.arange(self.num_sources * self.num_ranks + 1))
         for k in np.flatnonzero(np.diff(bounds)).tolist():
             yield divmod(k, self.num_ranks), slice(int(bounds[k]), int(bounds[k + 1]))
 
