@@ -948,7 +948,7 @@ def assign_balanced(c: Candidates, selected: np.ndarray, geometry: Geometry, cos
     cap = bound if tight else None
     if refine_iters is None:
         refine_iters = min(4 * bins.num_bins, 32) if bins.num_bins <= REFINE_BINS else 0
-    extra = bool(c.extra_cost[selected].any())
+    extra = c.has_extra_cost and bool(c.extra_cost[selected].any())
     arrival = _arrival_windows(c, selected) if tight and ARRIVAL_SWAPS else None
 
     def largest_first(items):
