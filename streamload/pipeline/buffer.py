@@ -143,14 +143,23 @@ class EndOfEpoch:
         self.epoch = epoch
 
 
-def _columns(blocks: Sequence[ItemBlock], n: int):
-    """The first `n` items of `blocks`, as concatenated columns: lengths, ages, ids [n, 3],
-    images (or None), extra costs (or None), images and patches [2, n] (or None)."""
+def _columns(blocks: Sequence[ItemBlock], at_hand: np.ndarray, n: int):
+    """The first `n` items of `blocks` (whose lengths are `at_hand`), as columns of their own:
+    lengths, ages, ids [n, 3], images (or None), extra costs (or None), images and patches
+    [2, n] (or None)."""
     if not blocks:
         return _EMPTY, _EMPTY, np.zeros((0, 3), np.int64), None, None, None
-    lengths = np.concatenate([b.length for b in blocks])[:n]
-    ages = np.concatenate([b.age for b in blocks])[:n]
+    lengths = at_hand[:n].copy() if len(blocks) == 1 else at_hand[:n]   # a block's: copied
     ids = np.empty((n, 3), np.int64)
+    if len(blocks) == 1:   # the window in one block (most steps): slices, no concatenations
+        b = blocks[0]
+        ids[:, 0] = b.shard
+        ids[:, 1] = b.record[:n]
+        ids[:, 2] = b.chunk[:n]
+        return (lengths, b.age[:n].copy(), ids, None if b.images is None else b.images[:n],
+                None if b.cost is None else b.cost[:n].copy(),
+                None if b.visual is None else b.visual[:, :n].copy())
+    ages = np.concatenate([b.age for b in blocks])[:n]
     ids[:, 0] = np.repeat([b.shard for b in blocks], [len(b) for b in blocks])[:n]
     ids[:, 1] = np.concatenate([b.record for b in blocks])[:n]
     ids[:, 2] = np.concatenate([b.chunk for b in blocks])[:n]
@@ -276,9 +285,10 @@ class SourceBuffer:
         """The head window (call after wait_ready), and whether it holds the rest of the epoch:
         `plan.windows.head_window` over the items before the first marker."""
         blocks, ended = self._head()
-        at_hand = np.concatenate([b.length for b in blocks]) if blocks else _EMPTY
+        at_hand = _EMPTY if not blocks else blocks[0].length if len(blocks) == 1 else \
+            np.concatenate([b.length for b in blocks])
         n, done = head_window(at_hand, self.window_tokens, ended) or (at_hand.shape[0], False)
-        lengths, ages, ids, images, cost, visual = _columns(blocks, n)
+        lengths, ages, ids, images, cost, visual = _columns(blocks, at_hand, n)
         return Window(lengths, ages, ids, done, images, cost, visual)
 
     def take(self, positions: np.ndarray, window_size: int,
