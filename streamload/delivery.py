@@ -57,6 +57,7 @@ class Delivery:
         self._step_size = geometry.micro_batches * geometry.capacity
         self._row_memory = ArrayRecycler(row_memory_words(self._step_size), np.int64,
                                          batches_held)
+        self._counting = np.arange(geometry.capacity, dtype=np.int64)   # position ids' source
         self.images: Optional[ImageBatches] = None   # `use_images`
         self.encoder_sources = encoder_sources
         self.on_error = on_error
@@ -144,7 +145,8 @@ class Delivery:
         """The received items packed into their rows (in `memory`), and a MicroBatch each."""
         rows = pack_rows(tokens, row_of, self.geometry.micro_batches, self.geometry.capacity,
                          out=split_row_memory(memory, self._step_size),
-                         pad_to_capacity=self._pad, pad_token_id=self._pad_token_id)
+                         pad_to_capacity=self._pad, pad_token_id=self._pad_token_id,
+                         counting=self._counting)
         micro_batches = []
         for row in rows:
             ids = [self._sample_id(source_list[k], *id_list[k]) for k in row.item_indices.tolist()]

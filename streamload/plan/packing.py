@@ -56,7 +56,8 @@ def split_row_memory(memory: np.ndarray, step_tokens: int) -> RowMemory:
 
 def pack_rows(token_arrays: list[np.ndarray], rows: np.ndarray, num_rows: int,
               capacity: int, out: Optional[RowMemory] = None, *,
-              pad_to_capacity: bool = False, pad_token_id: int = 0) -> list[PackedRow]:
+              pad_to_capacity: bool = False, pad_token_id: int = 0,
+              counting: Optional[np.ndarray] = None) -> list[PackedRow]:
     """Concatenate items into `num_rows` rows, keeping their order within each row. Items may
     hold any integer dtype that fits int64 (uint8 bytes, int32 ids, ...); token ids are >= 0.
 
@@ -67,7 +68,9 @@ def pack_rows(token_arrays: list[np.ndarray], rows: np.ndarray, num_rows: int,
 
     What it costs is the 28 bytes per token it writes (into memory last written steps ago,
     out of cache), so each field is written in one pass: unpadded rows lie back to back, so
-    each field of the whole step is one NumPy call (`_fill`); padded rows one per row."""
+    each field of the whole step is one NumPy call (`_fill`); padded rows one per row.
+    `counting`: int64 0, 1, 2, ... (`np.arange(capacity)`, which a caller packing every step
+    keeps: made anew, its pages are faulted in each time); made here when None or short."""
     rows = np.asarray(rows, dtype=np.int64)
     lengths = np.fromiter(map(len, token_arrays), dtype=np.int64, count=len(token_arrays))
     by_row = np.argsort(rows, kind="stable")   # grouped by row, input order within a row
@@ -98,8 +101,9 @@ def pack_rows(token_arrays: list[np.ndarray], rows: np.ndarray, num_rows: int,
         items = [token_arrays[i] for i in by_row.tolist()]
         # Each segment's positions are a prefix of this: one concatenation of views is cheaper
         # than arange(total) - repeat(starts, lengths).
-        counting = np.arange(max(max(length_list, default=0), max(pad_list, default=0)),
-                             dtype=np.int64)
+        longest = max(max(length_list, default=0), max(pad_list, default=0))
+        if counting is None or counting.shape[0] < longest:
+            counting = np.arange(longest, dtype=np.int64)
         if not pad_to_capacity:   # the rows lie back to back: the step at once
             _fill(items, length_list, 0, n, tokens, positions, labels, loss_mask, counting)
         else:
