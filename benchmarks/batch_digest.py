@@ -6,7 +6,8 @@
 For each planner (naive, balanced, lookahead), one epoch through the public Loader at R = 1 and
 on 2 gloo ranks, over a skewed corpus (5 JSONL shards, a one-shard token source with fewer
 shards than ranks, and an endless long-document source): a hash of every rank's sample ids and
-tokens, step by step, and of the `state_dict()` after 25 steps. Then the dry run
+tokens, step by step ("rows": of the rest of each row, position ids, labels, loss mask,
+cu_seqlens, max_seqlen, padding), and of the `state_dict()` after 25 steps. Then the dry run
 (`simulate`) at R = 8 over scanned lengths: a hash of every step report. A refactoring that
 changes no behaviour prints the same JSON line (the digests, not the timings, are compared).
 """
@@ -38,7 +39,7 @@ def epoch_digest(root: Path, planner: str) -> dict:
     import streamload as sl
     sources = [sl.Source(str(root / "web"), weight=0.5), sl.Source(str(root / "code"), weight=0.3),
                sl.Source(str(root / "long"), weight=0.2, on_exhausted="restart")]
-    batches, state, steps = hashlib.sha256(), "", 0
+    batches, rows, state, steps = hashlib.sha256(), hashlib.sha256(), "", 0
     with sl.Loader(sources, micro_batch_tokens=2048, micro_batches=2, epochs=1, seed=7,
                    planner=planner) as loader:
         for batch in loader:
@@ -46,9 +47,13 @@ def epoch_digest(root: Path, planner: str) -> dict:
             for mb in batch.micro_batches:
                 batches.update(json.dumps(mb.sample_ids).encode())
                 batches.update(mb.tokens.numpy().tobytes())
+                for field in (mb.position_ids, mb.labels, mb.loss_mask, mb.cu_seqlens):
+                    rows.update(field.numpy().tobytes())
+                rows.update(f"{mb.max_seqlen},{mb.padding};".encode())
             if steps == STATE_AT:
                 state = hashlib.sha256(loader.state_dict()["streamload"].encode()).hexdigest()[:16]
-    return {"steps": steps, "batches": batches.hexdigest()[:16], "state": state}
+    return {"steps": steps, "batches": batches.hexdigest()[:16], "state": state,
+            "rows": rows.hexdigest()[:16]}
 
 
 def rank_main(rank: int, world: int, port: int, root: str, planner: str, queue) -> None:

@@ -57,6 +57,7 @@ class Delivery:
         self._step_size = geometry.micro_batches * geometry.capacity
         self._row_memory = ArrayRecycler(row_memory_words(self._step_size), np.int64,
                                          batches_held)
+        self._counting = np.arange(geometry.capacity, dtype=np.int64)   # position ids' source
         self.images: Optional[ImageBatches] = None   # `use_images`
         self.encoder_sources = encoder_sources
         self.on_error = on_error
@@ -88,17 +89,24 @@ class Delivery:
         lengths = plan.length
         mine: dict[int, np.ndarray] = {}
         refs: dict[int, tuple] = {}   # plan entry -> its images (a job with images)
+        # The entries this rank holds, by source and then window position (what each buffer's
+        # `take` wants), in one sort; every buffer takes (what stays in its window ages).
+        held = np.flatnonzero(holder == me)
+        candidate = plan.take[held]
+        order = np.lexsort((c.position[candidate], c.source[candidate]))
+        held, candidate = held[order], candidate[order]
+        positions = c.position[candidate].astype(np.int64)
+        bounds = np.searchsorted(c.source[candidate], np.arange(len(buffers) + 1)).tolist()
+        short = np.flatnonzero(lengths[held] < c.length[candidate])   # cut to fill a row
+        cuts = dict(zip(short.tolist(), lengths[held[short]].tolist()))   # k -> tokens taken
+        position_list, held_list = positions.tolist(), held.tolist()
         for s, buffer in enumerate(buffers):
-            entries = np.flatnonzero((holder == me) & (c.source[plan.take] == s))
-            positions = c.position[plan.take[entries]]
-            order = np.argsort(positions, kind="stable")
-            short = lengths[entries] < c.length[plan.take[entries]]   # cut to fill a row
-            cut = dict(zip(positions[short].tolist(), lengths[entries][short].tolist()))
-            taken = buffer.take(positions[order], window_sizes[s], cut)
-            mine.update(zip(entries[order].tolist(), taken.tokens))
+            a, b = bounds[s], bounds[s + 1]
+            cut = {position_list[k]: n for k, n in cuts.items() if a <= k < b} if cuts else {}
+            taken = buffer.take(positions[a:b], window_sizes[s], cut)
+            mine.update(zip(held_list[a:b], taken.tokens))
             if self.images is not None:
-                refs.update(zip(entries[order].tolist(),
-                                taken.images or [()] * len(taken.tokens)))
+                refs.update(zip(held_list[a:b], taken.images or [()] * len(taken.tokens)))
         entries, tokens = await collective(
             lambda: exchange_tokens(self.comm, holder, plan.rank, lengths, mine))
         if self.images is not None:
@@ -137,7 +145,8 @@ class Delivery:
         """The received items packed into their rows (in `memory`), and a MicroBatch each."""
         rows = pack_rows(tokens, row_of, self.geometry.micro_batches, self.geometry.capacity,
                          out=split_row_memory(memory, self._step_size),
-                         pad_to_capacity=self._pad, pad_token_id=self._pad_token_id)
+                         pad_to_capacity=self._pad, pad_token_id=self._pad_token_id,
+                         counting=self._counting)
         micro_batches = []
         for row in rows:
             ids = [self._sample_id(source_list[k], *id_list[k]) for k in row.item_indices.tolist()]

@@ -136,10 +136,16 @@ class _Background:
     def put(self, batch: Batch, snapshot: StepSnapshot) -> None:
         self.queue.put((batch, snapshot))
 
-    def get(self, done: Optional[Batch] = None):
-        """(batch, snapshot), or an `_End`. `done`: the batch the trainer had before, which
-        the waker drops (freeing a step's 20-odd tensors and their arrays costs the trainer's
-        thread tens of µs otherwise).
+    def get(self):
+        """(batch, snapshot), or an `_End`. Every batch got is handed back by `done` (which
+        frees its slot), once the trainer lets go of it."""
+        return self.queue.get()
+
+    def done(self, batch: Optional[Batch]) -> None:
+        """The trainer is done with `batch` (None: the first batch had nothing before it):
+        the waker drops it, which frees its tensors (a step's 20-odd: tens of µs the trainer's
+        thread would pay otherwise) and, once nothing else refers to it, its row memory for
+        the step loop (`ArrayRecycler`), and hands its slot back to the loop.
 
         The trainer's thread does not wake the loop itself: `call_soon_threadsafe` writes to the
         loop's self-pipe, a system call that releases the GIL, and the woken loop thread, about
@@ -147,10 +153,7 @@ class _Background:
         ran out: next() took that long one call in ten with the hand-off queue full. Putting on
         a SimpleQueue releases neither the GIL nor the CPU; the waker thread makes the call
         once the trainer lets go of the GIL (it waits, or runs torch)."""
-        item = self.queue.get()
-        if not isinstance(item, _End):
-            self._freed.put(done)
-        return item
+        self._freed.put(batch)
 
     def call(self, fn: Callable[[], T]) -> T:
         """fn() on the loop's thread, between its steps, and its answer; fn() here once the loop
@@ -268,10 +271,9 @@ class Loader:
         self._closed = False   # close() was called: next() is a mistake, not an end
         self._finalizer = None
         self._last_snapshot: Optional[StepSnapshot] = None   # of the last batch returned
-        # The last two batches returned: held so that the trainer dropping one frees nothing
-        # on its thread; the next next() hands the older one to the waker (`_Background.get`).
+        # The last batch returned: held so that the trainer dropping it frees nothing on its
+        # thread; the next next() hands it to the waker (`_Background.done`).
         self._last_batch: Optional[Batch] = None
-        self._before_last: Optional[Batch] = None
         self._stall_s = 0.0   # time the trainer waited in next()
         self._steps_taken = 0
         # on_step(record): each step's metrics as a flat dict of numbers (`observe.step_record`),
@@ -315,12 +317,20 @@ class Loader:
         if self._background is None:
             iter(self)
         started = time.perf_counter()
-        # `for batch in loader` still holds the last batch until this returns, so the one
-        # before it is the one the trainer is done with: the waker drops our reference to it.
-        done, self._before_last = self._before_last, self._last_batch
-        self._last_batch = None
-        item = self._background.get(done)
-        del done
+        # The batch returned last is the one the trainer is done with. `for batch in loader`
+        # still holds it until this returns, so it is handed to the waker as the last thing
+        # here: the waker runs once this thread lets go of the GIL, after the loop's variable
+        # has moved on, so the waker's reference is the last one and the batch is freed there
+        # (if the trainer still holds it, it lives on and the recycler leaves its memory alone).
+        # A step's row memory is free for the step loop again one call after its batch was
+        # returned: the loop runs `prefetch_steps` ahead, so prefetch_steps + 1 steps of row
+        # memory are in use (`Runtime`'s `batches_held`).
+        done, self._last_batch = self._last_batch, None
+        try:
+            item = self._background.get()
+        except BaseException:   # interrupted (Ctrl-C): still the one to hand back
+            self._last_batch = done
+            raise
         self._stall_s += time.perf_counter() - started
         if isinstance(item, _End):
             self._finished = True
@@ -328,11 +338,15 @@ class Loader:
             if item.error is not None:
                 raise item.error
             raise StopIteration
-        batch, self._last_snapshot = item
-        self._last_batch = batch
-        self._steps_taken += 1
-        if self._on_step is not None:
-            self._on_step(step_record(batch, self._runtime_step_tokens, self._source_names))
+        try:
+            batch, self._last_snapshot = item
+            self._last_batch = batch
+            self._steps_taken += 1
+            if self._on_step is not None:
+                self._on_step(step_record(batch, self._runtime_step_tokens, self._source_names))
+        finally:   # every batch got frees one slot, even if on_step raised
+            self._background.done(done)
+            del done
         return batch
 
     def state_dict(self) -> dict:
@@ -438,7 +452,7 @@ class Loader:
         """Stop fetching and release everything. Safe to call twice; next() afterwards
         raises UsageError."""
         self._finished = self._closed = True
-        self._last_batch = self._before_last = None
+        self._last_batch = None
         if self._finalizer is not None:
             self._finalizer()
         if isinstance(self._runtime, Runtime):

@@ -101,7 +101,10 @@ class Runtime:
             raise ConfigError(f"sample_costs: no source named {unknown}; sources are "
                               f"{[s.name for s in sources]}", key="sample_costs")
         self.storage_options = storage_options or {}
-        batches_held = config.prefetch_steps + 2   # queued, held by the trainer, being packed
+        # Steps packed and alive at once: queued or being packed (prefetch_steps) and the one
+        # the trainer holds (`Loader.__next__`), and room for one more a trainer keeps a while
+        # (the row memory the recycler keeps; states in flight).
+        batches_held = config.prefetch_steps + 2
         # control_plane="gather" (the default, "auto"): rank 0 alone keeps and steps the job
         # model (`_plan_replies`); the other ranks keep their share of it (`RankShare`: the
         # geometry, their start-up buffers, their fetchers' layouts) and get the state from

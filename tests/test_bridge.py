@@ -70,20 +70,22 @@ def test_context_manager_and_break(corpus):
 
 
 def test_a_batch_the_trainer_is_done_with_is_freed_off_its_thread(corpus):
-    """next() hands the batch before the last one to the waker thread, which drops it there:
-    its tensors are freed, and not on the trainer's thread (`for batch in loader` holds the
-    last one until next() returns). The loop and the waker stop with the loader."""
+    """next() hands the last batch it returned to the waker thread, which drops it there once
+    the loop's variable has moved on: its tensors are freed, and not on the trainer's thread
+    (`for batch in loader` holds the last one until next() returns). A batch the trainer
+    keeps stays whole. The loop and the waker stop with the loader."""
     freed_on = []
     with sl.Loader([sl.Source(str(corpus))], micro_batch_tokens=256, epochs=None) as loader:
         it = iter(loader)
         for batch in it:   # as a training loop holds it: until next() has returned
             if batch.step == 0:
                 weakref.finalize(batch, lambda: freed_on.append(threading.current_thread().name))
+                assert freed_on == []   # held by the trainer
             if batch.step == 1:
-                assert freed_on == []   # still held, by the loader
-                kept = batch
-            if batch.step == 2:
                 assert wait_until(lambda: freed_on)
+                assert freed_on == ["streamload-waker"]
+                kept = batch
+            if batch.step == 3:
                 break
         assert freed_on == ["streamload-waker"]
         next(it)

@@ -15,12 +15,14 @@ from streamload.plan.types import Assignment
 pytestmark = pytest.mark.core
 
 
-def window(lengths, *, exhausted=False, extra=None, chunks=None, shard=0, age0=0):
+def window(lengths, *, exhausted=False, extra=None, chunks=None, shard=0, age0=0,
+           visual=None):
     n = len(lengths)
     chunks = [-1] * n if chunks is None else chunks
     ids = np.array([[shard, 10 + i, c] for i, c in enumerate(chunks)], np.int64).reshape(n, 3)
     return SourceWindow(np.array(lengths, np.int64), np.arange(age0, age0 + n, dtype=np.int64),
-                        ids, exhausted, None if extra is None else np.array(extra, np.float64))
+                        ids, exhausted, None if extra is None else np.array(extra, np.float64),
+                        None if visual is None else np.array(visual, np.int64).reshape(2, n))
 
 
 # rank -> source -> window; each case is a job's gathered summaries for one step.
@@ -33,6 +35,11 @@ SUMMARY_CASES = {
     "extra costs and pieces": [[window([4, 64], extra=[0.5, 1e-9],
                                        chunks=[-1, pieces.piece(2, 7)])],
                                [window([2], extra=[-3.25], chunks=[pieces.piece(0)])]],
+    # images and patches per item: a text window among image windows has none of either
+    "images": [[window([9, 3], visual=[[1, 0], [64, 0]]), window([5]),
+                window([7, 7, 2], visual=[[2, 1, 0], [8, 16, 0]], exhausted=True)],
+               [window([], visual=np.zeros((2, 0))), window([1, 1], shard=3),
+                window([4], visual=[[3], [48]], age0=2)]],
 }
 
 
@@ -49,9 +56,12 @@ def test_summaries_round_trip(case):
     order = [(s, r, p) for s in range(S) for r in range(R)
              for p in range(len(per_rank[r][s].lengths))]
     assert list(zip(c.source.tolist(), c.rank.tolist(), c.position.tolist())) == order
-    expect = {name: [] for name in ("length", "age", "ids", "extra", "divisible")}
+    expect = {name: [] for name in ("length", "age", "ids", "extra", "divisible", "images",
+                                    "patches")}
     for s, r, p in order:
         w = per_rank[r][s]
+        expect["images"].append(0 if w.visual is None else int(w.visual[0, p]))
+        expect["patches"].append(0 if w.visual is None else int(w.visual[1, p]))
         expect["length"].append(int(w.lengths[p]))
         expect["age"].append(int(w.ages[p]))
         expect["ids"].append(w.ids[p].tolist())
@@ -63,6 +73,11 @@ def test_summaries_round_trip(case):
     assert c.extra_cost.tolist() == expect["extra"]          # float64 bits survive exactly
     assert c.divisible.tolist() == expect["divisible"]
     assert decoded.exhausted.tolist() == [[w.exhausted for w in windows] for windows in per_rank]
+    if any(w.visual is not None for windows in per_rank for w in windows):
+        assert c.images.tolist() == expect["images"]
+        assert c.patches.tolist() == expect["patches"]
+    else:
+        assert c.images is None and c.patches is None
 
 
 PLAN_CASES = {

@@ -47,8 +47,11 @@ def test_pack_rows_matches_the_reference_for_mixed_dtypes(seed, reuse, pad):
     if reuse:
         memory = np.full(row_memory_words(num_rows * capacity), -7, np.int64)
         out = split_row_memory(memory, num_rows * capacity)
+    # A caller's own 0, 1, 2, ... for the positions, as the loader keeps one (a short one is
+    # made anew)
+    counting = np.arange(capacity if seed % 2 else 5) if reuse else None
     packed = pack_rows(arrays, rows, num_rows, capacity=capacity, out=out,
-                       pad_to_capacity=pad, pad_token_id=3)
+                       pad_to_capacity=pad, pad_token_id=3, counting=counting)
     assert len(packed) == num_rows
     expected = reference_pack(arrays, rows, num_rows, capacity if pad else None, pad_id=3)
     for row, (tokens, positions, labels, cu, members, longest, padding) in zip(packed, expected):

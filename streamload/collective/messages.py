@@ -16,7 +16,7 @@ from typing import Optional
 import numpy as np
 
 from ..plan.cost import STEP_COSTS_FIELDS, StepCosts
-from ..plan.types import Assignment, Candidates, flatten_windows
+from ..plan.types import Assignment, Candidates, window_columns
 from .protocol import OK
 
 ID_FIELDS = 3   # shard, record, chunk (-1 for a whole document; else see `pieces`)
@@ -70,39 +70,47 @@ def encode_summary(windows: list[SourceWindow]) -> np.ndarray:
 
 
 def decode_summaries(gathered: list[np.ndarray], num_sources: int) -> Summaries:
-    lengths = [[None] * num_sources for _ in gathered]
-    ages = [[None] * num_sources for _ in gathered]
-    ids = [[None] * num_sources for _ in gathered]
-    extra = [[None] * num_sources for _ in gathered]
-    visual = [[None] * num_sources for _ in gathered]
-    any_visual = False
-    exhausted = np.zeros((len(gathered), num_sources), dtype=bool)
+    """Every rank's summary (`encode_summary`) as the step's candidates, their ids and which
+    windows hold the rest of the epoch. The headers are read window by window; each column
+    is then one gather over all the windows, in the candidates' order (`window_columns`)."""
+    R, S = len(gathered), num_sources
+    flat = gathered[0] if R == 1 else np.concatenate(gathered)
+    offsets = np.zeros((R, S), np.int64)   # where each window's lengths begin in `flat`
+    sizes = np.zeros((R, S), np.int64)
+    visual = np.zeros((R, S), bool)
+    exhausted = np.zeros((R, S), dtype=bool)
+    base = 0
     for r, array in enumerate(gathered):
-        at = 1
-        for s in range(num_sources):
-            n, flags = int(array[at]), int(array[at + 1])
-            done = bool(flags & 1)
-            at += 2
-            lengths[r][s] = array[at:at + n]
-            ages[r][s] = array[at + n:at + 2 * n]
-            ids[r][s] = array[at + 2 * n:at + (2 + ID_FIELDS) * n].reshape(n, ID_FIELDS)
-            extra[r][s] = np.ascontiguousarray(
-                array[at + (2 + ID_FIELDS) * n:at + (3 + ID_FIELDS) * n]).view(np.float64)
-            exhausted[r, s] = done
-            at += (3 + ID_FIELDS) * n
-            if flags & 2:
-                visual[r][s] = array[at:at + 2 * n].reshape(2, n)
-                any_visual = True
-                at += 2 * n
-            else:
-                visual[r][s] = np.zeros((2, n), np.int64)
-    # A piece of a split document (chunk >= 0, `pieces`) may be cut to fill a row.
-    divisible = [[i[:, 2] >= 0 for i in per_rank] for per_rank in ids]
-    images = [[v[0] for v in per_rank] for per_rank in visual] if any_visual else None
-    patches = [[v[1] for v in per_rank] for per_rank in visual] if any_visual else None
-    return Summaries(Candidates.from_windows(lengths, ages, extra, divisible, images, patches),
-                     flatten_windows(ids, np.int64).reshape(-1, ID_FIELDS),
-                     exhausted)
+        for s, (at, n, flags) in enumerate(_headers(array, S)):
+            offsets[r, s], sizes[r, s] = base + at, n
+            exhausted[r, s], visual[r, s] = flags & 1, flags & 2
+        base += array.shape[0]
+    source, rank, position = window_columns(sizes)
+    n_of = np.repeat(sizes.T.reshape(-1), sizes.T.reshape(-1))   # each item's window size
+    at = np.repeat(offsets.T.reshape(-1), sizes.T.reshape(-1)) + position
+    lengths, ages = flat[at], flat[at + n_of]
+    # ids [n, 3] are row-major after the ages: item k's at lengths' start + 2n + 3k
+    ids = flat[(at + 2 * n_of + 2 * position)[:, None] + np.arange(ID_FIELDS)]
+    extra = flat[at + (2 + ID_FIELDS) * n_of].view(np.float64)
+    images = patches = None
+    if visual.any():   # a text window among image ones: no images, no patches
+        has = np.repeat(visual.T.reshape(-1), sizes.T.reshape(-1))
+        first = at + (3 + ID_FIELDS) * n_of
+        images = np.where(has, flat[np.where(has, first, 0)], 0)
+        patches = np.where(has, flat[np.where(has, first + n_of, 0)], 0)
+    c = Candidates(lengths, source, rank, position, ages.astype(np.int32), extra, S, R,
+                   ids[:, 2] >= 0, images, patches)   # a piece (chunk >= 0) may be cut
+    return Summaries(c, ids, exhausted)
+
+
+def _headers(array: np.ndarray, num_sources: int):
+    """(where its lengths begin, n, flags) of each window of one rank's summary, in source
+    order."""
+    at = 1
+    for _ in range(num_sources):
+        n, flags = int(array[at]), int(array[at + 1])
+        yield at + 2, n, flags
+        at += 2 + (3 + ID_FIELDS) * n + (2 * n if flags & 2 else 0)
 
 
 OUTCOMES = ("continue", "end_epoch", "stop")   # what the job does after this plan

@@ -14,6 +14,7 @@ exchange and packing.
 """
 from __future__ import annotations
 
+import bisect
 import time
 from collections import deque
 from typing import Callable, Iterable, NamedTuple, Optional, Sequence
@@ -142,14 +143,23 @@ class EndOfEpoch:
         self.epoch = epoch
 
 
-def _columns(blocks: Sequence[ItemBlock], n: int):
-    """The first `n` items of `blocks`, as concatenated columns: lengths, ages, ids [n, 3],
-    images (or None), extra costs (or None), images and patches [2, n] (or None)."""
+def _columns(blocks: Sequence[ItemBlock], at_hand: np.ndarray, n: int):
+    """The first `n` items of `blocks` (whose lengths are `at_hand`), as columns of their own:
+    lengths, ages, ids [n, 3], images (or None), extra costs (or None), images and patches
+    [2, n] (or None)."""
     if not blocks:
         return _EMPTY, _EMPTY, np.zeros((0, 3), np.int64), None, None, None
-    lengths = np.concatenate([b.length for b in blocks])[:n]
-    ages = np.concatenate([b.age for b in blocks])[:n]
+    lengths = at_hand[:n].copy() if len(blocks) == 1 else at_hand[:n]   # a block's: copied
     ids = np.empty((n, 3), np.int64)
+    if len(blocks) == 1:   # the window in one block (most steps): slices, no concatenations
+        b = blocks[0]
+        ids[:, 0] = b.shard
+        ids[:, 1] = b.record[:n]
+        ids[:, 2] = b.chunk[:n]
+        return (lengths, b.age[:n].copy(), ids, None if b.images is None else b.images[:n],
+                None if b.cost is None else b.cost[:n].copy(),
+                None if b.visual is None else b.visual[:, :n].copy())
+    ages = np.concatenate([b.age for b in blocks])[:n]
     ids[:, 0] = np.repeat([b.shard for b in blocks], [len(b) for b in blocks])[:n]
     ids[:, 1] = np.concatenate([b.record for b in blocks])[:n]
     ids[:, 2] = np.concatenate([b.chunk for b in blocks])[:n]
@@ -275,79 +285,84 @@ class SourceBuffer:
         """The head window (call after wait_ready), and whether it holds the rest of the epoch:
         `plan.windows.head_window` over the items before the first marker."""
         blocks, ended = self._head()
-        at_hand = np.concatenate([b.length for b in blocks]) if blocks else _EMPTY
+        at_hand = _EMPTY if not blocks else blocks[0].length if len(blocks) == 1 else \
+            np.concatenate([b.length for b in blocks])
         n, done = head_window(at_hand, self.window_tokens, ended) or (at_hand.shape[0], False)
-        lengths, ages, ids, images, cost, visual = _columns(blocks, n)
+        lengths, ages, ids, images, cost, visual = _columns(blocks, at_hand, n)
         return Window(lengths, ages, ids, done, images, cost, visual)
 
     def take(self, positions: np.ndarray, window_size: int,
              cut: Optional[dict[int, int]] = None) -> Taken:
         """Remove window items at `positions` (ascending), age the rest of the window.
         `cut`: position -> tokens, for items the plan takes only the head of; the rest stays in
-        its place, as the remainder of its piece (`pieces`), aged like the rest of the window."""
+        its place, as the remainder of its piece (`pieces`), aged like the rest of the window.
+
+        Block by block, in Python over the few items a step takes from each (a source gives a
+        step tens of items, from one to three blocks): a block the step takes nothing from
+        keeps its columns, its window items aged in place; one whose leaving items are its
+        first ones (a planner takes the oldest first, by age or by arrival) keeps views of its
+        columns past them; any other is rebuilt from the items that stay (gathers)."""
         positions = np.asarray(positions, np.int64)
         blocks, _ = self._head(window_size)
         if not blocks:
             assert positions.size == 0 and window_size == 0, "took past the buffered items"
             return Taken([], None)
-        sizes = np.fromiter((len(b) for b in blocks), np.int64, len(blocks))
-        first = np.zeros(len(blocks) + 1, np.int64)   # each block's first window position
-        np.cumsum(sizes, out=first[1:])
-        head_n = int(first[-1])
-        taken = np.zeros(head_n, dtype=bool)
-        taken[positions] = True
-        start = np.concatenate([b.start for b in blocks])
-        length = np.concatenate([b.length for b in blocks])
-        # The items out: their block, start and length (the head of a cut one).
-        owner = np.searchsorted(first, positions, side="right") - 1
-        out_len = length[positions]
-        if cut:
-            at = np.sort(np.fromiter(cut.keys(), np.int64, len(cut)))
-            cut_at = np.zeros(head_n, np.int64)   # tokens the plan takes of a cut item
-            cut_at[at] = [cut[p] for p in at.tolist()]
-            taken[at] = False
-            out_len[np.searchsorted(positions, at)] = cut_at[at]
-            cut_bounds = np.searchsorted(at, first).tolist()
-        buffers = [b.tokens for b in blocks]
-        out = [buffers[b][s:s + n] for b, s, n in
-               zip(owner.tolist(), start[positions].tolist(), out_len.tolist())]
-        images = None
-        if any(b.images is not None for b in blocks):
-            refs = [r for b in blocks for r in (b.images or [()] * len(b))]
-            images = [refs[p] for p in positions.tolist()]
-        removed = int(out_len.sum())
-        # What stays: the window's other items aged, cut ones as their remainder.
-        # Blocks the step takes nothing from (nor cuts) keep their columns: only their window
-        # items age, in place (a block's columns are its own: windows copy them).
-        bounds = np.searchsorted(positions, first).tolist()   # each block's taken positions
-        first = first.tolist()
+        wanted = positions.tolist()
+        cut = cut or {}
+        with_images = any(b.images is not None for b in blocks)
+        out: list = []
+        images: Optional[list] = [] if with_images else None
         kept = []
-        for k, block in enumerate(blocks):
-            lo, hi = first[k], first[k + 1]
+        removed = lo = i = 0
+        for block in blocks:
+            hi = lo + len(block)
+            j = bisect.bisect_left(wanted, hi, i)   # wanted[i:j]: this block's
             aged = min(hi, window_size) - lo   # its window items (the window is a prefix)
-            if bounds[k] == bounds[k + 1]:
+            if i == j:   # nothing taken: the same columns, the window items aged in place
                 if aged > 0:
                     block.age[:aged] += 1
                 kept.append(block)
+                lo = hi
                 continue
-            stays = ~taken[lo:hi]
-            rest = block.subset(stays)   # new columns (gathers): changed in place below
-            cuts = cut_bounds[k + 1] - cut_bounds[k] if cut else 0
+            local = positions[i:j] - lo
+            starts = block.start[local].tolist()
+            lengths = block.length[local].tolist()
+            cuts = [(k, q) for k, q in enumerate(local.tolist()) if q + lo in cut]
+            for k, q in cuts:   # the head of a cut item leaves; the rest stays
+                lengths[k] = cut[q + lo]
+            tokens = block.tokens
+            out.extend([tokens[s:s + n] for s, n in zip(starts, lengths)])
+            if with_images:
+                refs = block.images
+                images.extend([refs[q] if refs is not None else () for q in local.tolist()])
+            removed += sum(lengths)
+            gone = [q for q in local.tolist() if q + lo not in cut] if cuts else local.tolist()
+            m = len(gone)
+            if m and gone[-1] == m - 1:   # the block's first m items leave: views past them
+                rest = block.subset(slice(m, None))
+                at = [q - m for _, q in cuts]
+            else:
+                stays = np.ones(len(block), bool)
+                stays[gone] = False
+                rest = block.subset(stays)   # new columns (gathers)
+                at = [q - bisect.bisect_left(gone, q) for _, q in cuts]
             # Every taken item lies in the window, so the window items that stay are the
             # first of those that stay.
-            rest.age[:aged - (bounds[k + 1] - bounds[k] - cuts)] += 1
-            if cuts:
-                n = cut_at[lo:hi][stays]
-                rest.start += n
-                rest.length -= n
-                rest.chunk += n
-                rest.total = int(rest.length.sum())
+            if aged - m > 0:
+                rest.age[:aged - m] += 1
+            for (k, _), r in zip(cuts, at):   # a cut item's rest: its tokens after the head
+                n = lengths[k]
+                rest.start[r] += n
+                rest.length[r] -= n
+                rest.chunk[r] += n
+                rest.total -= n
             if len(rest):
                 kept.append(rest.compacted())
+            i, lo = j, hi
         for _ in blocks:
             self._entries.popleft()
         self._entries.extendleft(reversed(kept))
-        self._items -= positions.size - len(cut or ())
+        self._items -= positions.size - len(cut)
         self._tokens -= removed
         self._head_tokens -= removed
         self._changes.notify()

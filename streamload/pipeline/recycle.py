@@ -1,7 +1,7 @@
 """Step-sized arrays, written again once the trainer has let go of them.
 
-Every step packs its rows (int64 tokens and positions: 16 bytes a token, 4 MiB for 4 x 65,536
-tokens) into memory. Fresh arrays that size come from, and go back to, the kernel: the trainer's
+Every step packs its rows (int64 tokens, positions and labels, a float32 loss mask: 28 bytes a
+token, 7 MiB for 4 x 65,536 tokens) into memory. Fresh arrays that size come from, and go back to, the kernel: the trainer's
 thread pays for unmapping them when it drops a batch (half of what a `next()` cost, measured),
 and the loop pays page faults to write new ones. So the step loop packs into a few arrays that
 it keeps.
@@ -10,6 +10,8 @@ An array is free again when its reference count says only the recycler holds it.
 view keeps its base array alive and `torch.from_numpy` keeps its array alive, so a batch the
 trainer still holds (a micro-batch, a tensor, a slice of one) pins its array and the recycler
 allocates another. It keeps at most `keep` arrays; arrays held longer are simply not reused.
+The bridge frees a batch as soon as the trainer's loop has moved past it (`Loader.__next__`),
+so a trainer that holds only the batch it is on keeps prefetch_steps + 1 arrays in use.
 This reads CPython's reference counts, which are exact on the GIL builds streamload runs on.
 """
 from __future__ import annotations

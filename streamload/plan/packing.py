@@ -56,14 +56,21 @@ def split_row_memory(memory: np.ndarray, step_tokens: int) -> RowMemory:
 
 def pack_rows(token_arrays: list[np.ndarray], rows: np.ndarray, num_rows: int,
               capacity: int, out: Optional[RowMemory] = None, *,
-              pad_to_capacity: bool = False, pad_token_id: int = 0) -> list[PackedRow]:
+              pad_to_capacity: bool = False, pad_token_id: int = 0,
+              counting: Optional[np.ndarray] = None) -> list[PackedRow]:
     """Concatenate items into `num_rows` rows, keeping their order within each row. Items may
     hold any integer dtype that fits int64 (uint8 bytes, int32 ids, ...); token ids are >= 0.
 
     The rows are consecutive slices of one array per field: the four arrays of `out` (tokens,
     positions and labels int64, loss mask float32; each at least as long as all the items
     together, or num_rows * capacity when padding; see `split_row_memory`), or new ones. With
-    `pad_to_capacity`, row r is [r*C, (r+1)*C), its padding (if any) its last segment."""
+    `pad_to_capacity`, row r is [r*C, (r+1)*C), its padding (if any) its last segment.
+
+    What it costs is the 28 bytes per token it writes (into memory last written steps ago,
+    out of cache), so each field is written in one pass: unpadded rows lie back to back, so
+    each field of the whole step is one NumPy call (`_fill`); padded rows one per row.
+    `counting`: int64 0, 1, 2, ... (`np.arange(capacity)`, which a caller packing every step
+    keeps: made anew, its pages are faulted in each time); made here when None or short."""
     rows = np.asarray(rows, dtype=np.int64)
     lengths = np.fromiter(map(len, token_arrays), dtype=np.int64, count=len(token_arrays))
     by_row = np.argsort(rows, kind="stable")   # grouped by row, input order within a row
@@ -87,30 +94,32 @@ def pack_rows(token_arrays: list[np.ndarray], rows: np.ndarray, num_rows: int,
         out = (np.empty(n, np.int64), np.empty(n, np.int64), np.empty(n, np.int64),
                np.empty(n, np.float32))
     tokens, positions, labels, loss_mask = (a[:n] for a in out)
+    bounds_list, begin_list, used_list, pad_list = \
+        bounds.tolist(), row_begin.tolist(), row_tokens.tolist(), padding.tolist()
+    length_list = ordered_lengths.tolist()
     if n:
-        ordered = by_row.tolist()
-        length_list = ordered_lengths.tolist()
+        items = [token_arrays[i] for i in by_row.tolist()]
         # Each segment's positions are a prefix of this: one concatenation of views is cheaper
         # than arange(total) - repeat(starts, lengths).
-        counting = np.arange(max(int(ordered_lengths.max(initial=0)), int(padding.max(initial=0))),
-                             dtype=np.int64)
-        # Row by row (padded rows lie apart); a row's labels copy its tokens just written.
-        for row, begin, used, pad in zip(range(num_rows), row_begin.tolist(), row_tokens.tolist(),
-                                         padding.tolist()):
-            a, b, end = int(bounds[row]), int(bounds[row + 1]), begin + used
-            if used:
-                np.concatenate([token_arrays[i] for i in ordered[a:b]], out=tokens[begin:end],
-                               casting="safe")
-                labels[begin:end - 1] = tokens[begin + 1:end]   # the next token...
-                loss_mask[begin:end].fill(1.0)
-                np.concatenate([counting[:length] for length in length_list[a:b]],
-                               out=positions[begin:end])
-            if pad:   # one last pseudo-document, with nothing to predict
-                tokens[end:end + pad] = pad_token_id
-                positions[end:end + pad] = counting[:pad]
-                labels[end:end + pad] = IGNORE_INDEX
-                loss_mask[end:end + pad].fill(0.0)
-        # ... but nothing at a segment's last token (a row's last one among them).
+        longest = max(max(length_list, default=0), max(pad_list, default=0))
+        if counting is None or counting.shape[0] < longest:
+            counting = np.arange(longest, dtype=np.int64)
+        if not pad_to_capacity:   # the rows lie back to back: the step at once
+            _fill(items, length_list, 0, n, tokens, positions, labels, loss_mask, counting)
+        else:
+            for row in range(num_rows):
+                a, b = bounds_list[row], bounds_list[row + 1]
+                begin, used, pad = begin_list[row], used_list[row], pad_list[row]
+                end = begin + used
+                if used:
+                    _fill(items[a:b], length_list[a:b], begin, end, tokens, positions, labels,
+                          loss_mask, counting)
+                if pad:   # one last pseudo-document, with nothing to predict
+                    tokens[end:end + pad] = pad_token_id
+                    positions[end:end + pad] = counting[:pad]
+                    labels[end:end + pad] = IGNORE_INDEX
+                    loss_mask[end:end + pad].fill(0.0)
+        # Nothing to predict at a segment's last token (a row's last one among them).
         item_begin = starts[:-1]
         if pad_to_capacity:   # items move with their row's start
             item_begin = item_begin + np.repeat(row_begin - starts[bounds[:-1]], np.diff(bounds))
@@ -118,16 +127,31 @@ def pack_rows(token_arrays: list[np.ndarray], rows: np.ndarray, num_rows: int,
         labels[ends] = IGNORE_INDEX
         loss_mask[ends] = 0.0
     packed = []
+    start_list = starts.tolist()
     for row in range(num_rows):
-        a, b = int(bounds[row]), int(bounds[row + 1])
-        begin, used, pad = int(row_begin[row]), int(row_tokens[row]), int(padding[row])
-        end = begin + used + pad
+        a, b = bounds_list[row], bounds_list[row + 1]
+        begin, pad = begin_list[row], pad_list[row]
+        end = begin + used_list[row] + pad
         cu_seqlens = np.empty(b - a + 1 + (pad > 0), dtype=np.int32)
-        np.subtract(starts[a:b + 1], starts[a], out=cu_seqlens[:b - a + 1], casting="unsafe")
+        np.subtract(starts[a:b + 1], start_list[a], out=cu_seqlens[:b - a + 1], casting="unsafe")
         if pad:
             cu_seqlens[-1] = capacity
-        longest = int(ordered_lengths[a:b].max()) if b > a else 0
         packed.append(PackedRow(tokens[begin:end], cu_seqlens, positions[begin:end],
                                 labels[begin:end], loss_mask[begin:end], by_row[a:b],
-                                max(longest, pad), pad))
+                                max(max(length_list[a:b], default=0), pad), pad))
     return packed
+
+
+def _fill(items: list[np.ndarray], lengths: list[int], begin: int, end: int,
+          tokens: np.ndarray, positions: np.ndarray, labels: np.ndarray, loss_mask: np.ndarray,
+          counting: np.ndarray) -> None:
+    """`items` (holding end - begin tokens in all) back to back at [begin, end) of each field;
+    labels are the next token there, each segment's last one left for the caller to fix."""
+    np.concatenate(items, out=tokens[begin:end], casting="safe")
+    # The labels are the same items one token on: from the items (1-8 bytes a token, in
+    # cache) rather than from the int64 tokens just written.
+    first = next(k for k, length in enumerate(lengths) if length)
+    np.concatenate([items[first][1:], *items[first + 1:]], out=labels[begin:end - 1],
+                   casting="safe")
+    loss_mask[begin:end].fill(1.0)
+    np.concatenate([counting[:length] for length in lengths], out=positions[begin:end])

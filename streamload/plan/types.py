@@ -85,21 +85,17 @@ class Candidates:
         flags / images / patches alike, optional)."""
         num_ranks = len(windows)
         num_sources = len(windows[0]) if windows else 0
-        sizes = [[len(w) for w in per_rank] for per_rank in windows]
+        source, rank, position = window_columns(
+            np.array([[len(w) for w in per_rank] for per_rank in windows],
+                     np.int64).reshape(num_ranks, num_sources))
 
         def field(per_window, dtype, fill=0):
             if per_window is None:
-                return np.full(sum(map(sum, sizes)), fill, dtype=dtype)
+                return np.full(source.shape[0], fill, dtype=dtype)
             return flatten_windows(per_window, dtype)
 
         return Candidates(
-            flatten_windows(windows, np.int64),
-            flatten_windows([[np.full(n, s, np.int32) for s, n in enumerate(row)] for row in sizes],
-                            np.int32),
-            flatten_windows([[np.full(n, r, np.int32) for n in row] for r, row in enumerate(sizes)],
-                            np.int32),
-            flatten_windows([[np.arange(n, dtype=np.int32) for n in row] for row in sizes],
-                            np.int32),
+            flatten_windows(windows, np.int64), source, rank, position,
             field(ages, np.int32), field(extra_costs, np.float64), num_sources, num_ranks,
             field(divisible, bool, False),
             None if images is None else field(images, np.int64),
@@ -186,6 +182,21 @@ class Candidates:
             bounds = np.searchsorted(key, np.arange(self.num_sources * self.num_ranks + 1))
         for k in np.flatnonzero(np.diff(bounds)).tolist():
             yield divmod(k, self.num_ranks), slice(int(bounds[k]), int(bounds[k + 1]))
+
+
+def window_columns(sizes: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Each candidate's source, rank and position in its window (int32), from the window
+    sizes [R, S], in the candidates' order (`flatten_windows`): repeats over the sizes, a few
+    NumPy calls whatever R x S."""
+    num_ranks, num_sources = sizes.shape
+    ordered = sizes.T.reshape(-1)   # by source, then rank
+    starts = np.zeros(ordered.shape[0], np.int64)
+    np.cumsum(ordered[:-1], out=starts[1:])
+    position = np.arange(int(ordered.sum()), dtype=np.int64)
+    position -= np.repeat(starts, ordered)
+    return (np.repeat(np.arange(num_sources, dtype=np.int32), sizes.sum(axis=0)),
+            np.repeat(np.tile(np.arange(num_ranks, dtype=np.int32), num_sources), ordered),
+            position.astype(np.int32))
 
 
 def flatten_windows(per_window: list[list[np.ndarray]], dtype) -> np.ndarray:
