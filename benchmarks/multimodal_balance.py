@@ -296,6 +296,10 @@ def simulate(corpus: Corpus, R: int, mode: str, seed: int = 0, **options) -> dic
                 "all_samples_once": taken == n,
                 "row_images_max": int(max(r.row_visual[..., 0].max() for r in reports)),
                 "row_patches_max": int(max(r.row_visual[..., 1].max() for r in reports)),
+                # the share of the taken tokens planned away from the rank holding them (the
+                # exchange's traffic; an image item moves with its pixels)
+                "exchanged": round(sum(r.exchanged for r in reports) /
+                                   max(sum(int(r.rank_tokens.sum()) for r in reports), 1), 4),
                 "plan_ms_mean": round(1e3 * float(np.mean([r.plan_seconds for r in reports])),
                                       2),
                 "sim_cpu_s": round(cpu, 1)})
@@ -399,7 +403,8 @@ def row(mode: str, where: str, R: int, res: dict, base: dict | None,
 
 
 def print_row(r: dict) -> None:
-    keys = ("efficiency", "speedup_vs_token_baseline", "speedup_vs_energon_ffd",
+    keys = ("efficiency", "efficiency_but_last", "speedup_vs_token_baseline",
+            "speedup_vs_energon_ffd", "exchanged", "plan_ms_mean",
             "encoder_efficiency",
             "backbone_efficiency", "encoder_imbalance", "backbone_imbalance", "fill", "steps")
     print(f"{r['mode']:>6} R={r['ranks']:<4} {r['balancing']:>14} " +
@@ -431,7 +436,13 @@ def main(argv=None) -> int:
     ap.add_argument("--corpus", choices=sorted(CORPORA), default="photos",
                     help="photos: the default corpus; documents: pages and screenshots under "
                          "a ~2 MP rule (sim only; its own max pixels unless --max-pixels)")
+    ap.add_argument("--no-swaps", action="store_true",
+                    help="plan without the swaps between ranks after each image step "
+                         "(`plan/swaps.py`; sim only), for comparison")
     args = ap.parse_args(argv)
+    if args.no_swaps:
+        from streamload.plan import planner
+        planner.SWAPS = False
     corpus_pixels = CORPORA[args.corpus][4]
     if args.corpus != "photos" and args.max_pixels == MAX_PIXELS:
         args.max_pixels = corpus_pixels
@@ -484,6 +495,7 @@ def main(argv=None) -> int:
                       "cost": {"cost_a": COST_A, "cost_b": COST_B, "encoder_cost_a": ENC_A,
                                "encoder_cost_b": ENC_B}, "C": C, "M": M, "options": extra,
                       "packing_buffer": args.packing_buffer, "corpus": args.corpus,
+                      "swaps": not args.no_swaps,
                       "max_pixels": MAX_PIXELS}))
     return 0
 

@@ -1,0 +1,137 @@
+"""Swaps between ranks after a step is planned: the most loaded rank trades an item with any
+other rank while that lowers the step's time (issue 23's image path).
+
+Why a pass of its own: with image samples a step's rows are full (the full-steps guarantee) and
+hold a few large items each (at M = 1 and C = 16k, four or five samples of up to 8 images), so
+a rank's tokens are fixed and its cost is set by its items' cost *per token*: an encoder-heavy
+sample (many patches, little text) and a text-heavy one of the same length differ by a third.
+The balancer's own refinement (`balance._refine`) looks at the four least loaded ranks for
+swaps, where rows are full and an item must trade for one of about its length; the partner
+that evens the top rank is usually elsewhere. This pass looks at every rank.
+
+Each round takes the most loaded rank and, over its items x and every other taken item y (on
+rank q), the swap that minimizes max(load[top] - d, load[q] + d) (d = w_x - w_y), or the move
+of x into a row of another rank with room, when that is below load[top]; both rows stay within
+C tokens and within the caps per row (`caps.RowCaps`). It stops when no swap lowers the top
+rank, or after `max_rounds`.
+
+What it keeps: the plan's items (and the tokens taken of each) are the same, only their
+(rank, row) change, so the selection, the quotas, exactly-once and the deferral bound are the
+planner's; every row within C and the caps (a row over a cap before the pass, which
+`caps.enforce` rules out, is never made worse); the step's time never rises (every swap
+lowers the top rank below where it was, and the other rank of the swap to below that too).
+Deterministic: ties go to the lowest index. Pure NumPy, O(rounds x items on the top rank x
+items).
+
+It runs where ranks are the bins: document masking without a pipeline (with 1F1B or plain
+causal attention a rank's time is not the sum of its items' costs).
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import numpy as np
+
+from .caps import RowCaps, item_visual
+from .cost import CostModel
+from .types import Candidates, Geometry
+
+ROUNDS_PER_RANK = 2   # rounds at most: this many per rank (each lowers the top rank once)
+MAX_ROUNDS = 256
+
+
+def applies(c: Candidates, geometry: Geometry, cost: CostModel) -> bool:
+    """Where the pass runs: image candidates (the encoder's cost, or their fused lengths' under
+    image_cost="backbone"), ranks as the bins (document masking, no pipeline), R > 1."""
+    return c.images is not None and geometry.ranks > 1 and cost.document_masking and \
+        not geometry.pipelined
+
+
+def refine_swaps(c: Candidates, take: np.ndarray, rank: np.ndarray, row: np.ndarray,
+                 length: np.ndarray, geometry: Geometry, cost: CostModel,
+                 caps: RowCaps = RowCaps(), max_rounds: Optional[int] = None
+                 ) -> tuple[np.ndarray, np.ndarray]:
+    """(rank, row) for the same `take` and `length` with the most loaded rank lowered by swaps
+    and moves (see the module)."""
+    take = np.asarray(take, np.int64)
+    n = take.size
+    R, M, C = geometry.ranks, geometry.micro_batches, geometry.capacity
+    rank = np.asarray(rank, np.int64).copy()
+    row = np.asarray(row, np.int64).copy()
+    if n < 2 or R < 2:
+        return rank.astype(np.int32), row.astype(np.int32)
+    length = np.asarray(length, np.int64)
+    weight = cost.doc_cost(length).astype(np.float64) + c.extra_cost[take]
+    limit = caps.limits()
+    capped = caps.active and (c.images is not None or c.patches is not None)
+    visual = item_visual(c)[take].astype(np.float64) if capped else np.zeros((n, 2))
+    slot = rank * M + row
+    load = np.bincount(rank, weight, minlength=R)
+    fill = np.bincount(slot, length, minlength=R * M).astype(np.int64)
+    vis = np.stack([np.bincount(slot, visual[:, k], minlength=R * M) for k in range(2)], 1)
+    # A row already over a cap (not after `caps.enforce`) may not get worse: its limit is
+    # what it holds.
+    vis_limit = np.maximum(limit[None, :], vis)
+    rounds = min(ROUNDS_PER_RANK * R, MAX_ROUNDS) if max_rounds is None else max_rounds
+    for _ in range(rounds):
+        top = int(np.argmax(load))
+        cur = float(load[top])
+        xs = np.flatnonzero(rank == top)
+        ys = np.flatnonzero(rank != top)
+        if xs.size == 0 or ys.size == 0:
+            break
+        bar = cur - max(1e-9 * cur, 1e-12)
+        best_value, best = bar, None
+        # Swaps: x (top) for y (any other rank).
+        d = weight[xs][:, None] - weight[ys][None, :]
+        dl = length[xs][:, None] - length[ys][None, :]
+        sx, sy = slot[xs], slot[ys]
+        ok = (d > 0) & (fill[sx][:, None] - dl <= C) & (fill[sy][None, :] + dl <= C)
+        if capped:
+            dv = visual[xs][:, None, :] - visual[ys][None, :, :]
+            ok &= (vis[sx][:, None, :] - dv <= vis_limit[sx][:, None, :]).all(axis=2)
+            ok &= (vis[sy][None, :, :] + dv <= vis_limit[sy][None, :, :]).all(axis=2)
+        value = np.where(ok, np.maximum(cur - d, load[rank[ys]][None, :] + d), np.inf)
+        if value.size:
+            flat = int(np.argmin(value))
+            if value.flat[flat] < best_value:
+                best_value = float(value.flat[flat])
+                best = ("swap", int(xs[flat // ys.size]), int(ys[flat % ys.size]))
+        # Moves: x into a row of another rank with room.
+        other = np.flatnonzero(np.arange(R * M) // M != top)
+        fits = fill[other][None, :] + length[xs][:, None] <= C
+        if capped:
+            fits &= (vis[other][None, :, :] + visual[xs][:, None, :] <=
+                     vis_limit[other][None, :, :]).all(axis=2)
+        value = np.where(fits, np.maximum(cur - weight[xs][:, None],
+                                          load[other // M][None, :] + weight[xs][:, None]),
+                         np.inf)
+        if value.size:
+            flat = int(np.argmin(value))
+            if value.flat[flat] < best_value:
+                best_value = float(value.flat[flat])
+                best = ("move", int(xs[flat // other.size]), int(other[flat % other.size]))
+        if best is None:
+            break
+        if best[0] == "swap":
+            x, y = best[1], best[2]
+            a, b = int(slot[x]), int(slot[y])
+            _shift(x, a, b, weight, length, visual, load, fill, vis, M)
+            _shift(y, b, a, weight, length, visual, load, fill, vis, M)
+            slot[x], slot[y] = b, a
+        else:
+            x, b = best[1], best[2]
+            _shift(x, int(slot[x]), b, weight, length, visual, load, fill, vis, M)
+            slot[x] = b
+        rank, row = slot // M, slot % M
+    return rank.astype(np.int32), row.astype(np.int32)
+
+
+def _shift(i: int, a: int, b: int, weight, length, visual, load, fill, vis, M: int) -> None:
+    """Item i's cost, tokens and images/patches from slot a to slot b."""
+    load[a // M] -= weight[i]
+    load[b // M] += weight[i]
+    fill[a] -= length[i]
+    fill[b] += length[i]
+    vis[a] -= visual[i]
+    vis[b] += visual[i]
