@@ -96,10 +96,38 @@ SIZES = [(320, 240), (640, 480), (800, 600), (1024, 768), (1280, 720), (1920, 10
 # text of 10 to 2,000 tokens (questions, answers, OCR snippets).
 DOC_SIZES = [(1240, 1754), (1275, 1650), (1654, 2339), (2480, 3508), (1280, 800), (1366, 768),
              (1920, 1080), (2560, 1440), (1170, 2532), (1080, 2400), (1024, 768), (800, 600)]
+# A shape of sample: (sizes to draw from, images per sample lo..hi when it has any, share with
+# none, text tokens lo..hi, log-uniform).
+PHOTOS = (SIZES, (1, 8), 0.25, (10, 6000))
+DOCUMENTS = (DOC_SIZES, (1, 4), 0.15, (10, 2000))
+# --corpus mix: the sources of a VLM instruction-tuning mix at LLaVA-OneVision's stage-2 weights
+# (arXiv 2408.03326: 3.2M single-image samples, split General 36.1%, Doc/Chart/Screen 20.6%,
+# Math/Reasoning 20.1%, General OCR 8.9%, Language 14.3%; then 0.56M multi-image and 0.35M
+# video samples; 4.11M in all), by samples, pre-mixed into one shuffled stream (one source):
+#   photo  (General + Math/Reasoning, 43.7%): one photo, a question and answer of 20-1,500 tokens;
+#   doc    (Doc/Chart/Screen + General OCR, 23.0%): 1-2 pages or screenshots, 20-2,000 tokens;
+#   text   (Language, 11.1%): text only, 50-4,000 tokens;
+#   interleaved (multi-image, 13.6%): 2-8 web images (WEB_SIZES), 200-4,000 tokens of text;
+#   video  (8.5%): a clip of 8-32 frames as an image list, each sampled at 448x252 (or
+#          252x448), 20-1,000 tokens.
+# One resizing rule for all (one source): Qwen2-VL's dynamic rule at max_pixels = 2560 x 28^2
+# (~2 MP: up to 2,560 visual tokens per image); a frame of 448x252 is 576 patches, 144 tokens
+# (LLaVA-OneVision: 196 per frame). Chosen before it was measured, not tuned.
+WEB_SIZES = [(320, 240), (400, 300), (500, 375), (640, 480), (800, 600), (1024, 768),
+             (1280, 720), (600, 800)]
+FRAMES = [(448, 252)] * 4 + [(252, 448)]
+MIX = (  # name, weight (samples), shape
+    ("photo", 0.437, (SIZES, (1, 1), 0.0, (20, 1500))),
+    ("doc", 0.230, (DOC_SIZES, (1, 2), 0.0, (20, 2000))),
+    ("text", 0.111, (SIZES, (0, 0), 1.0, (50, 4000))),
+    ("interleaved", 0.136, (WEB_SIZES, (2, 8), 0.0, (200, 4000))),
+    ("video", 0.085, (FRAMES, (8, 32), 0.0, (20, 1000))),
+)
 CORPORA = {
-    # name: (sizes, images per sample 1..k, share with none, text_max, max_pixels)
-    "photos": (SIZES, 8, 0.25, 6000, 1024 * 28 * 28),
-    "documents": (DOC_SIZES, 4, 0.15, 2000, 2560 * 28 * 28),
+    # name: ((weight, shape) per source, max_pixels)
+    "photos": (((1.0, PHOTOS),), 1024 * 28 * 28),
+    "documents": (((1.0, DOCUMENTS),), 2560 * 28 * 28),
+    "mix": (tuple((w, shape) for _, w, shape in MIX), 2560 * 28 * 28),
 }
 IMAGE_ID, BEGIN_ID, END_ID = 300, 301, 302
 
@@ -116,25 +144,37 @@ class Corpus:
     sizes: list                 # per sample: [(w, h), ...]
     patches: list               # per sample: [P, ...]
     fused: np.ndarray           # int64 [n] fused length (text + visual tokens + markers)
+    source: np.ndarray          # int64 [n] which of the corpus's sources (--corpus mix)
 
 
 def make_corpus(n: int, seed: int = 0, kind: str = "photos") -> Corpus:
-    table, most, none, text_max, _ = CORPORA[kind]
+    sources, _ = CORPORA[kind]
     rng = np.random.default_rng(seed)
     opts = images_options()
-    text, sizes, patches, fused = [], [], [], []
+    weights = np.array([w for w, _ in sources])
+    text, sizes, patches, fused, source = [], [], [], [], []
     for _ in range(n):
-        k = 0 if rng.random() < none else int(rng.integers(1, most + 1))
+        # one source: no draw for it (the single-shape corpora as in the rounds before)
+        which = 0 if len(sources) == 1 else int(rng.choice(len(sources), p=weights / weights.sum()))
+        table, (lo, hi), none, (text_lo, text_hi) = sources[which][1]
+        k = 0 if (hi == 0 or rng.random() < none) else int(rng.integers(lo, hi + 1))
         wh = [table[int(rng.integers(len(table)))] for _ in range(k)]
         placed = [opts.place(h, w) for w, h in wh]
+        # a sample's images must leave room for its text in a row: the last ones go (the
+        # mix's interleaved or video samples only, rarely)
+        while placed and sum(p.tokens + 2 for p in placed) > C - text_lo:
+            placed.pop()
+            wh.pop()
         visual = sum(p.tokens + 2 for p in placed)   # + the begin and end markers
-        t = int(np.exp(rng.uniform(np.log(10), np.log(text_max))))
+        t = int(np.exp(rng.uniform(np.log(text_lo), np.log(text_hi))))
         t = max(1, min(t, C - visual))
         text.append(t)
         sizes.append(wh)
         patches.append([p.grid[0] * p.grid[1] * p.grid[2] for p in placed])
         fused.append(t + visual)
-    return Corpus(np.array(text, np.int64), sizes, patches, np.array(fused, np.int64))
+        source.append(which)
+    return Corpus(np.array(text, np.int64), sizes, patches, np.array(fused, np.int64),
+                  np.array(source, np.int64))
 
 
 def sample_costs(corpus: Corpus) -> tuple[np.ndarray, np.ndarray]:
@@ -155,7 +195,14 @@ def shares(corpus: Corpus) -> dict:
             "images": int(sum(len(p) for p in corpus.patches)),
             "encoder_share": round(float(encoder.sum() / total), 4),
             "image_share": round(float((encoder.sum() + image_backbone.sum()) / total), 4),
-            "mean_fused_tokens": round(float(corpus.fused.mean()), 1)}
+            "mean_fused_tokens": round(float(corpus.fused.mean()), 1),
+            **({} if corpus.source.max(initial=0) == 0 else {"by_source": {
+                name: {"samples": round(float((corpus.source == k).mean()), 4),
+                       "compute": round(float((backbone + encoder)[corpus.source == k].sum()
+                                              / total), 4),
+                       "encoder": round(float(encoder[corpus.source == k].sum() / total), 4),
+                       "mean_fused_tokens": round(float(corpus.fused[corpus.source == k].mean()), 1)}
+                for k, (name, _, _) in enumerate(MIX)}})}
 
 
 # -- scoring ---------------------------------------------------------------------------------
@@ -334,6 +381,8 @@ def write_tars(root: Path, corpus: Corpus, shards: int = 4) -> None:
 
 def run_rank(rank: int, world: int, port: int, root: str, options: dict, queue) -> None:
     try:
+        global MAX_PIXELS
+        MAX_PIXELS = options.pop("max_pixels", MAX_PIXELS)
         import torch
         torch.set_num_threads(1)
         if world > 1:
@@ -373,7 +422,9 @@ def run_rank(rank: int, world: int, port: int, root: str, options: dict, queue) 
 
 def loader_run(root: Path, corpus: Corpus, R: int, mode: str, seed: int = 0) -> dict:
     from epoch import spawn_ranks
-    ranks = spawn_ranks(run_rank, R, 1800.0, str(root), loader_options(mode, seed))
+    # the ranks are fresh processes: they get the corpus's resizing rule with the options
+    ranks = spawn_ranks(run_rank, R, 1800.0, str(root),
+                        {**loader_options(mode, seed), "max_pixels": MAX_PIXELS})
     T = max(len(r["steps"]) for r in ranks)
     enc, bb = np.zeros((T, R)), np.zeros((T, R))
     for q, r in enumerate(ranks):
@@ -443,18 +494,15 @@ def main(argv=None) -> int:
     if args.no_swaps:
         from streamload.plan import planner
         planner.SWAPS = False
-    corpus_pixels = CORPORA[args.corpus][4]
+    corpus_pixels = CORPORA[args.corpus][1]
     if args.corpus != "photos" and args.max_pixels == MAX_PIXELS:
         args.max_pixels = corpus_pixels
     extra = {k: v for k, v in (("lookahead", args.lookahead),
                                ("max_images_per_row", args.max_images_per_row),
                                ("max_patches_per_row", args.max_patches_per_row)) if v}
-    if (args.capacity, args.max_pixels, args.micro_batches, args.corpus) != \
-            (C, MAX_PIXELS, M, "photos"):
-        if not args.no_loader:
-            ap.error("--capacity, --max-pixels, --micro-batches and --corpus change the "
-                     "simulation only: add --no-loader")
-        C, MAX_PIXELS, M = args.capacity, args.max_pixels, args.micro_batches
+    if (args.capacity, args.max_pixels) != (C, MAX_PIXELS) and not args.no_loader:
+        ap.error("--capacity and --max-pixels change the simulation only: add --no-loader")
+    C, MAX_PIXELS, M = args.capacity, args.max_pixels, args.micro_batches
     results, corpora = [], {}
     modes = ("hybrid", "backbone")
     for R in [int(x) for x in args.sim_ranks.split(",") if x]:
@@ -475,8 +523,9 @@ def main(argv=None) -> int:
             results.append(row(mode, "sim", R, res, base, energon))
             print_row(results[-1])
     if not args.no_loader:
-        corpus = make_corpus(args.loader_samples, args.seed + 7)
-        root = Path(args.workdir) / f"n{args.loader_samples}_s{args.seed + 7}"
+        corpus = make_corpus(args.loader_samples, args.seed + 7, args.corpus)
+        name = "" if args.corpus == "photos" else f"_{args.corpus}"
+        root = Path(args.workdir) / f"n{args.loader_samples}_s{args.seed + 7}{name}"
         if not (root / "done").exists():
             write_tars(root, corpus)
             (root / "done").write_text("ok")
@@ -485,11 +534,14 @@ def main(argv=None) -> int:
             base = token_baseline(corpus, R, args.seed)
             results.append(row("token_baseline", "loader", R, base, None))
             print_row(results[-1])
+            energon = energon_baseline(corpus, R, args.seed, args.packing_buffer)
+            results.append(row("energon_ffd", "loader", R, energon, base))
+            print_row(results[-1])
             for mode in modes:
                 started = time.perf_counter()
                 res = loader_run(root, corpus, R, mode, args.seed)
                 res["wall_s"] = round(time.perf_counter() - started, 1)
-                results.append(row(mode, "loader", R, res, base))
+                results.append(row(mode, "loader", R, res, base, energon))
                 print_row(results[-1])
     print(json.dumps({"corpora": corpora, "results": results,
                       "cost": {"cost_a": COST_A, "cost_b": COST_B, "encoder_cost_a": ENC_A,

@@ -10,10 +10,12 @@ swaps, where rows are full and an item must trade for one of about its length; t
 that evens the top rank is usually elsewhere. This pass looks at every rank.
 
 Each round takes the most loaded rank and, over its items x and every other taken item y (on
-rank q), the swap that minimizes max(load[top] - d, load[q] + d) (d = w_x - w_y), or the move
-of x into a row of another rank with room, when that is below load[top]; both rows stay within
-C tokens and within the caps per row (`caps.RowCaps`). It stops when no swap lowers the top
-rank, or after `max_rounds`.
+rank q), the swaps that bring max(load[top] - d, load[q] + d) (d = w_x - w_y) below load[top],
+and the moves of x into a row of another rank with room that do; both rows stay within C tokens
+and within the caps per row (`caps.RowCaps`). Of those within `HOME_SLACK` (of the mean rank
+load) of the lowest, it takes the one that leaves the most tokens on the rank holding them (the
+exchange moves an image item with its pixels), then the lowest. It stops when no swap lowers
+the top rank, when the top rank is within `TOLERANCE` of the mean, or after `max_rounds`.
 
 What it keeps: the plan's items (and the tokens taken of each) are the same, only their
 (rank, row) change, so the selection, the quotas, exactly-once and the deferral bound are the
@@ -38,6 +40,9 @@ from .types import Candidates, Geometry
 
 ROUNDS_PER_RANK = 2   # rounds at most: this many per rank (each lowers the top rank once)
 MAX_ROUNDS = 256
+TOLERANCE = 1e-3      # done when the top rank is within this share of the mean
+HOME_SLACK = 2e-3     # options this close (share of the mean) to the lowest count as equal,
+                      # and the one that keeps the most tokens home is taken
 
 
 def applies(c: Candidates, geometry: Geometry, cost: CostModel) -> bool:
@@ -66,6 +71,7 @@ def refine_swaps(c: Candidates, take: np.ndarray, rank: np.ndarray, row: np.ndar
     capped = caps.active and (c.images is not None or c.patches is not None)
     visual = item_visual(c)[take].astype(np.float64) if capped else np.zeros((n, 2))
     slot = rank * M + row
+    home = c.rank[take].astype(np.int64)   # the rank holding each item
     load = np.bincount(rank, weight, minlength=R)
     fill = np.bincount(slot, length, minlength=R * M).astype(np.int64)
     vis = np.stack([np.bincount(slot, visual[:, k], minlength=R * M) for k in range(2)], 1)
@@ -76,12 +82,13 @@ def refine_swaps(c: Candidates, take: np.ndarray, rank: np.ndarray, row: np.ndar
     for _ in range(rounds):
         top = int(np.argmax(load))
         cur = float(load[top])
+        if cur <= float(load.mean()) * (1 + TOLERANCE):
+            break
         xs = np.flatnonzero(rank == top)
         ys = np.flatnonzero(rank != top)
         if xs.size == 0 or ys.size == 0:
             break
         bar = cur - max(1e-9 * cur, 1e-12)
-        best_value, best = bar, None
         # Swaps: x (top) for y (any other rank).
         d = weight[xs][:, None] - weight[ys][None, :]
         dl = length[xs][:, None] - length[ys][None, :]
@@ -91,28 +98,40 @@ def refine_swaps(c: Candidates, take: np.ndarray, rank: np.ndarray, row: np.ndar
             dv = visual[xs][:, None, :] - visual[ys][None, :, :]
             ok &= (vis[sx][:, None, :] - dv <= vis_limit[sx][:, None, :]).all(axis=2)
             ok &= (vis[sy][None, :, :] + dv <= vis_limit[sy][None, :, :]).all(axis=2)
-        value = np.where(ok, np.maximum(cur - d, load[rank[ys]][None, :] + d), np.inf)
-        if value.size:
-            flat = int(np.argmin(value))
-            if value.flat[flat] < best_value:
-                best_value = float(value.flat[flat])
-                best = ("swap", int(xs[flat // ys.size]), int(ys[flat % ys.size]))
+        swap_value = np.where(ok, np.maximum(cur - d, load[rank[ys]][None, :] + d), np.inf)
         # Moves: x into a row of another rank with room.
         other = np.flatnonzero(np.arange(R * M) // M != top)
         fits = fill[other][None, :] + length[xs][:, None] <= C
         if capped:
             fits &= (vis[other][None, :, :] + visual[xs][:, None, :] <=
                      vis_limit[other][None, :, :]).all(axis=2)
-        value = np.where(fits, np.maximum(cur - weight[xs][:, None],
-                                          load[other // M][None, :] + weight[xs][:, None]),
-                         np.inf)
-        if value.size:
-            flat = int(np.argmin(value))
-            if value.flat[flat] < best_value:
-                best_value = float(value.flat[flat])
-                best = ("move", int(xs[flat // other.size]), int(other[flat % other.size]))
-        if best is None:
+        move_value = np.where(fits, np.maximum(cur - weight[xs][:, None],
+                                               load[other // M][None, :] + weight[xs][:, None]),
+                              np.inf)
+        lowest = min(float(swap_value.min(initial=np.inf)), float(move_value.min(initial=np.inf)))
+        if not lowest < bar:
             break
+        # Of the options within HOME_SLACK of the lowest, the one that sends the fewest tokens
+        # away from the ranks holding them (the exchange's traffic: an image item moves with
+        # its pixels), then the lowest; ties to the first.
+        near = min(lowest + HOME_SLACK * float(load.mean()), bar)
+        hx, hy = home[xs], home[ys]
+        lx, ly, ry = length[xs], length[ys], rank[ys]
+        # tokens away from home after the swap less before: x to rank ry, y to the top rank
+        swap_away = lx[:, None] * ((hx[:, None] != ry[None, :]).astype(np.int64)
+                                   - (hx != top)[:, None]) + \
+            (ly * ((hy != top).astype(np.int64) - (hy != ry)))[None, :]
+        move_away = lx[:, None] * ((hx[:, None] != other[None, :] // M).astype(np.int64)
+                                   - (hx != top)[:, None])
+        values = np.concatenate([swap_value.ravel(), move_value.ravel()])
+        close = np.flatnonzero((values <= near) & (values < bar))
+        away = np.concatenate([swap_away.ravel(), move_away.ravel()])[close]
+        pick = int(close[np.lexsort((close, values[close], away))[0]])
+        if pick < swap_value.size:
+            best = ("swap", int(xs[pick // ys.size]), int(ys[pick % ys.size]))
+        else:
+            pick -= swap_value.size
+            best = ("move", int(xs[pick // other.size]), int(other[pick % other.size]))
         if best[0] == "swap":
             x, y = best[1], best[2]
             a, b = int(slot[x]), int(slot[y])
