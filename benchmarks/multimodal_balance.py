@@ -474,8 +474,9 @@ def main(argv=None) -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--workdir", default="/tmp/streamload-mm-balance")
     ap.add_argument("--capacity", type=int, default=C, help="C, tokens per row (sim only)")
-    ap.add_argument("--max-pixels", type=int, default=MAX_PIXELS,
-                    help="the resizing rule's pixel budget per image (sim only)")
+    ap.add_argument("--max-pixels", type=int, default=None,
+                    help="the resizing rule's pixel budget per image (sim only; default: the "
+                         "corpus's)")
     ap.add_argument("--lookahead", type=int, default=None,
                     help="the lookahead planner's window W in steps (default: the loader's)")
     ap.add_argument("--max-images-per-row", type=int, default=None)
@@ -495,13 +496,13 @@ def main(argv=None) -> int:
         from streamload.plan import planner
         planner.SWAPS = False
     corpus_pixels = CORPORA[args.corpus][1]
-    if args.corpus != "photos" and args.max_pixels == MAX_PIXELS:
+    if (args.capacity != C or args.max_pixels is not None) and not args.no_loader:
+        ap.error("--capacity and --max-pixels change the simulation only: add --no-loader")
+    if args.max_pixels is None:
         args.max_pixels = corpus_pixels
     extra = {k: v for k, v in (("lookahead", args.lookahead),
                                ("max_images_per_row", args.max_images_per_row),
                                ("max_patches_per_row", args.max_patches_per_row)) if v}
-    if (args.capacity, args.max_pixels) != (C, MAX_PIXELS) and not args.no_loader:
-        ap.error("--capacity and --max-pixels change the simulation only: add --no-loader")
     C, MAX_PIXELS, M = args.capacity, args.max_pixels, args.micro_batches
     results, corpora = [], {}
     modes = ("hybrid", "backbone")
