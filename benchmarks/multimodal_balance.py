@@ -28,11 +28,19 @@ slides, charts: DOC_SIZES), 1-4 per sample (15% with none), under a ~2 MP Qwen2-
 (max_pixels = 2560 x 28^2), text of 10 to 2,000 tokens: the encoder carries 38% of the compute
 (the photos corpus: 25%), the images (encoder plus their visual tokens) 95%.
 
+--corpus mix: the sources of a VLM instruction-tuning mix at LLaVA-OneVision's stage-2 weights
+(MIX below: photo QA 43.7%, documents 23.0%, text only 11.1%, interleaved multi-image 13.6%,
+video clips as lists of 8-32 frames 8.5%, by samples), pre-mixed into one shuffled stream,
+under one ~2 MP Qwen2-VL rule: the encoder carries 31% of the compute, the images 84%.
+`corpora` in the JSON has each source's share of the samples, the compute and the encoder's.
+
 Geometry: rows of C = 16384 tokens, M = 2 micro-batches per rank (--micro-batches), one epoch.
 
 Modes:
   * hybrid:   the loader's default for image sources (`image_cost="hybrid"`): the encoder's
               cost from each image's patches reaches the planner as the sample's extra cost;
+              each step's plan then has its top rank trade items with the others
+              (`plan/swaps.py`; --no-swaps plans without, in the dry run);
   * backbone: `image_cost="backbone"`: the planner balances the fused length's cost only;
   * token_baseline: the samples shuffled, packed in order into rows of at most C tokens (a
               sample that does not fit starts the next row), rows dealt round-robin, M per
@@ -50,6 +58,8 @@ The epoch's last step, the same rule as benchmarks/long_context.py: the loader's
 holds what is left); the baselines pack full steps only and drop the remainder (a part-empty
 last step would count against them). `efficiency_but_last` scores the planners without their
 last step, for reference (long_context.py reports `fill_but_last` alike).
+`exchanged` (dry run): the share of the taken tokens planned onto a rank other than the one
+holding them (the exchange's traffic).
 encoder_efficiency / backbone_efficiency: the same for each part alone (how evenly each part
 is spread), encoder_imbalance / backbone_imbalance: max/mean over ranks, averaged over steps.
 
