@@ -155,13 +155,14 @@ def test_overdue_items_are_taken_with_the_swaps(problem, method, seed):
 @pytest.mark.core
 def test_of_equal_swaps_the_one_that_sends_an_item_home_is_taken():
     # Three ranks, one full row each (two items of 500). The plan put rank 2's image item G on
-    # rank 0, beside rank 0's image item A (encoder cost 400 each); ranks 1 and 2 hold text.
-    # Trading A or G for any text item lowers rank 0 alike; trading G for rank 2's text item E
-    # sends G home and moves no more tokens than the plan did (the others add 500 or 1,000).
+    # rank 0, beside rank 0's image item A (encoder cost 400 each); ranks 1 and 2 hold text
+    # (rank 2's E with an extra cost of 1). Trading A or G for a text item of rank 1 lowers
+    # rank 0 the most (to 1,451); trading G for E, to 1,452 (within HOME_SLACK of it), sends G
+    # home and moves no more tokens than the plan did (the others add 500 or 1,000): taken.
     c = Candidates.from_windows([[np.array([500])], [np.array([500, 500])],
                                  [np.array([500, 500, 500])]],
                                 extra_costs=[[np.array([400.0])], [np.zeros(2)],
-                                             [np.array([400.0, 0.0, 0.0])]],
+                                             [np.array([400.0, 1.0, 0.0])]],
                                 images=[[np.array([1])], [np.zeros(2, np.int64)],
                                         [np.array([1, 0, 0])]],
                                 patches=[[np.array([100])], [np.zeros(2, np.int64)],
@@ -173,6 +174,6 @@ def test_of_equal_swaps_the_one_that_sends_an_item_home_is_taken():
     new_rank, _ = refine_swaps(c, take, rank, np.zeros(6, np.int32), c.length[take], geometry,
                                COST)
     where = dict(zip(take.tolist(), new_rank.tolist()))
-    assert where[G] == 2 and where[E] == 0 and where[A] == 0     # G went home, E took its place
+    assert where[G] == 2 and where[A] == 0     # G went home, A stayed home
     costs = rank_costs(c, take, new_rank, c.length[take], geometry)
     assert costs.max() < rank_costs(c, take, rank, c.length[take], geometry).max()
