@@ -211,7 +211,8 @@ def shares(corpus: Corpus) -> dict:
                        "compute": round(float((backbone + encoder)[corpus.source == k].sum()
                                               / total), 4),
                        "encoder": round(float(encoder[corpus.source == k].sum() / total), 4),
-                       "mean_fused_tokens": round(float(corpus.fused[corpus.source == k].mean()), 1)}
+                       "mean_fused_tokens":
+                           round(float(corpus.fused[corpus.source == k].mean()), 1)}
                 for k, (name, _, _) in enumerate(MIX)}})}
 
 

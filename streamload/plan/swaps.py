@@ -2,21 +2,23 @@
 other rank while that lowers the step's time (issue 23's image path).
 
 Why a pass of its own: with image samples a step's rows are full (the full-steps guarantee) and
-hold a few large items each (at M = 1 and C = 16k, four or five samples of up to 8 images), so
-a rank's tokens are fixed and its cost is set by its items' cost *per token*: an encoder-heavy
-sample (many patches, little text) and a text-heavy one of the same length differ by a third.
-The balancer's own refinement (`balance._refine`) looks at the four least loaded ranks for
-swaps, where rows are full and an item must trade for one of about its length; the partner
-that evens the top rank is usually elsewhere. This pass looks at every rank (the
-`PARTNER_RANKS` least loaded beyond R = 65).
+hold a few large items each (at M = 1 and C = 16k, four or five samples of up to 8 images), so a
+rank's tokens are fixed and its cost is set by its items' cost *per token*: an encoder-heavy
+sample (many patches, little text) and a text-heavy one of the same length differ by half or
+more per token (ViT-600M-like over 7B-like: the encoder adds 0.53 of the backbone's cost per
+token to a 1,024-token photo, 0.82 to a 2,560-token page). The balancer's own refinement
+(`balance._refine`) looks at the four least loaded ranks for swaps, where rows are full and an
+item must trade for one of about its length; the partner that evens the top rank is usually
+elsewhere. This pass looks at every rank (the `PARTNER_RANKS` least loaded beyond R = 65).
 
 Each round takes the most loaded rank and, over its items x and every other taken item y (on
-rank q among the partners), the swaps that bring max(load[top] - d, load[q] + d) (d = w_x - w_y) below load[top],
-and the moves of x into a row of such a rank with room that do; both rows stay within C tokens
-and within the caps per row (`caps.RowCaps`). Of those within `HOME_SLACK` (of the mean rank
-load) of the lowest, it takes the one that leaves the most tokens on the rank holding them (the
-exchange moves an image item with its pixels), then the lowest. It stops when no swap lowers
-the top rank, when the top rank is within `TOLERANCE` of the mean, or after `max_rounds`.
+rank q among the partners), the swaps that bring max(load[top] - d, load[q] + d) (d = w_x - w_y)
+below load[top], and the moves of x into a row of such a rank with room that do; both rows stay
+within C tokens and within the caps per row (`caps.RowCaps`). Of those within `HOME_SLACK` (of
+the mean rank load) of the lowest, it takes the one that leaves the most tokens on the rank
+holding them (the exchange moves an image item with its pixels), then the lowest. It stops when
+no swap lowers the top rank, when the top rank is within `TOLERANCE` of the mean, or after
+`max_rounds`.
 
 What it keeps: the plan's items (and the tokens taken of each) are the same, only their
 (rank, row) change, so the selection, the quotas, exactly-once and the deferral bound are the
