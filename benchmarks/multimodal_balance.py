@@ -40,7 +40,7 @@ Modes:
   * hybrid:   the loader's default for image sources (`image_cost="hybrid"`): the encoder's
               cost from each image's patches reaches the planner as the sample's extra cost;
               each step's plan then has its top rank trade items with the others
-              (`plan/swaps.py`; --no-swaps plans without, in the dry run);
+              (`plan/swaps.py`; --no-swaps plans without);
   * backbone: `image_cost="backbone"`: the planner balances the fused length's cost only;
   * token_baseline: the samples shuffled, packed in order into rows of at most C tokens (a
               sample that does not fit starts the next row), rows dealt round-robin, M per
@@ -394,6 +394,9 @@ def run_rank(rank: int, world: int, port: int, root: str, options: dict, queue) 
     try:
         global MAX_PIXELS
         MAX_PIXELS = options.pop("max_pixels", MAX_PIXELS)
+        if not options.pop("swaps", True):
+            from streamload.plan import planner
+            planner.SWAPS = False
         import torch
         torch.set_num_threads(1)
         if world > 1:
@@ -431,11 +434,13 @@ def run_rank(rank: int, world: int, port: int, root: str, options: dict, queue) 
         raise
 
 
-def loader_run(root: Path, corpus: Corpus, R: int, mode: str, seed: int = 0) -> dict:
+def loader_run(root: Path, corpus: Corpus, R: int, mode: str, seed: int = 0,
+               swaps: bool = True) -> dict:
     from epoch import spawn_ranks
     # the ranks are fresh processes: they get the corpus's resizing rule with the options
     ranks = spawn_ranks(run_rank, R, 1800.0, str(root),
-                        {**loader_options(mode, seed), "max_pixels": MAX_PIXELS})
+                        {**loader_options(mode, seed), "max_pixels": MAX_PIXELS,
+                         "swaps": swaps})
     T = max(len(r["steps"]) for r in ranks)
     enc, bb = np.zeros((T, R)), np.zeros((T, R))
     for q, r in enumerate(ranks):
@@ -501,7 +506,7 @@ def main(argv=None) -> int:
                          "a ~2 MP rule (sim only; its own max pixels unless --max-pixels)")
     ap.add_argument("--no-swaps", action="store_true",
                     help="plan without the swaps between ranks after each image step "
-                         "(`plan/swaps.py`; sim only), for comparison")
+                         "(`plan/swaps.py`), for comparison")
     args = ap.parse_args(argv)
     if args.no_swaps:
         from streamload.plan import planner
@@ -551,7 +556,7 @@ def main(argv=None) -> int:
             print_row(results[-1])
             for mode in modes:
                 started = time.perf_counter()
-                res = loader_run(root, corpus, R, mode, args.seed)
+                res = loader_run(root, corpus, R, mode, args.seed, not args.no_swaps)
                 res["wall_s"] = round(time.perf_counter() - started, 1)
                 results.append(row(mode, "loader", R, res, base, energon))
                 print_row(results[-1])
