@@ -9,7 +9,9 @@ more per token (ViT-600M-like over 7B-like: the encoder adds 0.53 of the backbon
 token to a 1,024-token photo, 0.82 to a 2,560-token page). The balancer's own refinement
 (`balance._refine`) looks at the four least loaded ranks for swaps, where rows are full and an
 item must trade for one of about its length; the partner that evens the top rank is usually
-elsewhere. This pass looks at every rank (the `PARTNER_RANKS` least loaded beyond R = 65).
+elsewhere. This pass looks at every rank, or at the least loaded ones: `PARTNER_RANKS` at most,
+fewer where ranks hold many items (about `PARTNER_ITEMS` items to trade with, from at least
+`MIN_PARTNERS` ranks).
 
 Each round takes the most loaded rank and, over its items x and every other taken item y (on
 rank q among the partners), the swaps that bring max(load[top] - d, load[q] + d) (d = w_x - w_y)
@@ -44,7 +46,10 @@ from .types import Candidates, Geometry
 ROUNDS_PER_RANK = 1   # rounds at most: this many per rank (each lowers the top rank once)
 MAX_ROUNDS = 64      # and at most this many (R = 256: 74 -> 34 ms a step, efficiency -0.007)
 PARTNER_RANKS = 64    # the top rank trades with at most this many ranks, the least loaded
-                      # (all of them up to R = 65): the cost of a round stays that of R = 64
+                      # (all of them up to R = 65): a round's cost stays bounded in R
+PARTNER_ITEMS = 512   # ... and fewer where ranks hold many items: about this many items in
+                      # all (M = 4 at R = 64: 18 ranks; 44 -> 27 ms a step, the same plans' cost)
+MIN_PARTNERS = 16
 TOLERANCE = 1e-3      # done when the top rank is within this share of the mean
 HOME_SLACK = 2e-3     # options this close (share of the mean) to the lowest count as equal,
                       # and the one that keeps the most tokens home is taken
@@ -84,15 +89,17 @@ def refine_swaps(c: Candidates, take: np.ndarray, rank: np.ndarray, row: np.ndar
     # what it holds.
     vis_limit = np.maximum(limit[None, :], vis)
     rounds = min(ROUNDS_PER_RANK * R, MAX_ROUNDS) if max_rounds is None else max_rounds
+    # about PARTNER_ITEMS items to trade with (a round's cost), from at least MIN_PARTNERS ranks
+    partners = min(PARTNER_RANKS, max(MIN_PARTNERS, PARTNER_ITEMS * R // n))
     for _ in range(rounds):
         top = int(np.argmax(load))
         cur = float(load[top])
         if cur <= float(load.mean()) * (1 + TOLERANCE):
             break
         xs = np.flatnonzero(rank == top)
-        # the partners: every other rank, or the PARTNER_RANKS least loaded of them
-        partner = np.ones(R, bool) if R <= PARTNER_RANKS + 1 else \
-            np.isin(np.arange(R), np.argpartition(load, PARTNER_RANKS - 1)[:PARTNER_RANKS])
+        # the partners: every other rank, or the `partners` least loaded of them
+        partner = np.ones(R, bool) if R <= partners + 1 else \
+            np.isin(np.arange(R), np.argpartition(load, partners - 1)[:partners])
         partner[top] = False
         ys = np.flatnonzero(partner[rank])
         if xs.size == 0 or ys.size == 0:
