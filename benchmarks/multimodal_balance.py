@@ -28,11 +28,19 @@ slides, charts: DOC_SIZES), 1-4 per sample (15% with none), under a ~2 MP Qwen2-
 (max_pixels = 2560 x 28^2), text of 10 to 2,000 tokens: the encoder carries 38% of the compute
 (the photos corpus: 25%), the images (encoder plus their visual tokens) 95%.
 
+--corpus mix: the sources of a VLM instruction-tuning mix at LLaVA-OneVision's stage-2 weights
+(MIX below: photo QA 43.7%, documents 23.0%, text only 11.1%, interleaved multi-image 13.6%,
+video clips as lists of 8-32 frames 8.5%, by samples), pre-mixed into one shuffled stream,
+under one ~2 MP Qwen2-VL rule: the encoder carries 31% of the compute, the images 84%.
+`corpora` in the JSON has each source's share of the samples, the compute and the encoder's.
+
 Geometry: rows of C = 16384 tokens, M = 2 micro-batches per rank (--micro-batches), one epoch.
 
 Modes:
   * hybrid:   the loader's default for image sources (`image_cost="hybrid"`): the encoder's
               cost from each image's patches reaches the planner as the sample's extra cost;
+              each step's plan then has its top rank trade items with the others
+              (`plan/swaps.py`; --no-swaps plans without);
   * backbone: `image_cost="backbone"`: the planner balances the fused length's cost only;
   * token_baseline: the samples shuffled, packed in order into rows of at most C tokens (a
               sample that does not fit starts the next row), rows dealt round-robin, M per
@@ -50,6 +58,8 @@ The epoch's last step, the same rule as benchmarks/long_context.py: the loader's
 holds what is left); the baselines pack full steps only and drop the remainder (a part-empty
 last step would count against them). `efficiency_but_last` scores the planners without their
 last step, for reference (long_context.py reports `fill_but_last` alike).
+`exchanged` (dry run): the share of the taken tokens planned onto a rank other than the one
+holding them (the exchange's traffic).
 encoder_efficiency / backbone_efficiency: the same for each part alone (how evenly each part
 is spread), encoder_imbalance / backbone_imbalance: max/mean over ranks, averaged over steps.
 
@@ -96,10 +106,38 @@ SIZES = [(320, 240), (640, 480), (800, 600), (1024, 768), (1280, 720), (1920, 10
 # text of 10 to 2,000 tokens (questions, answers, OCR snippets).
 DOC_SIZES = [(1240, 1754), (1275, 1650), (1654, 2339), (2480, 3508), (1280, 800), (1366, 768),
              (1920, 1080), (2560, 1440), (1170, 2532), (1080, 2400), (1024, 768), (800, 600)]
+# A shape of sample: (sizes to draw from, images per sample lo..hi when it has any, share with
+# none, text tokens lo..hi, log-uniform).
+PHOTOS = (SIZES, (1, 8), 0.25, (10, 6000))
+DOCUMENTS = (DOC_SIZES, (1, 4), 0.15, (10, 2000))
+# --corpus mix: the sources of a VLM instruction-tuning mix at LLaVA-OneVision's stage-2 weights
+# (arXiv 2408.03326: 3.2M single-image samples, split General 36.1%, Doc/Chart/Screen 20.6%,
+# Math/Reasoning 20.1%, General OCR 8.9%, Language 14.3%; then 0.56M multi-image and 0.35M
+# video samples; 4.11M in all), by samples, pre-mixed into one shuffled stream (one source):
+#   photo  (General + Math/Reasoning, 43.7%): one photo, a question and answer of 20-1,500 tokens;
+#   doc    (Doc/Chart/Screen + General OCR, 23.0%): 1-2 pages or screenshots, 20-2,000 tokens;
+#   text   (Language, 11.1%): text only, 50-4,000 tokens;
+#   interleaved (multi-image, 13.6%): 2-8 web images (WEB_SIZES), 200-4,000 tokens of text;
+#   video  (8.5%): a clip of 8-32 frames as an image list, each sampled at 448x252 (or
+#          252x448), 20-1,000 tokens.
+# One resizing rule for all (one source): Qwen2-VL's dynamic rule at max_pixels = 2560 x 28^2
+# (~2 MP: up to 2,560 visual tokens per image); a frame of 448x252 is 576 patches, 144 tokens
+# (LLaVA-OneVision: 196 per frame). Chosen before it was measured, not tuned.
+WEB_SIZES = [(320, 240), (400, 300), (500, 375), (640, 480), (800, 600), (1024, 768),
+             (1280, 720), (600, 800)]
+FRAMES = [(448, 252)] * 4 + [(252, 448)]
+MIX = (  # name, weight (samples), shape
+    ("photo", 0.437, (SIZES, (1, 1), 0.0, (20, 1500))),
+    ("doc", 0.230, (DOC_SIZES, (1, 2), 0.0, (20, 2000))),
+    ("text", 0.111, (SIZES, (0, 0), 1.0, (50, 4000))),
+    ("interleaved", 0.136, (WEB_SIZES, (2, 8), 0.0, (200, 4000))),
+    ("video", 0.085, (FRAMES, (8, 32), 0.0, (20, 1000))),
+)
 CORPORA = {
-    # name: (sizes, images per sample 1..k, share with none, text_max, max_pixels)
-    "photos": (SIZES, 8, 0.25, 6000, 1024 * 28 * 28),
-    "documents": (DOC_SIZES, 4, 0.15, 2000, 2560 * 28 * 28),
+    # name: ((weight, shape) per source, max_pixels)
+    "photos": (((1.0, PHOTOS),), 1024 * 28 * 28),
+    "documents": (((1.0, DOCUMENTS),), 2560 * 28 * 28),
+    "mix": (tuple((w, shape) for _, w, shape in MIX), 2560 * 28 * 28),
 }
 IMAGE_ID, BEGIN_ID, END_ID = 300, 301, 302
 
@@ -116,25 +154,37 @@ class Corpus:
     sizes: list                 # per sample: [(w, h), ...]
     patches: list               # per sample: [P, ...]
     fused: np.ndarray           # int64 [n] fused length (text + visual tokens + markers)
+    source: np.ndarray          # int64 [n] which of the corpus's sources (--corpus mix)
 
 
 def make_corpus(n: int, seed: int = 0, kind: str = "photos") -> Corpus:
-    table, most, none, text_max, _ = CORPORA[kind]
+    sources, _ = CORPORA[kind]
     rng = np.random.default_rng(seed)
     opts = images_options()
-    text, sizes, patches, fused = [], [], [], []
+    weights = np.array([w for w, _ in sources])
+    text, sizes, patches, fused, source = [], [], [], [], []
     for _ in range(n):
-        k = 0 if rng.random() < none else int(rng.integers(1, most + 1))
+        # one source: no draw for it (the single-shape corpora as in the rounds before)
+        which = 0 if len(sources) == 1 else int(rng.choice(len(sources), p=weights / weights.sum()))
+        table, (lo, hi), none, (text_lo, text_hi) = sources[which][1]
+        k = 0 if (hi == 0 or rng.random() < none) else int(rng.integers(lo, hi + 1))
         wh = [table[int(rng.integers(len(table)))] for _ in range(k)]
         placed = [opts.place(h, w) for w, h in wh]
+        # a sample's images must leave room for its text in a row: the last ones go (the
+        # mix's interleaved or video samples only, rarely)
+        while placed and sum(p.tokens + 2 for p in placed) > C - text_lo:
+            placed.pop()
+            wh.pop()
         visual = sum(p.tokens + 2 for p in placed)   # + the begin and end markers
-        t = int(np.exp(rng.uniform(np.log(10), np.log(text_max))))
+        t = int(np.exp(rng.uniform(np.log(text_lo), np.log(text_hi))))
         t = max(1, min(t, C - visual))
         text.append(t)
         sizes.append(wh)
         patches.append([p.grid[0] * p.grid[1] * p.grid[2] for p in placed])
         fused.append(t + visual)
-    return Corpus(np.array(text, np.int64), sizes, patches, np.array(fused, np.int64))
+        source.append(which)
+    return Corpus(np.array(text, np.int64), sizes, patches, np.array(fused, np.int64),
+                  np.array(source, np.int64))
 
 
 def sample_costs(corpus: Corpus) -> tuple[np.ndarray, np.ndarray]:
@@ -155,7 +205,15 @@ def shares(corpus: Corpus) -> dict:
             "images": int(sum(len(p) for p in corpus.patches)),
             "encoder_share": round(float(encoder.sum() / total), 4),
             "image_share": round(float((encoder.sum() + image_backbone.sum()) / total), 4),
-            "mean_fused_tokens": round(float(corpus.fused.mean()), 1)}
+            "mean_fused_tokens": round(float(corpus.fused.mean()), 1),
+            **({} if corpus.source.max(initial=0) == 0 else {"by_source": {
+                name: {"samples": round(float((corpus.source == k).mean()), 4),
+                       "compute": round(float((backbone + encoder)[corpus.source == k].sum()
+                                              / total), 4),
+                       "encoder": round(float(encoder[corpus.source == k].sum() / total), 4),
+                       "mean_fused_tokens":
+                           round(float(corpus.fused[corpus.source == k].mean()), 1)}
+                for k, (name, _, _) in enumerate(MIX)}})}
 
 
 # -- scoring ---------------------------------------------------------------------------------
@@ -296,6 +354,10 @@ def simulate(corpus: Corpus, R: int, mode: str, seed: int = 0, **options) -> dic
                 "all_samples_once": taken == n,
                 "row_images_max": int(max(r.row_visual[..., 0].max() for r in reports)),
                 "row_patches_max": int(max(r.row_visual[..., 1].max() for r in reports)),
+                # the share of the taken tokens planned away from the rank holding them (the
+                # exchange's traffic; an image item moves with its pixels)
+                "exchanged": round(sum(r.exchanged for r in reports) /
+                                   max(sum(int(r.rank_tokens.sum()) for r in reports), 1), 4),
                 "plan_ms_mean": round(1e3 * float(np.mean([r.plan_seconds for r in reports])),
                                       2),
                 "sim_cpu_s": round(cpu, 1)})
@@ -330,6 +392,11 @@ def write_tars(root: Path, corpus: Corpus, shards: int = 4) -> None:
 
 def run_rank(rank: int, world: int, port: int, root: str, options: dict, queue) -> None:
     try:
+        global MAX_PIXELS
+        MAX_PIXELS = options.pop("max_pixels", MAX_PIXELS)
+        if not options.pop("swaps", True):
+            from streamload.plan import planner
+            planner.SWAPS = False
         import torch
         torch.set_num_threads(1)
         if world > 1:
@@ -367,9 +434,13 @@ def run_rank(rank: int, world: int, port: int, root: str, options: dict, queue) 
         raise
 
 
-def loader_run(root: Path, corpus: Corpus, R: int, mode: str, seed: int = 0) -> dict:
+def loader_run(root: Path, corpus: Corpus, R: int, mode: str, seed: int = 0,
+               swaps: bool = True) -> dict:
     from epoch import spawn_ranks
-    ranks = spawn_ranks(run_rank, R, 1800.0, str(root), loader_options(mode, seed))
+    # the ranks are fresh processes: they get the corpus's resizing rule with the options
+    ranks = spawn_ranks(run_rank, R, 1800.0, str(root),
+                        {**loader_options(mode, seed), "max_pixels": MAX_PIXELS,
+                         "swaps": swaps})
     T = max(len(r["steps"]) for r in ranks)
     enc, bb = np.zeros((T, R)), np.zeros((T, R))
     for q, r in enumerate(ranks):
@@ -399,7 +470,8 @@ def row(mode: str, where: str, R: int, res: dict, base: dict | None,
 
 
 def print_row(r: dict) -> None:
-    keys = ("efficiency", "speedup_vs_token_baseline", "speedup_vs_energon_ffd",
+    keys = ("efficiency", "efficiency_but_last", "speedup_vs_token_baseline",
+            "speedup_vs_energon_ffd", "exchanged", "plan_ms_mean",
             "encoder_efficiency",
             "backbone_efficiency", "encoder_imbalance", "backbone_imbalance", "fill", "steps")
     print(f"{r['mode']:>6} R={r['ranks']:<4} {r['balancing']:>14} " +
@@ -418,8 +490,9 @@ def main(argv=None) -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--workdir", default="/tmp/streamload-mm-balance")
     ap.add_argument("--capacity", type=int, default=C, help="C, tokens per row (sim only)")
-    ap.add_argument("--max-pixels", type=int, default=MAX_PIXELS,
-                    help="the resizing rule's pixel budget per image (sim only)")
+    ap.add_argument("--max-pixels", type=int, default=None,
+                    help="the resizing rule's pixel budget per image (sim only; default: the "
+                         "corpus's)")
     ap.add_argument("--lookahead", type=int, default=None,
                     help="the lookahead planner's window W in steps (default: the loader's)")
     ap.add_argument("--max-images-per-row", type=int, default=None)
@@ -431,19 +504,22 @@ def main(argv=None) -> int:
     ap.add_argument("--corpus", choices=sorted(CORPORA), default="photos",
                     help="photos: the default corpus; documents: pages and screenshots under "
                          "a ~2 MP rule (sim only; its own max pixels unless --max-pixels)")
+    ap.add_argument("--no-swaps", action="store_true",
+                    help="plan without the swaps between ranks after each image step "
+                         "(`plan/swaps.py`), for comparison")
     args = ap.parse_args(argv)
-    corpus_pixels = CORPORA[args.corpus][4]
-    if args.corpus != "photos" and args.max_pixels == MAX_PIXELS:
+    if args.no_swaps:
+        from streamload.plan import planner
+        planner.SWAPS = False
+    corpus_pixels = CORPORA[args.corpus][1]
+    if (args.capacity != C or args.max_pixels is not None) and not args.no_loader:
+        ap.error("--capacity and --max-pixels change the simulation only: add --no-loader")
+    if args.max_pixels is None:
         args.max_pixels = corpus_pixels
     extra = {k: v for k, v in (("lookahead", args.lookahead),
                                ("max_images_per_row", args.max_images_per_row),
                                ("max_patches_per_row", args.max_patches_per_row)) if v}
-    if (args.capacity, args.max_pixels, args.micro_batches, args.corpus) != \
-            (C, MAX_PIXELS, M, "photos"):
-        if not args.no_loader:
-            ap.error("--capacity, --max-pixels, --micro-batches and --corpus change the "
-                     "simulation only: add --no-loader")
-        C, MAX_PIXELS, M = args.capacity, args.max_pixels, args.micro_batches
+    C, MAX_PIXELS, M = args.capacity, args.max_pixels, args.micro_batches
     results, corpora = [], {}
     modes = ("hybrid", "backbone")
     for R in [int(x) for x in args.sim_ranks.split(",") if x]:
@@ -464,8 +540,9 @@ def main(argv=None) -> int:
             results.append(row(mode, "sim", R, res, base, energon))
             print_row(results[-1])
     if not args.no_loader:
-        corpus = make_corpus(args.loader_samples, args.seed + 7)
-        root = Path(args.workdir) / f"n{args.loader_samples}_s{args.seed + 7}"
+        corpus = make_corpus(args.loader_samples, args.seed + 7, args.corpus)
+        name = "" if args.corpus == "photos" else f"_{args.corpus}"
+        root = Path(args.workdir) / f"n{args.loader_samples}_s{args.seed + 7}{name}"
         if not (root / "done").exists():
             write_tars(root, corpus)
             (root / "done").write_text("ok")
@@ -474,16 +551,20 @@ def main(argv=None) -> int:
             base = token_baseline(corpus, R, args.seed)
             results.append(row("token_baseline", "loader", R, base, None))
             print_row(results[-1])
+            energon = energon_baseline(corpus, R, args.seed, args.packing_buffer)
+            results.append(row("energon_ffd", "loader", R, energon, base))
+            print_row(results[-1])
             for mode in modes:
                 started = time.perf_counter()
-                res = loader_run(root, corpus, R, mode, args.seed)
+                res = loader_run(root, corpus, R, mode, args.seed, not args.no_swaps)
                 res["wall_s"] = round(time.perf_counter() - started, 1)
-                results.append(row(mode, "loader", R, res, base))
+                results.append(row(mode, "loader", R, res, base, energon))
                 print_row(results[-1])
     print(json.dumps({"corpora": corpora, "results": results,
                       "cost": {"cost_a": COST_A, "cost_b": COST_B, "encoder_cost_a": ENC_A,
                                "encoder_cost_b": ENC_B}, "C": C, "M": M, "options": extra,
                       "packing_buffer": args.packing_buffer, "corpus": args.corpus,
+                      "swaps": not args.no_swaps,
                       "max_pixels": MAX_PIXELS}))
     return 0
 

@@ -26,6 +26,7 @@ from .fill import FULL, Leftovers, epoch_cost, step_overhead_cost, top_up
 from .lookahead import select_lookahead
 from .naive import assign_naive, finish
 from .select import select
+from .swaps import applies as swaps_apply, refine_swaps
 from .types import Assignment, Candidates, Geometry
 
 # The planning methods: the one list of them. `LoaderConfig.planner` has this type and is
@@ -38,6 +39,7 @@ NAIVE_CHECK_ITEMS = 64   # up to this many items, a cost-aware plan is never wor
 # a bound of one window left no slack, the overdue items outgrew the step (the bound did not
 # hold: ages of 7 at W = 4) and, taken past their quotas, pushed the mix off by 0.02-0.03.
 DEFERRAL_WINDOWS = 2
+SWAPS = True   # image steps: `swaps.refine_swaps` after the caps (False: the plan as made)
 
 
 def overdue_first(c: Candidates, selected: np.ndarray, force_age: int | None) -> np.ndarray:
@@ -184,4 +186,8 @@ class Planner:
         # cap give up items (`caps.enforce`; a plan that obeys them is left as it is).
         take, rank, row, length = enforce(c, take, rank, row, length, self.geometry, self.caps,
                                           self.force_age, self.cost, eligible)
+        if method != "naive" and SWAPS and swaps_apply(c, self.geometry, self.cost):
+            # Image steps: the top rank trades items with any rank (`swaps.py`); the same items.
+            rank, row = refine_swaps(c, take, rank, row, length, self.geometry, self.cost,
+                                     self.caps)
         return finish(c, take, rank, row, self.geometry, self.cost, length)

@@ -12,6 +12,7 @@ from ...errors import ConfigError
 from ...mixreport import MixTracker, StepMix
 from ...plan.cost import CostModel
 from ...job import JobModel, layout_feed
+from ...plan.balance import exchanged_tokens
 from ...plan.caps import row_visual
 from ...plan.types import Candidates, Geometry
 from ...plan.windows import Block, Feed, ItemQueue, Windows
@@ -53,6 +54,7 @@ class StepReport:
     delay_max: int = 0          # the longest of those delays
     waited_token_steps: int = 0  # their delays weighted by their tokens
     plan_seconds: float = 0.0   # CPU time of the planner (`Stepper.assign`) for this step
+    exchanged: int = 0          # tokens planned onto a rank other than the one holding them
     mix: Optional[StepMix] = None   # the configured target, the tail, run-outs (`mixreport`)
     # An image job: the vision encoder's part of each rank's cost [R] (the rest of rank_cost
     # is the backbone's), and each row's images and patches [R, M, 2] (the caps per row)
@@ -338,6 +340,7 @@ def _report(step, epoch, c: Candidates, quota, assignment, take, units, geometry
         target_share=np.asarray(quota.shares, dtype=np.float64), quota_share=quota_share,
         length_quota=length_quota, length_quota_target=np.asarray(quota.quota_fractions),
         rank_cost=rank_cost, rank_tokens=rank_tokens, imbalance=imbalance,
+        exchanged=exchanged_tokens(c, assignment),
         deferred=int(len(c) - take.size),
         max_age=int(c.age[take].max()) if take.size else 0,
         fill=float(lengths.sum()) / geometry.step_tokens, active=np.asarray(quota.active),

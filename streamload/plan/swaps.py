@@ -1,0 +1,172 @@
+"""Swaps between ranks after a step is planned: the most loaded rank trades an item with any
+other rank while that lowers the step's time (issue 23's image path).
+
+Why a pass of its own: with image samples a step's rows are full (the full-steps guarantee) and
+hold a few large items each (at M = 1 and C = 16k, four or five samples of up to 8 images), so a
+rank's tokens are fixed and its cost is set by its items' cost *per token*: an encoder-heavy
+sample (many patches, little text) and a text-heavy one of the same length differ by half or
+more per token (ViT-600M-like over 7B-like: the encoder adds 0.53 of the backbone's cost per
+token to a 1,024-token photo, 0.82 to a 2,560-token page). The balancer's own refinement
+(`balance._refine`) looks at the four least loaded ranks for swaps, where rows are full and an
+item must trade for one of about its length; the partner that evens the top rank is usually
+elsewhere. This pass looks at every rank, or at the least loaded ones: `PARTNER_RANKS` at most,
+fewer where ranks hold many items (about `PARTNER_ITEMS` items to trade with, from at least
+`MIN_PARTNERS` ranks).
+
+Each round takes the most loaded rank and, over its items x and every other taken item y (on
+rank q among the partners), the swaps that bring max(load[top] - d, load[q] + d) (d = w_x - w_y)
+below load[top], and the moves of x into a row of such a rank with room that do; both rows stay
+within C tokens and within the caps per row (`caps.RowCaps`). Of those within `HOME_SLACK` (of
+the mean rank load) of the lowest, it takes the one that leaves the most tokens on the rank
+holding them (the exchange moves an image item with its pixels), then the lowest. It stops when
+no swap lowers the top rank, when the top rank is within `TOLERANCE` of the mean, or after
+`max_rounds`.
+
+What it keeps: the plan's items (and the tokens taken of each) are the same, only their
+(rank, row) change, so the selection, the quotas, exactly-once and the deferral bound are the
+planner's; every row within C and the caps (a row over a cap before the pass, which
+`caps.enforce` rules out, is never made worse); the step's time never rises (every swap
+lowers the top rank below where it was, and the other rank of the swap to below that too).
+Deterministic: ties go to the lowest index. Pure NumPy, O(rounds x items on the top rank x
+items).
+
+It runs where ranks are the bins: document masking without a pipeline (with 1F1B or plain
+causal attention a rank's time is not the sum of its items' costs).
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import numpy as np
+
+from .caps import RowCaps, item_visual
+from .cost import CostModel
+from .types import Candidates, Geometry
+
+ROUNDS_PER_RANK = 1   # rounds at most: this many per rank (each lowers the top rank once)
+MAX_ROUNDS = 64      # and at most this many (R = 256: 74 -> 34 ms a step, efficiency -0.007)
+PARTNER_RANKS = 64    # the top rank trades with at most this many ranks, the least loaded
+                      # (all of them up to R = 65): a round's cost stays bounded in R
+PARTNER_ITEMS = 512   # ... and fewer where ranks hold many items: about this many items in
+                      # all (M = 4 at R = 64: 18 ranks; 44 -> 27 ms a step, the same plans' cost)
+MIN_PARTNERS = 16
+TOLERANCE = 1e-3      # done when the top rank is within this share of the mean
+HOME_SLACK = 2e-3     # options this close (share of the mean) to the lowest count as equal,
+                      # and the one that keeps the most tokens home is taken
+
+
+def applies(c: Candidates, geometry: Geometry, cost: CostModel) -> bool:
+    """Where the pass runs: image candidates (the encoder's cost, or their fused lengths' under
+    image_cost="backbone"), ranks as the bins (document masking, no pipeline), R > 1."""
+    return c.images is not None and geometry.ranks > 1 and cost.document_masking and \
+        not geometry.pipelined
+
+
+def refine_swaps(c: Candidates, take: np.ndarray, rank: np.ndarray, row: np.ndarray,
+                 length: np.ndarray, geometry: Geometry, cost: CostModel,
+                 caps: RowCaps = RowCaps(), max_rounds: Optional[int] = None
+                 ) -> tuple[np.ndarray, np.ndarray]:
+    """(rank, row) for the same `take` and `length` with the most loaded rank lowered by swaps
+    and moves (see the module)."""
+    take = np.asarray(take, np.int64)
+    n = take.size
+    R, M, C = geometry.ranks, geometry.micro_batches, geometry.capacity
+    rank = np.asarray(rank, np.int64).copy()
+    row = np.asarray(row, np.int64).copy()
+    if n < 2 or R < 2:
+        return rank.astype(np.int32), row.astype(np.int32)
+    length = np.asarray(length, np.int64)
+    weight = cost.doc_cost(length).astype(np.float64) + c.extra_cost[take]
+    limit = caps.limits()
+    capped = caps.active and (c.images is not None or c.patches is not None)
+    visual = item_visual(c)[take].astype(np.float64) if capped else np.zeros((n, 2))
+    slot = rank * M + row
+    home = c.rank[take].astype(np.int64)   # the rank holding each item
+    load = np.bincount(rank, weight, minlength=R)
+    fill = np.bincount(slot, length, minlength=R * M).astype(np.int64)
+    vis = np.stack([np.bincount(slot, visual[:, k], minlength=R * M) for k in range(2)], 1)
+    # A row already over a cap (not after `caps.enforce`) may not get worse: its limit is
+    # what it holds.
+    vis_limit = np.maximum(limit[None, :], vis)
+    rounds = min(ROUNDS_PER_RANK * R, MAX_ROUNDS) if max_rounds is None else max_rounds
+    # about PARTNER_ITEMS items to trade with (a round's cost), from at least MIN_PARTNERS ranks
+    partners = min(PARTNER_RANKS, max(MIN_PARTNERS, PARTNER_ITEMS * R // n))
+    for _ in range(rounds):
+        top = int(np.argmax(load))
+        cur = float(load[top])
+        if cur <= float(load.mean()) * (1 + TOLERANCE):
+            break
+        xs = np.flatnonzero(rank == top)
+        # the partners: every other rank, or the `partners` least loaded of them
+        partner = np.ones(R, bool) if R <= partners + 1 else \
+            np.isin(np.arange(R), np.argpartition(load, partners - 1)[:partners])
+        partner[top] = False
+        ys = np.flatnonzero(partner[rank])
+        if xs.size == 0 or ys.size == 0:
+            break
+        bar = cur - max(1e-9 * cur, 1e-12)
+        # Swaps: x (top) for y (any other rank).
+        d = weight[xs][:, None] - weight[ys][None, :]
+        dl = length[xs][:, None] - length[ys][None, :]
+        sx, sy = slot[xs], slot[ys]
+        ok = (d > 0) & (fill[sx][:, None] - dl <= C) & (fill[sy][None, :] + dl <= C)
+        if capped:
+            dv = visual[xs][:, None, :] - visual[ys][None, :, :]
+            ok &= (vis[sx][:, None, :] - dv <= vis_limit[sx][:, None, :]).all(axis=2)
+            ok &= (vis[sy][None, :, :] + dv <= vis_limit[sy][None, :, :]).all(axis=2)
+        swap_value = np.where(ok, np.maximum(cur - d, load[rank[ys]][None, :] + d), np.inf)
+        # Moves: x into a row of another rank with room.
+        other = np.flatnonzero(partner[np.arange(R * M) // M])
+        fits = fill[other][None, :] + length[xs][:, None] <= C
+        if capped:
+            fits &= (vis[other][None, :, :] + visual[xs][:, None, :] <=
+                     vis_limit[other][None, :, :]).all(axis=2)
+        move_value = np.where(fits, np.maximum(cur - weight[xs][:, None],
+                                               load[other // M][None, :] + weight[xs][:, None]),
+                              np.inf)
+        lowest = min(float(swap_value.min(initial=np.inf)), float(move_value.min(initial=np.inf)))
+        if not lowest < bar:
+            break
+        # Of the options within HOME_SLACK of the lowest, the one that sends the fewest tokens
+        # away from the ranks holding them (the exchange's traffic: an image item moves with
+        # its pixels), then the lowest; ties to the first.
+        near = min(lowest + HOME_SLACK * float(load.mean()), bar)
+        values = np.concatenate([swap_value.ravel(), move_value.ravel()])
+        close = np.flatnonzero((values <= near) & (values < bar))
+        # tokens away from home after the option less before (x: the top rank's item; a swap
+        # sends x to y's rank and y to the top rank, a move sends x to the row's rank)
+        n_swaps = swap_value.size
+        sw, mv = close[close < n_swaps], close[close >= n_swaps] - n_swaps
+        xi = np.concatenate([xs[sw // max(ys.size, 1)], xs[mv // max(other.size, 1)]])
+        yi = ys[sw % max(ys.size, 1)]
+        dest = np.concatenate([rank[yi], other[mv % max(other.size, 1)] // M])
+        away = length[xi] * ((home[xi] != dest).astype(np.int64) - (home[xi] != top))
+        away[:sw.size] += length[yi] * ((home[yi] != top).astype(np.int64) - (home[yi] != rank[yi]))
+        pick = int(close[np.lexsort((close, values[close], away))[0]])
+        if pick < swap_value.size:
+            best = ("swap", int(xs[pick // ys.size]), int(ys[pick % ys.size]))
+        else:
+            pick -= swap_value.size
+            best = ("move", int(xs[pick // other.size]), int(other[pick % other.size]))
+        if best[0] == "swap":
+            x, y = best[1], best[2]
+            a, b = int(slot[x]), int(slot[y])
+            _shift(x, a, b, weight, length, visual, load, fill, vis, M)
+            _shift(y, b, a, weight, length, visual, load, fill, vis, M)
+            slot[x], slot[y] = b, a
+        else:
+            x, b = best[1], best[2]
+            _shift(x, int(slot[x]), b, weight, length, visual, load, fill, vis, M)
+            slot[x] = b
+        rank, row = slot // M, slot % M
+    return rank.astype(np.int32), row.astype(np.int32)
+
+
+def _shift(i: int, a: int, b: int, weight, length, visual, load, fill, vis, M: int) -> None:
+    """Item i's cost, tokens and images/patches from slot a to slot b."""
+    load[a // M] -= weight[i]
+    load[b // M] += weight[i]
+    fill[a] -= length[i]
+    fill[b] += length[i]
+    vis[a] -= visual[i]
+    vis[b] += visual[i]
