@@ -657,14 +657,20 @@ def _window_fronts(length: np.ndarray, window: np.ndarray, position: np.ndarray,
     the next step; placed largest first with the rest, the shortest were left out again (at
     128k, P = 4, R = 4, a third of the items left out were left out the next step too), and
     every step a later item of their window went ahead counts in their delay."""
-    idx = np.arange(length.size) if order is None else order
-    w = window[idx]
-    first = np.searchsorted(w, w, side="left")
-    last = np.searchsorted(w, w, side="right") - 1
-    total = np.cumsum(length[idx].astype(np.float64))
-    before = np.where(first > 0, total[first - 1], 0.0)
+    lengths = (length if order is None else length[order]).astype(np.float64)
+    w = window if order is None else window[order]
+    if lengths.size == 0:
+        return np.zeros(0, dtype=bool)
+    # Windows are runs of equal `w`: running tokens within each, and each one's total (O(n)).
+    starts = np.flatnonzero(np.concatenate([[True], w[1:] != w[:-1]]))
+    counts = np.diff(np.append(starts, lengths.size))
+    total = np.cumsum(lengths)
+    upto = total - np.repeat(total[starts] - lengths[starts], counts)
+    front = upto <= FRONT_SHARE * np.repeat(np.add.reduceat(lengths, starts), counts)
+    if order is None:
+        return front
     out = np.zeros(length.size, dtype=bool)
-    out[idx] = total - before <= FRONT_SHARE * (total[last] - before)
+    out[order] = front
     return out
 
 
