@@ -21,7 +21,8 @@ Phases, in order (vectorized over bins; Python loops run per round, never per it
    them by count, few of the cost). A water level gives every bin an allowance of tokens; each
    bin first keeps light items it holds itself; where rows are the bins most of the rest go
    out in runs by cumulative tokens (`_runs`), and what is left in waves, largest item into
-   largest gap, never past a row's capacity or a bin's allowance.
+   largest gap, never past a row's capacity or a bin's allowance. In an over-full step with
+   rows as bins, each window's first items go before the others (`_window_fronts`).
 3. **Forced** items (waited `max_age` steps) ride along with the rest, ahead of the others;
    one left out displaces non-forced items from a row (`_repair`). Should even that fail, the
    plan is made again with the forced items placed first, longest first, which cannot fail while
