@@ -325,3 +325,50 @@ def test_without_arrival_swaps_short_documents_are_overtaken(monkeypatch):
     """The cases above discriminate: without the swaps, windows are overtaken in most of them."""
     overtaken = [_overfull_step(*case, False, monkeypatch)[0] for case in CASES]
     assert sum(o > 0 for o in overtaken) >= len(CASES) // 2, overtaken
+
+
+def _front_step(R, M, P, seed, front, monkeypatch):
+    """An over-full step whose windows each start with a short document (what the last step
+    left out) before longer ones: whether each window's first document is taken, and the
+    step's time and tokens."""
+    import streamload.plan.balance as balance
+    monkeypatch.setattr(balance, "FRONT_SHARE", 0.01 if front else 0.0)
+    rng = np.random.default_rng(seed)
+    C = 2048
+    per_window = 2 * M * C // (3 * 11)              # the selection is twice the step
+    windows = [[np.concatenate([[5], rng.integers(8, 15, per_window)]) for _ in range(3)]
+               for _ in range(R)]
+    c = Candidates.from_windows(windows)
+    geometry = Geometry(R, M, C, pipeline_stages=P)
+    cost = CostModel(a=1 / 256)
+    from streamload.plan.fill import step_overhead_cost
+    take, rank, row = assign_balanced(c, np.arange(len(c)), geometry, cost,
+                                      overhead=step_overhead_cost(0.05, geometry, cost))
+    firsts = np.flatnonzero(c.position == 0)
+    from streamload.plan.cost import pipeline_time
+    rows = cost.row_costs(c.length[take], rank * M + row, R * M).reshape(R, M)
+    return (np.isin(firsts, take).all(), float(pipeline_time(rows, P).max()),
+            int(c.length[take].sum()))
+
+
+FRONT_CASES = [(R, M, P, seed) for R, M, P in ((2, 2, 2), (4, 2, 2), (3, 4, 4)) for seed in range(4)]
+
+
+@pytest.mark.parametrize("R,M,P,seed", FRONT_CASES)
+def test_an_over_full_step_takes_each_windows_first_documents(R, M, P, seed, monkeypatch):
+    """With rows as bins (1F1B), the first documents of every window (`balance._window_fronts`,
+    what an over-full step left out the step before) go first in the light fill: all of them are taken, and the step
+    takes within 1% of the time and the tokens of one that leaves them out again (the rest of
+    the light fill packs around them; the dry runs' efficiency moved within the seeds' spread)."""
+    taken_on, time_on, tokens_on = _front_step(R, M, P, seed, True, monkeypatch)
+    _, time_off, tokens_off = _front_step(R, M, P, seed, False, monkeypatch)
+    assert taken_on
+    assert time_on <= time_off * 1.01
+    assert tokens_on >= tokens_off * 0.99
+
+
+def test_without_the_fronts_short_first_documents_are_left_out(monkeypatch):
+    """The cases above discriminate: without `FRONT_SHARE`, the short first documents are left
+    out (the waves place the longest first) in most of them."""
+    left = [not _front_step(*case, False, monkeypatch)[0] for case in FRONT_CASES]
+    assert sum(left) >= len(FRONT_CASES) // 2, left

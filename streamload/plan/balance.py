@@ -21,7 +21,8 @@ Phases, in order (vectorized over bins; Python loops run per round, never per it
    them by count, few of the cost). A water level gives every bin an allowance of tokens; each
    bin first keeps light items it holds itself; where rows are the bins most of the rest go
    out in runs by cumulative tokens (`_runs`), and what is left in waves, largest item into
-   largest gap, never past a row's capacity or a bin's allowance.
+   largest gap, never past a row's capacity or a bin's allowance. In an over-full step with
+   rows as bins, each window's first items go before the others (`_window_fronts`).
 3. **Forced** items (waited `max_age` steps) ride along with the rest, ahead of the others;
    one left out displaces non-forced items from a row (`_repair`). Should even that fail, the
    plan is made again with the forced items placed first, longest first, which cannot fail while
@@ -64,6 +65,8 @@ ROW_LIGHT_SHARE = 1 / 128  # the same where rows are the bins (1F1B): still 1/(1
 WAVE_ITEMS = 4           # light items per row left to the waves after the runs (`_runs`)
 ARRIVAL_SWAPS = True     # items left out are each window's latest (`_arrival_swaps`)
 SWAP_SHARE = 0.5         # an earlier item takes a later one's place from this share of its tokens
+FRONT_SHARE = 0.01       # each window's first items, up to this share of its selected tokens,
+                         # go first in the light fill of an over-full step (`_window_fronts`)
 RUN_ROWS = 1024          # open rows from which the runs go first (fewer: the waves are cheap)
 
 
@@ -522,14 +525,16 @@ def _waves(bins: _Bins, items: np.ndarray, gaps: np.ndarray, max_waves: int = 51
 
 
 def _fill_light(bins: _Bins, items: np.ndarray, *, cap: float | None, home_first: bool,
-                forced: np.ndarray | None = None) -> np.ndarray:
+                forced: np.ndarray | None = None, early: np.ndarray | None = None
+                ) -> np.ndarray:
     """Spread many small items in a few vectorized passes (see the module docstring).
 
     A water level gives every bin an allowance of tokens, split over the bin's rows in
     proportion to their free space (the rows' *gaps*); no row ever takes more than its gap.
     First each bin keeps its own items in its own gaps, then the rest go largest first in
     waves. Forced items (bool per item in `forced`) go before the others, and past the
-    allowance where they must. Returns the items not placed.
+    allowance where they must; then the `early` ones (each window's first, `_window_fronts`),
+    then the rest. Returns the items not placed.
     """
     if items.size == 0:
         return items
@@ -546,7 +551,9 @@ def _fill_light(bins: _Bins, items: np.ndarray, *, cap: float | None, home_first
 
     left = []
     must = forced[items] if forced is not None else np.zeros(items.size, dtype=bool)
-    for group, is_forced in ((items[must], True), (items[~must], False)):
+    front = early[items] & ~must if early is not None else np.zeros(items.size, dtype=bool)
+    for group, is_forced in ((items[must], True), (items[front], False),
+                             (items[~must & ~front], False)):
         if group.size == 0:
             continue
         if home_first:
@@ -651,6 +658,32 @@ def _arrival_windows(c: Candidates, selected: np.ndarray):
     key = window * (int(position.max(initial=0)) + 1) + position
     order = np.argsort(key, kind="stable") if (key[1:] < key[:-1]).any() else None
     return window, position, order, c.num_ranks * c.num_sources
+
+
+def _window_fronts(length: np.ndarray, window: np.ndarray, position: np.ndarray,
+                   order: np.ndarray | None) -> np.ndarray:
+    """bool per selected item: the first items of each (rank, source) window, as long as they
+    hold at most `FRONT_SHARE` of the window's selected tokens (`window`, `order`:
+    `_arrival_windows`). The light fill places them before the other light items
+    (`_fill_light`). An item an over-full step left out stands at the front of its window at
+    the next step; placed largest first with the rest, the shortest were left out again (at
+    128k, P = 4, R = 4, a third of the items left out were left out the next step too), and
+    every step a later item of their window went ahead counts in their delay."""
+    lengths = (length if order is None else length[order]).astype(np.float64)
+    w = window if order is None else window[order]
+    if lengths.size == 0:
+        return np.zeros(0, dtype=bool)
+    # Windows are runs of equal `w`: running tokens within each, and each one's total (O(n)).
+    starts = np.flatnonzero(np.concatenate([[True], w[1:] != w[:-1]]))
+    counts = np.diff(np.append(starts, lengths.size))
+    total = np.cumsum(lengths)
+    upto = total - np.repeat(total[starts] - lengths[starts], counts)
+    front = upto <= FRONT_SHARE * np.repeat(np.add.reduceat(lengths, starts), counts)
+    if order is None:
+        return front
+    out = np.zeros(length.size, dtype=bool)
+    out[order] = front
+    return out
 
 
 def _arrival_swaps(bins: _Bins, eligible: np.ndarray, window: np.ndarray,
@@ -950,6 +983,10 @@ def assign_balanced(c: Candidates, selected: np.ndarray, geometry: Geometry, cos
         refine_iters = min(4 * bins.num_bins, 32) if bins.num_bins <= REFINE_BINS else 0
     extra = c.has_extra_cost and bool(c.extra_cost[selected].any())
     arrival = _arrival_windows(c, selected) if tight and ARRIVAL_SWAPS else None
+    # Over-full steps with rows as bins: each window's first items go first in the light fill.
+    # (With a rank's rows as one bin it bought no delay in the dry runs: left alone there.)
+    early = _window_fronts(length, *arrival[:3]) \
+        if rows_are_bins and arrival is not None and FRONT_SHARE > 0 else None
 
     def largest_first(items):
         if not extra:   # weight and excess both grow with length: sort integers
@@ -969,9 +1006,10 @@ def assign_balanced(c: Candidates, selected: np.ndarray, geometry: Geometry, cos
         # Going home may cost balance only where light items will even it out afterwards.
         _lpt(bins, largest_first(rest[~light]), cap=cap, home_first=masking, forced=forced,
              home_slack=HOME_SLACK if tight else 0.0)
-        left = _fill_light(bins, rest[light], cap=cap, home_first=masking, forced=forced)
+        left = _fill_light(bins, rest[light], cap=cap, home_first=masking, forced=forced,
+                           early=early)
         left = _fill_light(bins, left, cap=0.0 if tight else None, home_first=masking,
-                           forced=forced)
+                           forced=forced, early=early)
         if not tight and left.size:
             # Room to spare: whatever still fits somewhere goes there.
             _waves(bins, _longest_first(left, length),
