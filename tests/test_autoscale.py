@@ -70,8 +70,10 @@ async def test_memory_gate_wakes_waiters_on_release_and_on_a_new_limit():
 
 
 @pytest.mark.parametrize("raw, decoded, expansion", [
-    (100, 300, 4.0),      # decoded smaller than reserved: the expansion seen so far stays
+    (100, 300, 3.0),      # decoded smaller than the prior: the ratio seen replaces the prior
     (100, 700, 7.0),      # larger: later reservations use the new ratio
+    (100, 50, 1.0),       # never under 1: the raw bytes are held while they decode
+    (100, 0, 4.0),        # a range that ended no record: nothing learned, the prior stays
     (0, 50, 4.0),         # nothing raw (an item settled on its own): no ratio to learn
 ])
 def test_memory_gate_settle_swaps_the_reservation_for_the_decoded_bytes(raw, decoded, expansion):
