@@ -70,10 +70,8 @@ async def test_memory_gate_wakes_waiters_on_release_and_on_a_new_limit():
 
 
 @pytest.mark.parametrize("raw, decoded, expansion", [
-    (100, 300, 3.0),      # decoded smaller than the prior: the ratio seen replaces the prior
+    (100, 300, 4.0),      # decoded smaller than reserved: the expansion seen so far stays
     (100, 700, 7.0),      # larger: later reservations use the new ratio
-    (100, 50, 1.0),       # never under 1: the raw bytes are held while they decode
-    (100, 0, 4.0),        # a range that ended no record: nothing learned, the prior stays
     (0, 50, 4.0),         # nothing raw (an item settled on its own): no ratio to learn
 ])
 def test_memory_gate_settle_swaps_the_reservation_for_the_decoded_bytes(raw, decoded, expansion):
@@ -122,3 +120,14 @@ def test_autoscaler_decides_every_few_steps(case):
     for step in range(3, 6):
         scaler.observe(step, np.zeros(2), np.zeros(2))
     assert (knobs.shards, knobs.readahead) == after
+
+
+def test_memory_gate_try_acquire_takes_only_what_would_not_wait():
+    gate = MemoryGate(limit=100)
+    assert gate.try_acquire(60, "a")              # nothing in use: always
+    assert not gate.try_acquire(10, "a")          # before a range has decoded: one at a time
+    gate.settle(60, 15, 60, "a")                  # one decoded (4x its raw size)
+    assert gate.try_acquire(30, "a") and gate.used == 90
+    assert not gate.try_acquire(20, "b") and gate.used == 90   # past the limit: nothing taken
+    gate.set_head("b")                            # the drained shard holding nothing may
+    assert gate.try_acquire(20, "b") and gate.used == 110

@@ -23,8 +23,7 @@ class MemoryGate:
     """Bytes in flight for one source, by owner (a shard).
 
     A fetch reserves, before it starts, what its range will hold once decoded (its size times
-    the largest decoded/raw ratio seen so far, `expansion`, at least 1; before any range has
-    decoded to something, a prior of 4), and `acquire` waits while that
+    the largest decoded/raw ratio seen so far, `expansion`), and `acquire` waits while that
     would exceed the limit. Decoded items are then accounted at their true size (`settle`,
     which never waits: the bytes already exist) until they reach the buffer. One exception
     keeps the ordered pipeline from deadlocking: the shard being drained (`head`) may always
@@ -33,12 +32,7 @@ class MemoryGate:
 
     def __init__(self, limit: int, expansion: float = 4.0):
         self.limit = limit
-        # The prior holds until a range decodes to something, then what ranges decode to: a
-        # prior kept as a floor would reserve 4x for text that decodes to 1x (byte tokens),
-        # and a source whose budget holds fewer than 4 ranges would fetch one range at a time,
-        # never overlapping a fetch with a decode.
         self.expansion = expansion
-        self.learned = False
         self.observed = False   # until a range has been decoded, fetch one at a time
         self.used = 0
         self.peak = 0
@@ -58,11 +52,8 @@ class MemoryGate:
     def settle(self, reserved: int, raw_bytes: int, decoded: int, owner) -> None:
         """Swap a fetch's reservation for the decoded bytes it produced."""
         if raw_bytes:
+            self.expansion = max(self.expansion, decoded / raw_bytes)
             self.observed = True
-        if raw_bytes and decoded:   # a range that ends no record (a long line) tells nothing
-            ratio = max(1.0, decoded / raw_bytes)   # the raw bytes are held while they decode
-            self.expansion = max(self.expansion, ratio) if self.learned else ratio
-            self.learned = True
         self._add(decoded - reserved, owner)
         self._changes.notify()
 
