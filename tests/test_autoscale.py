@@ -120,14 +120,3 @@ def test_autoscaler_decides_every_few_steps(case):
     for step in range(3, 6):
         scaler.observe(step, np.zeros(2), np.zeros(2))
     assert (knobs.shards, knobs.readahead) == after
-
-
-def test_memory_gate_try_acquire_takes_only_what_would_not_wait():
-    gate = MemoryGate(limit=100)
-    assert gate.try_acquire(60, "a")              # nothing in use: always
-    assert not gate.try_acquire(10, "a")          # before a range has decoded: one at a time
-    gate.settle(60, 15, 60, "a")                  # one decoded (4x its raw size)
-    assert gate.try_acquire(30, "a") and gate.used == 90
-    assert not gate.try_acquire(20, "b") and gate.used == 90   # past the limit: nothing taken
-    gate.set_head("b")                            # the drained shard holding nothing may
-    assert gate.try_acquire(20, "b") and gate.used == 110

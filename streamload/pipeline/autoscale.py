@@ -77,13 +77,6 @@ class MemoryGate:
             await self._changes.wait()
         self._add(n, owner)
 
-    def try_acquire(self, n: int, owner) -> bool:
-        """`acquire` if it would not wait; False (nothing taken) if it would."""
-        if not self._may_take(n, owner):
-            return False
-        self._add(n, owner)
-        return True
-
     def release(self, n: int, owner) -> None:
         self._add(-n, owner)
         self._changes.notify()

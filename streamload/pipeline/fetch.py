@@ -10,8 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections import deque
-from typing import Callable, Iterable, Iterator, Optional
+from typing import Callable, Iterable, Optional
 
 import numpy as np
 
@@ -111,30 +110,14 @@ class SourceFetcher:
         if keep is not None and isinstance(stream, PlannedStream):
             stream.keep_only(keep.wants_any)   # a resumed shard: what it delivered is not read
 
-        # One request at a time per shard, for up to `readahead` back-to-back ranges: each
-        # range's memory reserved first (as when each range was its own request), the bytes cut
-        # back into the ranges, so what decodes and what the gate settles is range by range as
-        # before; only the requests are fewer. The first range may wait for memory. A later one
-        # that would wait goes back to the front of the ranges left (the next request starts
-        # with it), since the memory it waits for may be what this shard's earlier ranges free
-        # once decoded. The next request is sent as this one's ranges start to decode.
-        left = deque(stream.ranges())
+        in_order = asyncio.Lock()   # FIFO: a shard's fetches reserve memory in range order
 
-        def requests() -> Iterator[list[tuple[int, int]]]:
-            while left:   # read as each request is made: after the one before took its ranges
-                yield take_run(left, self.knobs.readahead)
-
-        async def fetch(run: list[tuple[int, int]]) -> list[tuple[int, int, bytes]]:
-            reserved = [self.gate.reservation(end - start) for start, end in run]
-            await self.gate.acquire(reserved[0], virtual)
-            taken = 1
-            while taken < len(run) and self.gate.try_acquire(reserved[taken], virtual):
-                taken += 1
-            left.extendleft(reversed(run[taken:]))
-            run = run[:taken]
-            data = await self.store.read_range(shard.info.uri, run[0][0], run[-1][1])
-            return [(n, end - start, chunk) for n, (start, end), chunk in
-                    zip(reserved, run, split_run(data, run))]
+        async def fetch(byte_range: tuple[int, int]) -> tuple[int, int, bytes]:
+            size = byte_range[1] - byte_range[0]
+            reserved = self.gate.reservation(size)
+            async with in_order:   # else a later range could hold memory the next one waits for
+                await self.gate.acquire(reserved, virtual)
+            return reserved, size, await self.store.read_range(shard.info.uri, *byte_range)
 
         def to_items(records):
             if self.image_items is not None:
@@ -176,9 +159,9 @@ class SourceFetcher:
             if len(items):
                 await queue.put((items, held))
 
-        async for pieces in ordered_prefetch(requests(), fetch, 1):   # 1: see `requests`
-            for reserved, size, chunk in pieces:
-                await transform(reserved, size, decode, chunk)
+        async for reserved, size, chunk in ordered_prefetch(stream.ranges(), fetch,
+                                                            lambda: self.knobs.readahead):
+            await transform(reserved, size, decode, chunk)
         await transform(0, 0, finish)
         self.metrics.shards_read += 1
         await queue.put(None)
@@ -205,22 +188,3 @@ class SourceFetcher:
                 record = RawRecord(record.index, ids)
             out.append(record)
         return out
-
-
-def take_run(ranges: deque, most: int) -> list[tuple[int, int]]:
-    """Up to `most` (at least 1) ranges off the front of `ranges`, back to back (each one's end
-    the next one's start): what one request reads."""
-    run = [ranges.popleft()]
-    while ranges and len(run) < most and ranges[0][0] == run[-1][1]:
-        run.append(ranges.popleft())
-    return run
-
-
-def split_run(data: bytes, run: list[tuple[int, int]]) -> list[bytes]:
-    """The bytes of one read over back-to-back ranges, cut back into the ranges. A read that
-    came back short (the object ends early) leaves the last ranges short or empty, as separate
-    reads of them would have."""
-    if len(run) == 1:
-        return [data]
-    base = run[0][0]
-    return [data[start - base:end - base] for start, end in run]
