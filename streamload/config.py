@@ -164,7 +164,7 @@ class LoaderConfig(msgspec.Struct, kw_only=True):
     autoscale: bool = True                  # adapt the two knobs to measured waits
     chunk_bytes: int = 1 << 20              # size of one ranged read
     max_concurrency: int = 16               # concurrent requests per store
-    transform_workers: Optional[int] = None  # threads for decode + tokenize (None: `transform_threads`)
+    transform_workers: int = 2              # threads for decode + tokenize
     tokenize_in: Literal["threads", "processes"] = "threads"   # processes: GIL-bound tokenizers
     tokenizer_processes: int = 2            # size of that process pool
     collective_timeout_s: float = 300.0     # a collective waiting longer than this fails
@@ -225,11 +225,11 @@ class LoaderConfig(msgspec.Struct, kw_only=True):
             if value < 1:
                 fail(key, f"must be an integer >= 1, got {value!r}")
         for key in ("micro_batch_tokens", "micro_batches", "prefetch_steps", "shard_prefetch",
-                    "range_readahead", "chunk_bytes", "max_concurrency",
+                    "range_readahead", "chunk_bytes", "max_concurrency", "transform_workers",
                     "lookahead", "max_shard_prefetch", "max_range_readahead",
                     "tokenizer_processes", "image_workers"):
             positive_int(key)
-        for key in ("epochs", "max_deferral", "memory_budget", "buffer_tokens", "transform_workers",
+        for key in ("epochs", "max_deferral", "memory_budget", "buffer_tokens",
                     "pipeline_stages", "state_every", "max_images_per_row",
                     "max_patches_per_row"):
             if getattr(self, key) is not None:

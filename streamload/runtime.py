@@ -46,7 +46,7 @@ from .pipeline.buffer import SourceBuffer, UnreadBuffer
 from .pipeline.fetch import SourceFetcher
 from .pipeline.skips import SkipLedger
 from .pipeline.supervisor import Supervisor
-from .pipeline.transform import tokenizer_pool, transform_threads
+from .pipeline.transform import tokenizer_pool
 from .pipeline.workers import DaemonExecutor, run_detached
 from .plan.cost import CostModel
 from .plan.memory import SourceBudget
@@ -206,8 +206,7 @@ class Runtime:
     async def run(self, handoff: Handoff) -> None:
         self.started = time.perf_counter()
         self._handoff = handoff
-        executor = DaemonExecutor(transform_threads(self.config, self.tokenizer, self.sources),
-                                  "streamload-transform")
+        executor = DaemonExecutor(self.config.transform_workers, "streamload-transform")
         processes = tokenizer_pool(self.config, self.tokenizer)
         supervisor = Supervisor(on_failure=lambda exc: [b.fail(exc) for b in self.buffers])
         self.stores = self._open_stores()

@@ -208,19 +208,3 @@ async def test_run_detached_of_a_quick_fn_many_times():
     for i in range(50):
         assert await run_detached(lambda i=i: calls.append(i), timeout=10) is True
     assert calls == list(range(50))
-
-
-def _transform_threads_while_loading(tmp_path, **options) -> int:
-    import streamload as sl
-    from corpus import write_jsonl_source
-    write_jsonl_source(tmp_path, "web", shards=2, per_shard=20, seed=3)
-    with sl.Loader([sl.Source(str(tmp_path / "web"))], micro_batch_tokens=512, micro_batches=1,
-                   epochs=1, **options) as loader:
-        next(iter(loader))
-        return sum(t.name.startswith("streamload-transform") for t in threading.enumerate())
-
-
-def test_transform_threads_one_for_byte_tokens_two_with_a_tokenizer(tmp_path):
-    assert _transform_threads_while_loading(tmp_path / "a") == 1
-    assert _transform_threads_while_loading(tmp_path / "b", tokenizer=lambda t: [len(t)]) == 2
-    assert _transform_threads_while_loading(tmp_path / "c", transform_workers=3) == 3

@@ -168,18 +168,6 @@ def record_tokens(records: Records, problems: Problems, counts: TransformCounts,
     return checked.index, checked.tokens.astype(np.int32, copy=False), checked.offsets
 
 
-def transform_threads(config, tokenizer, sources) -> int:
-    """The transform pool's threads: `transform_workers` when set; else 2 where two ranges can
-    make progress at once (a tokenizer, which releases the GIL while it encodes one range or
-    runs in processes; an image source), and 1 for byte tokens. Their decoding (msgspec, NumPy
-    on small arrays) holds the GIL, so a second thread adds no throughput there, only a second
-    malloc arena that keeps freed decode buffers: +10-12 MB of peak RSS in
-    `benchmarks/s3_cpu.py` (docs/benchmarks.md, "Hot path, third round")."""
-    if config.transform_workers is not None:
-        return config.transform_workers
-    return 2 if tokenizer is not None or any(s.images is not None for s in sources) else 1
-
-
 def tokenizer_pool(config, tokenizer):
     """A process pool for tokenizers that hold the GIL (`tokenize_in="processes"`), each process
     holding a copy of `tokenizer`; None otherwise."""
