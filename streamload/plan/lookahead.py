@@ -104,20 +104,10 @@ def _take_arrival(c: Candidates, mask: np.ndarray, used: np.ndarray,
     edge = np.flatnonzero(mask & (c.position == limit))
     edge_tokens = None
     if edge.size:
-        es = c.source[edge].astype(np.int64)
-        edge = edge[np.lexsort((c.rank[edge], es))]
-        es = c.source[edge].astype(np.int64)
-        before_position = np.where(cutoff[es] > 0, through[es, np.maximum(cutoff[es] - 1, 0)], 0.0)
-        lengths = c.length[edge]
-        csum = np.cumsum(lengths)
-        starts = np.searchsorted(es, es, side="left")
-        within = csum - lengths - (csum[starts] - lengths[starts])
-        taken = before_position + within < remaining[es]
+        edge = edge[np.lexsort((c.rank[edge], c.source[edge]))]
+        taken, edge_tokens = _edge_take(c, edge, cutoff, through, remaining)
         take[edge[taken]] = True
-        edge_tokens = np.bincount(es, weights=np.where(taken, lengths, 0), minlength=S)
-        used += edge_tokens
-    # Whole positions: their tokens are known already (sums of whole numbers, so exact).
-    used += np.where(cutoff > 0, through[np.arange(S), np.maximum(cutoff - 1, 0)], 0.0)
+    _count_take(used, cutoff, through, edge_tokens)
     if not with_tokens:
         return take
     # What was taken: the whole positions before each source's cutoff, and the edge items
@@ -127,6 +117,32 @@ def _take_arrival(c: Candidates, mask: np.ndarray, used: np.ndarray,
         at = np.flatnonzero(edge_tokens > 0)
         took[at, cutoff[at]] += edge_tokens[at]
     return take, took
+
+
+def _edge_take(c: Candidates, edge: np.ndarray, cutoff: np.ndarray, through: np.ndarray,
+               remaining: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Of the items at their source's cutoff position (`edge`, ordered by source, then rank),
+    those taken while the source's tokens stay below `remaining` (counting the whole positions
+    before: `through`, running sums per source and position). Returns (taken, a mask over
+    `edge`; their tokens per source)."""
+    es = c.source[edge].astype(np.int64)
+    before_position = np.where(cutoff[es] > 0, through[es, np.maximum(cutoff[es] - 1, 0)], 0.0)
+    lengths = c.length[edge]
+    csum = np.cumsum(lengths)
+    starts = np.searchsorted(es, es, side="left")
+    within = csum - lengths - (csum[starts] - lengths[starts])
+    taken = before_position + within < remaining[es]
+    return taken, np.bincount(es, weights=np.where(taken, lengths, 0), minlength=c.num_sources)
+
+
+def _count_take(used: np.ndarray, cutoff: np.ndarray, through: np.ndarray,
+                edge_tokens: np.ndarray | None) -> None:
+    """Adds a take's tokens to `used`: its edge items' (`edge_tokens`, None when there were
+    none), then its whole positions' (known already: sums of whole numbers, so exact)."""
+    if edge_tokens is not None:
+        used += edge_tokens
+    used += np.where(cutoff > 0, through[np.arange(used.shape[0]), np.maximum(cutoff - 1, 0)],
+                     0.0)
 
 
 def select_lookahead(c: Candidates, targets: np.ndarray, geometry: Geometry, cost: CostModel, *,
@@ -201,8 +217,8 @@ def select_lookahead(c: Candidates, targets: np.ndarray, geometry: Geometry, cos
         picked = heavy_layer(excess, must, free, age, length, slots, slot_tokens, room)
         used += np.bincount(source[picked], weights=length[picked], minlength=S)
         taken[picked] = True
-        light_take = _LightTake(c, light, light_tokens)(quota, used,
-                                                        room - float(length[picked].sum()))
+        lights = _LightTake(c, light, light_tokens)
+        light_take = lights.mask(lights(quota, used, room - float(length[picked].sum())))
     else:
         picked, light_take = _arrived_layer(c, excess, must, free, light, quota,
                                             used, room, slots, slot_tokens, light_tokens)
@@ -218,47 +234,82 @@ class _LightTake:
     of light documents (one of long ones only) hands its part to the others, as `step_quotas`
     does (its heavy ones wait for their layer; the carry keeps the mix).
 
-    The light items' tokens per (source, position) (`tokens`, as `_arrival_tokens` gives
-    them) are summed once: the rounds of `_arrived_layer` take from the same light items in
-    different rooms."""
+    The rounds of `_arrived_layer` take from the same light items in different rooms, and ask
+    of each take only where it cuts each window: the first light item it leaves there. So the
+    light items' tokens per (source, position) (`tokens`, as `_arrival_tokens` gives them) are
+    summed once, and the light items are laid out once by (window, position) (`key`): a take
+    (the same as `_take_arrival`'s) is then a cut position per source, looked up per window
+    (S·R searches), not a pass over every candidate; its mask is made only for the one take
+    kept (`mask`)."""
 
     def __init__(self, c: Candidates, light: np.ndarray, tokens: np.ndarray):
         self.c, self.light = c, light
         self.available = tokens.sum(axis=1)
         self.through = np.cumsum(tokens, axis=1)
+        self.span = tokens.shape[1]                    # positions: largest + 1
+        windows = np.arange(c.num_sources * c.num_ranks, dtype=np.int64)
+        # Keys in int32 where they fit (half the memory traffic of the passes below).
+        dtype = np.int32 if windows.size * self.span < np.iinfo(np.int32).max else np.int64
+        self.window_start = (windows * self.span).astype(dtype)   # each window's first key
+        self.window_source = windows // c.num_ranks
+        items = np.flatnonzero(light)
+        bounds = c.window_bounds
+        if bounds is not None:     # laid out by window: its first key repeated, no gathers
+            key = (np.repeat(self.window_start, np.diff(bounds)) + c.position.astype(dtype))[light]
+        else:
+            key = (c.source[items].astype(dtype) * c.num_ranks + c.rank[items]) * dtype(self.span) \
+                + c.position[items]
+        if key.size > 1 and not bool((key[1:] > key[:-1]).all()):   # not in window order
+            order = np.argsort(key, kind="stable")
+            items, key = items[order], key[order]
+        self.items, self.key = items, key
 
-    def __call__(self, quota: np.ndarray, used: np.ndarray, room: float) -> np.ndarray:
-        """The take (a mask) in `room` tokens, `used` tokens of each source taken already
-        (updated)."""
+    def __call__(self, quota: np.ndarray, used: np.ndarray, room: float):
+        """The take in `room` tokens, `used` tokens of each source taken already (updated):
+        (cutoff, the edge items taken, first left). `cutoff`: per source, the position before
+        which every light item is taken; the edge items (indices) are those taken at it;
+        `first_left`: per window (source · num_ranks + rank), the least position of a light
+        item left, the position dtype's largest value where there is none."""
         remaining = np.maximum(quota - used, 0.0)
         remaining = step_quotas(remaining * (max(room, 0.0) / max(remaining.sum(), 1e-9)),
                                 self.available)
-        return _take_arrival(self.c, self.light, used, used + remaining, through=self.through)
+        remaining = (used + remaining) - used          # as `_take_arrival` rounds it
+        cutoff = (self.through < remaining[:, None]).sum(axis=1)
+        never = np.iinfo(self.c.position.dtype).max
+        n = self.key.size
+        if n == 0:
+            _count_take(used, cutoff, self.through, None)
+            return cutoff, self.items, np.full(self.window_start.size, never,
+                                               self.c.position.dtype)
+        # Per window, the first light item at or past its source's cutoff.
+        query = self.window_start + cutoff[self.window_source]
+        first = np.searchsorted(self.key, query)
+        at_edge = np.flatnonzero(self.key[np.minimum(first, n - 1)] == query)
+        at_edge = at_edge[first[at_edge] < n]
+        edge = self.items[first[at_edge]]              # by window: by source, then rank
+        edge_tokens = None
+        if edge.size:
+            taken, edge_tokens = _edge_take(self.c, edge, cutoff, self.through, remaining)
+            first[at_edge[taken]] += 1                 # taken: the next one is the first left
+            edge = edge[taken]
+        _count_take(used, cutoff, self.through, edge_tokens)
+        key = self.key[np.minimum(first, n - 1)]
+        left = (first < n) & (key < self.window_start + self.span)
+        first_left = np.where(left, key - self.window_start, never).astype(self.c.position.dtype)
+        return cutoff, edge, first_left
 
-
-def _first_left(c: Candidates, light_position: np.ndarray, take: np.ndarray) -> np.ndarray:
-    """Per window (source · num_ranks + rank), the least position of a light item the step
-    leaves (`light_position`: each light item's position, the dtype's largest value for the
-    others; `take`: the light take, a mask); that largest value where there is none.
-    Where candidates come by (source, rank, position), a window's items are one segment
-    (`Candidates.window_bounds`): one `np.minimum.reduceat`; else (sources relabelled by
-    length buckets) a minimum per window key."""
-    bounds = c.window_bounds
-    never = np.iinfo(c.position.dtype).max
-    left_position = np.where(take, never, light_position)
-    first_left = np.full(c.num_sources * c.num_ranks, never, dtype=c.position.dtype)
-    if bounds is None:
-        np.minimum.at(first_left, c.source.astype(np.int64) * c.num_ranks + c.rank,
-                      left_position)
-        return first_left
-    windows = np.flatnonzero(bounds[:-1] < bounds[1:])          # windows with items
-    first_left[windows] = np.minimum.reduceat(left_position, bounds[windows])
-    return first_left
+    def mask(self, take) -> np.ndarray:
+        """A take's items as a mask over the candidates."""
+        cutoff, edge, _ = take
+        c = self.c
+        out = self.light & (c.position < c.by_source(cutoff.astype(c.position.dtype)))
+        out[edge] = True
+        return out
 
 
 def _arrived(c: Candidates, candidates: np.ndarray, first_left: np.ndarray) -> np.ndarray:
     """Of `candidates` (indices, ascending), those with no light item the step leaves before
-    them in their own window (`first_left`, from `_first_left`): taking them overtakes no
+    them in their own window (`first_left`, from `_LightTake`): taking them overtakes no
     light item. The candidates, few, are looked up alone."""
     window = c.source[candidates].astype(np.int64) * c.num_ranks + c.rank[candidates]
     return candidates[c.position[candidates] < first_left[window]]
@@ -283,20 +334,17 @@ def _arrived_layer(c: Candidates, excess: np.ndarray, must: np.ndarray, free: np
     length, age = c.length, c.age
     candidates = free
     light_take = _LightTake(c, light, light_tokens)
-    light_position = np.where(light, c.position, np.iinfo(c.position.dtype).max)
     whole_room = take = light_take(quota, used.copy(), room)
-    first_left = _first_left(c, light_position, take)
     for _ in range(ARRIVAL_ROUNDS):
-        candidates = _arrived(c, candidates, first_left)
+        candidates = _arrived(c, candidates, take[2])
         picked = heavy_layer(excess, must, candidates, age, length, slots, slot_tokens, room)
         if picked.size == 0:   # no layer: the light take is the whole room's
-            return picked, whole_room
+            return picked, light_take.mask(whole_room)
         take = light_take(quota, used.copy(), room - float(length[picked].sum()))
-        first_left = _first_left(c, light_position, take)
-        arrived = np.isin(picked, _arrived(c, free, first_left))
+        arrived = np.isin(picked, _arrived(c, free, take[2]))
         if arrived.all():
             break
-    return picked[arrived], take
+    return picked[arrived], light_take.mask(take)
 
 
 def bounded_forced(c: Candidates, force_age: int, limit: int) -> np.ndarray:
