@@ -282,7 +282,7 @@ class _LightTake:
             return cutoff, self.items, np.full(self.window_start.size, never,
                                                self.c.position.dtype)
         # Per window, the first light item at or past its source's cutoff.
-        query = self.window_start + cutoff[self.window_source]
+        query = self.window_start + cutoff[self.window_source].astype(self.key.dtype)
         first = np.searchsorted(self.key, query)
         at_edge = np.flatnonzero(self.key[np.minimum(first, n - 1)] == query)
         at_edge = at_edge[first[at_edge] < n]
