@@ -255,7 +255,9 @@ class _LightTake:
         items = np.flatnonzero(light)
         bounds = c.window_bounds
         if bounds is not None:     # laid out by window: its first key repeated, no gathers
-            key = (np.repeat(self.window_start, np.diff(bounds)) + c.position.astype(dtype))[light]
+            key = np.repeat(self.window_start, np.diff(bounds))
+            key += c.position
+            key = key[light]
         else:
             key = (c.source[items].astype(dtype) * c.num_ranks + c.rank[items]) * dtype(self.span) \
                 + c.position[items]
