@@ -172,7 +172,7 @@ def select_lookahead(c: Candidates, targets: np.ndarray, geometry: Geometry, cos
     pool_take, pool_by_position = _take_arrival(c, unforced, pool_by_source, window_quota,
                                                 key, tokens=unforced_tokens, with_tokens=True)
     pool = forced | pool_take
-    weight = item_costs(c, None, cost)
+    weight, linear_part = item_costs(c, None, cost, with_linear=True)
     quota = step_quotas(targets, pool_by_source)
     pool_tokens = float(pool_by_source.sum())   # whole numbers: the float sum is exact
     if pool_tokens <= 0:
@@ -180,7 +180,7 @@ def select_lookahead(c: Candidates, targets: np.ndarray, geometry: Geometry, cos
     slot_tokens = geometry.capacity if slots == geometry.rows else \
         geometry.micro_batches * geometry.capacity
     # Heavy: what a step of light documents cannot even out (`straggler_limit`).
-    attention = weight - float(cost.b) * c.float_length
+    attention = weight - linear_part     # b·L as `item_costs` made it: the same floats
     np.maximum(attention, 0.0, out=attention)
     linear = float(cost.b) * slot_tokens if cost.b > 0 else float(cost.a) * slot_tokens ** 2
     # Only items above the limit's floor can pass it: the heavy ones are looked up among them.
