@@ -141,20 +141,26 @@ def test_the_arrival_take_counts_what_it_took_by_source_and_position(seed):
 
 @pytest.mark.parametrize("shuffled", [False, True])
 @pytest.mark.parametrize("seed", range(40))
-def test_light_take_by_window_cuts_matches_the_arrival_take_whatever_the_layout(seed, shuffled):
+def test_light_take_by_window_cuts_matches_the_arrival_take_whatever_the_layout(seed, shuffled,
+                                                                               monkeypatch):
     """`lookahead._LightTake`: the take worked out per window (a cut position per source, the
     edge items, looked up by window) is `_take_arrival`'s over the light items, with the same
     tokens counted into `used`, and its first light item left per (source, rank) window is a
     loop's over that take. Laid out by window, and in any order (sources relabelled by
     length buckets)."""
     from streamload.plan.lookahead import _LightTake, _arrival_tokens, _take_arrival, step_quotas
+    monkeypatch.setattr(_LightTake, "SKIPS", 0 if seed % 4 < 2 else 8)   # search at once
     rng = np.random.default_rng(seed)
     c = _candidates(rng, shuffled)
     if len(c) == 0:
         return
     window = c.source.astype(np.int64) * c.num_ranks + c.rank
     assert (c.window_bounds is None) == bool((window[1:] < window[:-1]).any())
-    light = rng.random(len(c)) < 0.7
+    assert c.dense_positions == (c.window_bounds is not None and all(
+        np.array_equal(c.position[part], np.arange(part.stop - part.start))
+        for _, part in c.windows()))
+    # Mostly light, or mostly not (runs of heavy items longer than `_LightTake.SKIPS`).
+    light = rng.random(len(c)) < (0.7 if seed % 2 else 0.1)
     tokens = _arrival_tokens(c, light, c.arrival_key)
     lights = _LightTake(c, light, tokens)
     quota = tokens.sum(axis=1) * rng.uniform(0, 1.2, c.num_sources)
@@ -176,3 +182,16 @@ def test_light_take_by_window_cuts_matches_the_arrival_take_whatever_the_layout(
         if light[i] and not expected[i]:
             first_left[window[i]] = min(first_left[window[i]], c.position[i])
     assert np.array_equal(take[2], first_left)
+
+
+def test_dense_positions_only_where_each_window_counts_from_zero():
+    """`Candidates.dense_positions`: true as `from_windows` lays windows out (empty ones
+    included), false where a window's positions skip, repeat or do not start at 0."""
+    c = Candidates.from_windows([[np.array([5, 6, 7]), np.zeros(0, np.int64)],
+                                 [np.array([1]), np.array([2, 3])]])
+    assert c.dense_positions
+    for position in ([0, 1, 3, 0, 0, 1], [0, 1, 1, 0, 0, 1], [1, 2, 3, 0, 0, 1],
+                     [0, 1, 2, 0, 1, 2]):
+        other = Candidates(c.length, c.source, c.rank, np.array(position, np.int32), c.age,
+                           c.extra_cost, c.num_sources, c.num_ranks)
+        assert not other.dense_positions

@@ -237,34 +237,69 @@ class _LightTake:
     The rounds of `_arrived_layer` take from the same light items in different rooms, and ask
     of each take only where it cuts each window: the first light item it leaves there. So the
     light items' tokens per (source, position) (`tokens`, as `_arrival_tokens` gives them) are
-    summed once, and the light items are laid out once by (window, position) (`key`): a take
-    (the same as `_take_arrival`'s) is then a cut position per source, looked up per window
-    (S·R searches), not a pass over every candidate; its mask is made only for the one take
-    kept (`mask`)."""
+    summed once, and a take (the same as `_take_arrival`'s) is a cut position per source,
+    looked up per window (S·R lookups, `_first_light`), not a pass over every candidate; its
+    mask is made only for the one take kept (`mask`)."""
+
+    SKIPS = 8   # items stepped over one at a time before a search (the heavy ones are few)
 
     def __init__(self, c: Candidates, light: np.ndarray, tokens: np.ndarray):
         self.c, self.light = c, light
         self.available = tokens.sum(axis=1)
         self.through = np.cumsum(tokens, axis=1)
         self.span = tokens.shape[1]                    # positions: largest + 1
-        windows = np.arange(c.num_sources * c.num_ranks, dtype=np.int64)
-        # Keys in int32 where they fit (half the memory traffic of the passes below).
-        dtype = np.int32 if windows.size * self.span < np.iinfo(np.int32).max else np.int64
-        self.window_start = (windows * self.span).astype(dtype)   # each window's first key
-        self.window_source = windows // c.num_ranks
+        self.windows = np.arange(c.num_sources * c.num_ranks, dtype=np.int64)
+        self.window_source = self.windows // c.num_ranks
+        self.never = np.iinfo(c.position.dtype).max
+        self.light_items = self.key = None             # light items: made when first needed
+        if c.dense_positions:   # window w's item at position p is window_bounds[w] + p
+            self.start, self.end = c.window_bounds[:-1], c.window_bounds[1:]
+            return
+        # Any other layout (sources relabelled by length buckets): the light items sorted by
+        # (window, position), searched.
         items = np.flatnonzero(light)
-        bounds = c.window_bounds
-        if bounds is not None:     # laid out by window: its first key repeated, no gathers
-            key = np.repeat(self.window_start, np.diff(bounds))
-            key += c.position
-            key = key[light]
-        else:
-            key = (c.source[items].astype(dtype) * c.num_ranks + c.rank[items]) * dtype(self.span) \
-                + c.position[items]
-        if key.size > 1 and not bool((key[1:] > key[:-1]).all()):   # not in window order
-            order = np.argsort(key, kind="stable")
-            items, key = items[order], key[order]
-        self.items, self.key = items, key
+        key = (c.source[items].astype(np.int64) * c.num_ranks + c.rank[items]) * self.span \
+            + c.position[items]
+        order = np.argsort(key, kind="stable")
+        self.light_items, self.key = items[order], key[order]
+
+    def _next_light(self, i: np.ndarray, end: np.ndarray) -> np.ndarray:
+        """Per entry, the first light candidate at index `i` or after and before `end`; `end`
+        where there is none. Steps over a few items at once, then searches."""
+        for _ in range(self.SKIPS + 1):
+            at = np.flatnonzero(i < end)
+            at = at[~self.light[i[at]]]
+            if at.size == 0:
+                return i
+            i[at] += 1
+        if self.light_items is None:
+            self.light_items = np.flatnonzero(self.light)
+        items = self.light_items
+        k = np.searchsorted(items, i[at])
+        after = np.where(k < items.size, items[np.minimum(k, max(items.size - 1, 0))], end[at]) \
+            if items.size else end[at]
+        i[at] = np.minimum(after, end[at])
+        return i
+
+    def _first_light(self, windows: np.ndarray, at: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Per window of `windows`, its first light item at position `at` or later: (candidate
+        index, position); -1 and the position dtype's largest value where there is none."""
+        if self.key is None:                           # dense positions
+            start, end = self.start[windows], self.end[windows]
+            i = self._next_light(np.minimum(start + at, end), end)
+            found = i < end
+            return np.where(found, i, -1), \
+                np.where(found, i - start, self.never).astype(self.c.position.dtype)
+        n = self.key.size
+        if n == 0:
+            return np.full(windows.size, -1), np.full(windows.size, self.never,
+                                                      self.c.position.dtype)
+        first_key = windows * self.span
+        j = np.minimum(np.searchsorted(self.key, first_key + at), n - 1)
+        key = self.key[j]
+        found = (key >= first_key + at) & (key < first_key + self.span)
+        return np.where(found, self.light_items[j], -1), \
+            np.where(found, key - first_key, self.never).astype(self.c.position.dtype)
 
     def __call__(self, quota: np.ndarray, used: np.ndarray, room: float):
         """The take in `room` tokens, `used` tokens of each source taken already (updated):
@@ -277,27 +312,17 @@ class _LightTake:
                                 self.available)
         remaining = (used + remaining) - used          # as `_take_arrival` rounds it
         cutoff = (self.through < remaining[:, None]).sum(axis=1)
-        never = np.iinfo(self.c.position.dtype).max
-        n = self.key.size
-        if n == 0:
-            _count_take(used, cutoff, self.through, None)
-            return cutoff, self.items, np.full(self.window_start.size, never,
-                                               self.c.position.dtype)
-        # Per window, the first light item at or past its source's cutoff.
-        query = self.window_start + cutoff[self.window_source].astype(self.key.dtype)
-        first = np.searchsorted(self.key, query)
-        at_edge = np.flatnonzero(self.key[np.minimum(first, n - 1)] == query)
-        at_edge = at_edge[first[at_edge] < n]
-        edge = self.items[first[at_edge]]              # by window: by source, then rank
+        cut = cutoff[self.window_source]
+        index, first_left = self._first_light(self.windows, cut)
+        at_edge = np.flatnonzero(first_left == cut)
+        edge = index[at_edge]                          # by window: by source, then rank
         edge_tokens = None
         if edge.size:
             taken, edge_tokens = _edge_take(self.c, edge, cutoff, self.through, remaining)
-            first[at_edge[taken]] += 1                 # taken: the next one is the first left
+            again = at_edge[taken]                     # taken: the next one is the first left
+            first_left[again] = self._first_light(again, cut[again] + 1)[1]
             edge = edge[taken]
         _count_take(used, cutoff, self.through, edge_tokens)
-        key = self.key[np.minimum(first, n - 1)]
-        left = (first < n) & (key < self.window_start + self.span)
-        first_left = np.where(left, key - self.window_start, never).astype(self.c.position.dtype)
         return cutoff, edge, first_left
 
     def mask(self, take) -> np.ndarray:
