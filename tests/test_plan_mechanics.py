@@ -141,15 +141,13 @@ def test_the_arrival_take_counts_what_it_took_by_source_and_position(seed):
 
 @pytest.mark.parametrize("shuffled", [False, True])
 @pytest.mark.parametrize("seed", range(40))
-def test_light_take_by_window_cuts_matches_the_arrival_take_whatever_the_layout(seed, shuffled,
-                                                                               monkeypatch):
+def test_light_take_by_window_cuts_matches_the_arrival_take_whatever_the_layout(seed, shuffled):
     """`lookahead._LightTake`: the take worked out per window (a cut position per source, the
     edge items, looked up by window) is `_take_arrival`'s over the light items, with the same
     tokens counted into `used`, and its first light item left per (source, rank) window is a
     loop's over that take. Laid out by window, and in any order (sources relabelled by
     length buckets)."""
     from streamload.plan.lookahead import _LightTake, _arrival_tokens, _take_arrival, step_quotas
-    monkeypatch.setattr(_LightTake, "SKIPS", 0 if seed % 4 < 2 else 8)   # search at once
     rng = np.random.default_rng(seed)
     c = _candidates(rng, shuffled)
     if len(c) == 0:
@@ -159,7 +157,7 @@ def test_light_take_by_window_cuts_matches_the_arrival_take_whatever_the_layout(
     assert c.dense_positions == (c.window_bounds is not None and all(
         np.array_equal(c.position[part], np.arange(part.stop - part.start))
         for _, part in c.windows()))
-    # Mostly light, or mostly not (runs of heavy items longer than `_LightTake.SKIPS`).
+    # Mostly light, or mostly not (long runs of heavy items for `_LightTake._next_light`).
     light = rng.random(len(c)) < (0.7 if seed % 2 else 0.1)
     tokens = _arrival_tokens(c, light, c.arrival_key)
     lights = _LightTake(c, light, tokens)

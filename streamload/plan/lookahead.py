@@ -241,8 +241,6 @@ class _LightTake:
     looked up per window (S·R lookups, `_first_light`), not a pass over every candidate; its
     mask is made only for the one take kept (`mask`)."""
 
-    SKIPS = 8   # items stepped over one at a time before a search (the heavy ones are few)
-
     def __init__(self, c: Candidates, light: np.ndarray, tokens: np.ndarray):
         self.c, self.light = c, light
         self.available = tokens.sum(axis=1)
@@ -251,7 +249,7 @@ class _LightTake:
         self.windows = np.arange(c.num_sources * c.num_ranks, dtype=np.int64)
         self.window_source = self.windows // c.num_ranks
         self.never = np.iinfo(c.position.dtype).max
-        self.light_items = self.key = None             # light items: made when first needed
+        self.light_items = self.key = None
         if c.dense_positions:   # window w's item at position p is window_bounds[w] + p
             self.start, self.end = c.window_bounds[:-1], c.window_bounds[1:]
             return
@@ -265,20 +263,21 @@ class _LightTake:
 
     def _next_light(self, i: np.ndarray, end: np.ndarray) -> np.ndarray:
         """Per entry, the first light candidate at index `i` or after and before `end`; `end`
-        where there is none. Steps over a few items at once, then searches."""
-        for _ in range(self.SKIPS + 1):
-            at = np.flatnonzero(i < end)
-            at = at[~self.light[i[at]]]
-            if at.size == 0:
-                return i
-            i[at] += 1
-        if self.light_items is None:
-            self.light_items = np.flatnonzero(self.light)
-        items = self.light_items
-        k = np.searchsorted(items, i[at])
-        after = np.where(k < items.size, items[np.minimum(k, max(items.size - 1, 0))], end[at]) \
-            if items.size else end[at]
-        i[at] = np.minimum(after, end[at])
+        where there is none. Looks at the next 1, 4, 16, ... items of the entries still
+        searching (most find one at once: heavy items are few), so a long run of them costs a
+        few rounds, not one per item."""
+        light, n = self.light, self.light.size
+        at = np.flatnonzero(i < end)
+        width = 1
+        while at.size:
+            ahead = i[at, None] + np.arange(width)
+            hit = light[np.minimum(ahead, n - 1)] & (ahead < end[at, None])
+            found = hit.any(axis=1)
+            i[at[found]] += hit[found].argmax(axis=1)
+            at = at[~found]
+            i[at] = np.minimum(i[at] + width, end[at])
+            at = at[i[at] < end[at]]
+            width = min(4 * width, 4096)
         return i
 
     def _first_light(self, windows: np.ndarray, at: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
