@@ -87,7 +87,6 @@ def _take_arrival(c: Candidates, mask: np.ndarray, used: np.ndarray,
     them). `key`: `Candidates.arrival_key`, when already known; `tokens`: `_arrival_tokens(c,
     mask, key)` and `through`: their running sums over positions, when already known.
     """
-    S = used.shape[0]
     take = np.zeros(len(c), dtype=bool)
     if tokens is None and (through is None or with_tokens):
         tokens = _arrival_tokens(c, mask, c.arrival_key if key is None else key)
