@@ -193,3 +193,28 @@ def test_dense_positions_only_where_each_window_counts_from_zero():
         other = Candidates(c.length, c.source, c.rank, np.array(position, np.int32), c.age,
                            c.extra_cost, c.num_sources, c.num_ranks)
         assert not other.dense_positions
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_first_feasible_level_by_blocks_is_the_whole_matrix_rule(seed):
+    """`lookahead._first_feasible` tries the levels a block at a time, heaviest first: the
+    same level as summing the whole (items x levels) matrix at once (the rule it replaces),
+    float for float, whatever the number of levels (blocks keep two columns at least)."""
+    from streamload.plan.lookahead import ALIKE, _first_feasible
+    rng = np.random.default_rng(seed)
+    n = int(rng.integers(1, 3000))
+    length = rng.integers(1, 32768, n).astype(np.int64)
+    x = rng.random(n) * length.astype(np.float64) ** 2 * 10 ** rng.uniform(-6, -3)
+    levels = np.unique(x)[::-1]
+    levels = levels[np.unique(np.linspace(0, levels.size - 1, int(rng.integers(1, 65)))
+                              .astype(np.int64))]
+    slot_tokens = int(rng.choice([4096, 32768, 131072]))
+    xc, lc = x[:, None], length[:, None]
+    fits = (xc <= levels[None, :] * (1 + 1e-9)) & \
+        (xc * slot_tokens >= ALIKE * levels[None, :] * lc)
+    sums = np.where(fits, xc, 0.0).sum(axis=0)
+    # Slots that some level, anywhere in the list, can just give (or none, now and then).
+    slots = max(int(sums[int(rng.integers(0, levels.size))] / levels[0] * rng.uniform(0.5, 8)), 1)
+    feasible = sums >= slots * levels
+    expected = float(levels[int(np.argmax(feasible))]) if feasible.any() else None
+    assert _first_feasible(levels, xc, lc, slots, slot_tokens) == expected

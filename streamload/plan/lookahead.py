@@ -58,6 +58,7 @@ ALIKE = 0.75         # an item fits a level when a slot of it reaches this share
 HOLD_ARRIVED = True  # heavy documents join a layer only once arrived (`_arrived_layer`);
                      # False: from anywhere in the window (the rule before, for comparison)
 ARRIVAL_ROUNDS = 3   # rounds for the arrived heavy items and the light take to agree
+LEVEL_BLOCKS = (2, 8)  # `_first_feasible` tries the top 2 levels, then to the 8th, then the rest
 
 
 # Per-source quotas for a step: the targets, with the shortfall of sources that have less than
@@ -469,13 +470,10 @@ def heavy_layer(excess: np.ndarray, must: np.ndarray, free: np.ndarray, age: np.
         if levels.size > LEVEL_CANDIDATES:   # spread over the whole range, the heaviest first
             levels = levels[np.unique(np.linspace(0, levels.size - 1, LEVEL_CANDIDATES)
                                       .astype(np.int64))]
-        x, l = excess[free][:, None], length[free][:, None]
-        fits = (x <= levels[None, :] * (1 + 1e-9)) & \
-            (x * slot_tokens >= ALIKE * levels[None, :] * l)
-        feasible = (np.where(fits, x, 0.0).sum(axis=0) >= slots * levels)
-        if not feasible.any():
+        level = _first_feasible(levels, excess[free][:, None], length[free][:, None],
+                                slots, slot_tokens)
+        if level is None:
             return free[:0]
-        level = float(levels[int(np.argmax(feasible))])
     budget = slots * level - must_excess
     if budget <= 0:
         return free[:0]
@@ -486,6 +484,31 @@ def heavy_layer(excess: np.ndarray, must: np.ndarray, free: np.ndarray, age: np.
     within = (np.cumsum(excess[eligible]) - excess[eligible] < budget) & \
         (np.cumsum(length[eligible]) <= room)
     return eligible[within]
+
+
+def _first_feasible(levels: np.ndarray, x: np.ndarray, l: np.ndarray, slots: int,
+                    slot_tokens: int) -> float | None:
+    """The first of `levels` (heaviest first) that the items of excess `x` and length `l`
+    (columns) fit for can give every slot (`heavy_layer`); None when none can.
+
+    The top levels are tried first (in most steps the top one is feasible), a block of
+    columns at a time. Each column's sum is the same float whatever the block: NumPy sums a
+    C-ordered (n, k) matrix over axis 0 row after row for k >= 2 (a single column would be
+    summed pairwise), so blocks keep at least two columns, as the whole matrix has."""
+    start = 0
+    for stop in LEVEL_BLOCKS + (levels.size,):
+        stop = min(stop, levels.size)
+        if stop <= start:
+            continue
+        first = max(min(start, stop - 2), 0)           # at least two columns when there are
+        block = levels[first:stop]
+        fits = (x <= block[None, :] * (1 + 1e-9)) & \
+            (x * slot_tokens >= ALIKE * block[None, :] * l)
+        feasible = np.where(fits, x, 0.0).sum(axis=0) >= slots * block
+        if feasible.any():
+            return float(block[int(np.argmax(feasible))])
+        start = stop
+    return None
 
 
 def balance_slots(geometry: Geometry, cost: CostModel) -> int:
