@@ -140,23 +140,81 @@ def test_the_arrival_take_counts_what_it_took_by_source_and_position(seed):
 
 
 @pytest.mark.parametrize("shuffled", [False, True])
-@pytest.mark.parametrize("seed", range(20))
-def test_first_light_item_left_per_window_whatever_the_layout(seed, shuffled):
-    """`lookahead._first_left`: per (source, rank) window, the least position of a light item
-    not taken. By segments where the items come by window, by window key where they do not
-    (sources relabelled by length buckets come in any order): the same answer as a loop."""
-    from streamload.plan.lookahead import _first_left
+@pytest.mark.parametrize("seed", range(40))
+def test_light_take_by_window_cuts_matches_the_arrival_take_whatever_the_layout(seed, shuffled):
+    """`lookahead._LightTake`: the take worked out per window (a cut position per source, the
+    edge items, looked up by window) is `_take_arrival`'s over the light items, with the same
+    tokens counted into `used`, and its first light item left per (source, rank) window is a
+    loop's over that take. Laid out by window, and in any order (sources relabelled by
+    length buckets)."""
+    from streamload.plan.lookahead import _LightTake, _arrival_tokens, _take_arrival, step_quotas
     rng = np.random.default_rng(seed)
     c = _candidates(rng, shuffled)
+    if len(c) == 0:
+        return
     window = c.source.astype(np.int64) * c.num_ranks + c.rank
     assert (c.window_bounds is None) == bool((window[1:] < window[:-1]).any())
+    assert c.dense_positions == (c.window_bounds is not None and all(
+        np.array_equal(c.position[part], np.arange(part.stop - part.start))
+        for _, part in c.windows()))
+    # Mostly light, or mostly not (long runs of heavy items for `_LightTake._next_light`).
+    light = rng.random(len(c)) < (0.7 if seed % 2 else 0.1)
+    tokens = _arrival_tokens(c, light, c.arrival_key)
+    lights = _LightTake(c, light, tokens)
+    quota = tokens.sum(axis=1) * rng.uniform(0, 1.2, c.num_sources)
+    used = rng.integers(0, 3000, c.num_sources).astype(np.float64)
+    room = float(rng.uniform(0, 1.2) * quota.sum())
+    got_used = used.copy()
+    take = lights(quota, got_used, room)
+    # What `_LightTake` asks of `_take_arrival` (its rule before it cut by window).
+    remaining = np.maximum(quota - used, 0.0)
+    remaining = step_quotas(remaining * (room / max(remaining.sum(), 1e-9)), tokens.sum(axis=1))
+    expected_used = used.copy()
+    expected = _take_arrival(c, light, expected_used, used + remaining,
+                             through=np.cumsum(tokens, axis=1))
+    assert np.array_equal(lights.mask(take), expected)
+    assert np.array_equal(got_used, expected_used)
     never = np.iinfo(c.position.dtype).max
-    light = rng.random(len(c)) < 0.7
-    take = rng.random(len(c)) < 0.5
-    got = _first_left(c, np.where(light, c.position, never), take)
-    expected = np.full(c.num_sources * c.num_ranks, never, dtype=c.position.dtype)
+    first_left = np.full(c.num_sources * c.num_ranks, never, dtype=c.position.dtype)
     for i in range(len(c)):
-        if light[i] and not take[i]:
-            w = int(c.source[i]) * c.num_ranks + int(c.rank[i])
-            expected[w] = min(expected[w], c.position[i])
-    assert np.array_equal(got, expected)
+        if light[i] and not expected[i]:
+            first_left[window[i]] = min(first_left[window[i]], c.position[i])
+    assert np.array_equal(take[2], first_left)
+
+
+def test_dense_positions_only_where_each_window_counts_from_zero():
+    """`Candidates.dense_positions`: true as `from_windows` lays windows out (empty ones
+    included), false where a window's positions skip, repeat or do not start at 0."""
+    c = Candidates.from_windows([[np.array([5, 6, 7]), np.zeros(0, np.int64)],
+                                 [np.array([1]), np.array([2, 3])]])
+    assert c.dense_positions
+    for position in ([0, 1, 3, 0, 0, 1], [0, 1, 1, 0, 0, 1], [1, 2, 3, 0, 0, 1],
+                     [0, 1, 2, 0, 1, 2]):
+        other = Candidates(c.length, c.source, c.rank, np.array(position, np.int32), c.age,
+                           c.extra_cost, c.num_sources, c.num_ranks)
+        assert not other.dense_positions
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_first_feasible_level_by_blocks_is_the_whole_matrix_rule(seed):
+    """`lookahead._first_feasible` tries the levels a block at a time, heaviest first: the
+    same level as summing the whole (items x levels) matrix at once (the rule it replaces),
+    float for float, whatever the number of levels (blocks keep two columns at least)."""
+    from streamload.plan.lookahead import ALIKE, _first_feasible
+    rng = np.random.default_rng(seed)
+    n = int(rng.integers(1, 3000))
+    length = rng.integers(1, 32768, n).astype(np.int64)
+    x = rng.random(n) * length.astype(np.float64) ** 2 * 10 ** rng.uniform(-6, -3)
+    levels = np.unique(x)[::-1]
+    levels = levels[np.unique(np.linspace(0, levels.size - 1, int(rng.integers(1, 65)))
+                              .astype(np.int64))]
+    slot_tokens = int(rng.choice([4096, 32768, 131072]))
+    xc, lc = x[:, None], length[:, None]
+    fits = (xc <= levels[None, :] * (1 + 1e-9)) & \
+        (xc * slot_tokens >= ALIKE * levels[None, :] * lc)
+    sums = np.where(fits, xc, 0.0).sum(axis=0)
+    # Slots that some level, anywhere in the list, can just give (or none, now and then).
+    slots = max(int(sums[int(rng.integers(0, levels.size))] / levels[0] * rng.uniform(0.5, 8)), 1)
+    feasible = sums >= slots * levels
+    expected = float(levels[int(np.argmax(feasible))]) if feasible.any() else None
+    assert _first_feasible(levels, xc, lc, slots, slot_tokens) == expected

@@ -70,14 +70,15 @@ FRONT_SHARE = 0.01       # each window's first items, up to this share of its se
 RUN_ROWS = 1024          # open rows from which the runs go first (fewer: the waves are cheap)
 
 
-def item_costs(c: Candidates, idx: np.ndarray | None, cost: CostModel) -> np.ndarray:
+def item_costs(c: Candidates, idx: np.ndarray | None, cost: CostModel, *,
+               with_linear: bool = False):
     """Cost of each candidate in `idx` (None: all) on its own (document-masking cost + the
-    source's hook)."""
+    source's hook). `with_linear` (all candidates only): (costs, their linear part b·L)."""
     if idx is None:   # every candidate: the lengths already as floats, nothing added for none
-        weight = cost.doc_cost(c.float_length)
+        weight, linear = cost.split_cost(c.float_length)
         if c.has_extra_cost:
             weight += c.extra_cost
-        return weight
+        return (weight, linear) if with_linear else weight
     return cost.doc_cost(c.length[idx]) + c.extra_cost[idx]
 
 

@@ -58,6 +58,7 @@ ALIKE = 0.75         # an item fits a level when a slot of it reaches this share
 HOLD_ARRIVED = True  # heavy documents join a layer only once arrived (`_arrived_layer`);
                      # False: from anywhere in the window (the rule before, for comparison)
 ARRIVAL_ROUNDS = 3   # rounds for the arrived heavy items and the light take to agree
+LEVEL_BLOCKS = (2, 8)  # `_first_feasible` tries the top 2 levels, then to the 8th, then the rest
 
 
 # Per-source quotas for a step: the targets, with the shortfall of sources that have less than
@@ -87,7 +88,6 @@ def _take_arrival(c: Candidates, mask: np.ndarray, used: np.ndarray,
     them). `key`: `Candidates.arrival_key`, when already known; `tokens`: `_arrival_tokens(c,
     mask, key)` and `through`: their running sums over positions, when already known.
     """
-    S = used.shape[0]
     take = np.zeros(len(c), dtype=bool)
     if tokens is None and (through is None or with_tokens):
         tokens = _arrival_tokens(c, mask, c.arrival_key if key is None else key)
@@ -104,20 +104,10 @@ def _take_arrival(c: Candidates, mask: np.ndarray, used: np.ndarray,
     edge = np.flatnonzero(mask & (c.position == limit))
     edge_tokens = None
     if edge.size:
-        es = c.source[edge].astype(np.int64)
-        edge = edge[np.lexsort((c.rank[edge], es))]
-        es = c.source[edge].astype(np.int64)
-        before_position = np.where(cutoff[es] > 0, through[es, np.maximum(cutoff[es] - 1, 0)], 0.0)
-        lengths = c.length[edge]
-        csum = np.cumsum(lengths)
-        starts = np.searchsorted(es, es, side="left")
-        within = csum - lengths - (csum[starts] - lengths[starts])
-        taken = before_position + within < remaining[es]
+        edge = edge[np.lexsort((c.rank[edge], c.source[edge]))]
+        taken, edge_tokens = _edge_take(c, edge, cutoff, through, remaining)
         take[edge[taken]] = True
-        edge_tokens = np.bincount(es, weights=np.where(taken, lengths, 0), minlength=S)
-        used += edge_tokens
-    # Whole positions: their tokens are known already (sums of whole numbers, so exact).
-    used += np.where(cutoff > 0, through[np.arange(S), np.maximum(cutoff - 1, 0)], 0.0)
+    _count_take(used, cutoff, through, edge_tokens)
     if not with_tokens:
         return take
     # What was taken: the whole positions before each source's cutoff, and the edge items
@@ -127,6 +117,32 @@ def _take_arrival(c: Candidates, mask: np.ndarray, used: np.ndarray,
         at = np.flatnonzero(edge_tokens > 0)
         took[at, cutoff[at]] += edge_tokens[at]
     return take, took
+
+
+def _edge_take(c: Candidates, edge: np.ndarray, cutoff: np.ndarray, through: np.ndarray,
+               remaining: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Of the items at their source's cutoff position (`edge`, ordered by source, then rank),
+    those taken while the source's tokens stay below `remaining` (counting the whole positions
+    before: `through`, running sums per source and position). Returns (taken, a mask over
+    `edge`; their tokens per source)."""
+    es = c.source[edge].astype(np.int64)
+    before_position = np.where(cutoff[es] > 0, through[es, np.maximum(cutoff[es] - 1, 0)], 0.0)
+    lengths = c.length[edge]
+    csum = np.cumsum(lengths)
+    starts = np.searchsorted(es, es, side="left")
+    within = csum - lengths - (csum[starts] - lengths[starts])
+    taken = before_position + within < remaining[es]
+    return taken, np.bincount(es, weights=np.where(taken, lengths, 0), minlength=c.num_sources)
+
+
+def _count_take(used: np.ndarray, cutoff: np.ndarray, through: np.ndarray,
+                edge_tokens: np.ndarray | None) -> None:
+    """Adds a take's tokens to `used`: its edge items' (`edge_tokens`, None when there were
+    none), then its whole positions' (known already: sums of whole numbers, so exact)."""
+    if edge_tokens is not None:
+        used += edge_tokens
+    used += np.where(cutoff > 0, through[np.arange(used.shape[0]), np.maximum(cutoff - 1, 0)],
+                     0.0)
 
 
 def select_lookahead(c: Candidates, targets: np.ndarray, geometry: Geometry, cost: CostModel, *,
@@ -156,7 +172,7 @@ def select_lookahead(c: Candidates, targets: np.ndarray, geometry: Geometry, cos
     pool_take, pool_by_position = _take_arrival(c, unforced, pool_by_source, window_quota,
                                                 key, tokens=unforced_tokens, with_tokens=True)
     pool = forced | pool_take
-    weight = item_costs(c, None, cost)
+    weight, linear_part = item_costs(c, None, cost, with_linear=True)
     quota = step_quotas(targets, pool_by_source)
     pool_tokens = float(pool_by_source.sum())   # whole numbers: the float sum is exact
     if pool_tokens <= 0:
@@ -164,7 +180,7 @@ def select_lookahead(c: Candidates, targets: np.ndarray, geometry: Geometry, cos
     slot_tokens = geometry.capacity if slots == geometry.rows else \
         geometry.micro_batches * geometry.capacity
     # Heavy: what a step of light documents cannot even out (`straggler_limit`).
-    attention = weight - float(cost.b) * c.float_length
+    attention = weight - linear_part     # b·L as `item_costs` made it: the same floats
     np.maximum(attention, 0.0, out=attention)
     linear = float(cost.b) * slot_tokens if cost.b > 0 else float(cost.a) * slot_tokens ** 2
     # Only items above the limit's floor can pass it: the heavy ones are looked up among them.
@@ -201,8 +217,8 @@ def select_lookahead(c: Candidates, targets: np.ndarray, geometry: Geometry, cos
         picked = heavy_layer(excess, must, free, age, length, slots, slot_tokens, room)
         used += np.bincount(source[picked], weights=length[picked], minlength=S)
         taken[picked] = True
-        light_take = _LightTake(c, light, light_tokens)(quota, used,
-                                                        room - float(length[picked].sum()))
+        lights = _LightTake(c, light, light_tokens)
+        light_take = lights.mask(lights(quota, used, room - float(length[picked].sum())))
     else:
         picked, light_take = _arrived_layer(c, excess, must, free, light, quota,
                                             used, room, slots, slot_tokens, light_tokens)
@@ -218,47 +234,108 @@ class _LightTake:
     of light documents (one of long ones only) hands its part to the others, as `step_quotas`
     does (its heavy ones wait for their layer; the carry keeps the mix).
 
-    The light items' tokens per (source, position) (`tokens`, as `_arrival_tokens` gives
-    them) are summed once: the rounds of `_arrived_layer` take from the same light items in
-    different rooms."""
+    The rounds of `_arrived_layer` take from the same light items in different rooms, and ask
+    of each take only where it cuts each window: the first light item it leaves there. So the
+    light items' tokens per (source, position) (`tokens`, as `_arrival_tokens` gives them) are
+    summed once, and a take (the same as `_take_arrival`'s) is a cut position per source,
+    looked up per window (S·R lookups, `_first_light`), not a pass over every candidate; its
+    mask is made only for the one take kept (`mask`)."""
 
     def __init__(self, c: Candidates, light: np.ndarray, tokens: np.ndarray):
         self.c, self.light = c, light
         self.available = tokens.sum(axis=1)
         self.through = np.cumsum(tokens, axis=1)
+        self.span = tokens.shape[1]                    # positions: largest + 1
+        self.windows = np.arange(c.num_sources * c.num_ranks, dtype=np.int64)
+        self.window_source = self.windows // c.num_ranks
+        self.never = np.iinfo(c.position.dtype).max
+        self.light_items = self.key = None
+        if c.dense_positions:   # window w's item at position p is window_bounds[w] + p
+            self.start, self.end = c.window_bounds[:-1], c.window_bounds[1:]
+            return
+        # Any other layout (sources relabelled by length buckets): the light items sorted by
+        # (window, position), searched.
+        items = np.flatnonzero(light)
+        key = (c.source[items].astype(np.int64) * c.num_ranks + c.rank[items]) * self.span \
+            + c.position[items]
+        order = np.argsort(key, kind="stable")
+        self.light_items, self.key = items[order], key[order]
 
-    def __call__(self, quota: np.ndarray, used: np.ndarray, room: float) -> np.ndarray:
-        """The take (a mask) in `room` tokens, `used` tokens of each source taken already
-        (updated)."""
+    def _next_light(self, i: np.ndarray, end: np.ndarray) -> np.ndarray:
+        """Per entry, the first light candidate at index `i` or after and before `end`; `end`
+        where there is none. Looks at the next 1, 4, 16, ... items of the entries still
+        searching (most find one at once: heavy items are few), so a long run of them costs a
+        few rounds, not one per item."""
+        light, n = self.light, self.light.size
+        at = np.flatnonzero(i < end)
+        width = 1
+        while at.size:
+            ahead = i[at, None] + np.arange(width)
+            hit = light[np.minimum(ahead, n - 1)] & (ahead < end[at, None])
+            found = hit.any(axis=1)
+            i[at[found]] += hit[found].argmax(axis=1)
+            at = at[~found]
+            i[at] = np.minimum(i[at] + width, end[at])
+            at = at[i[at] < end[at]]
+            width = min(4 * width, 4096)
+        return i
+
+    def _first_light(self, windows: np.ndarray, at: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Per window of `windows`, its first light item at position `at` or later: (candidate
+        index, position); -1 and the position dtype's largest value where there is none."""
+        if self.key is None:                           # dense positions
+            start, end = self.start[windows], self.end[windows]
+            i = self._next_light(np.minimum(start + at, end), end)
+            found = i < end
+            return np.where(found, i, -1), \
+                np.where(found, i - start, self.never).astype(self.c.position.dtype)
+        n = self.key.size
+        if n == 0:
+            return np.full(windows.size, -1), np.full(windows.size, self.never,
+                                                      self.c.position.dtype)
+        first_key = windows * self.span
+        j = np.minimum(np.searchsorted(self.key, first_key + at), n - 1)
+        key = self.key[j]
+        found = (key >= first_key + at) & (key < first_key + self.span)
+        return np.where(found, self.light_items[j], -1), \
+            np.where(found, key - first_key, self.never).astype(self.c.position.dtype)
+
+    def __call__(self, quota: np.ndarray, used: np.ndarray, room: float):
+        """The take in `room` tokens, `used` tokens of each source taken already (updated):
+        (cutoff, the edge items taken, first left). `cutoff`: per source, the position before
+        which every light item is taken; the edge items (indices) are those taken at it;
+        `first_left`: per window (source · num_ranks + rank), the least position of a light
+        item left, the position dtype's largest value where there is none."""
         remaining = np.maximum(quota - used, 0.0)
         remaining = step_quotas(remaining * (max(room, 0.0) / max(remaining.sum(), 1e-9)),
                                 self.available)
-        return _take_arrival(self.c, self.light, used, used + remaining, through=self.through)
+        remaining = (used + remaining) - used          # as `_take_arrival` rounds it
+        cutoff = (self.through < remaining[:, None]).sum(axis=1)
+        cut = cutoff[self.window_source]
+        index, first_left = self._first_light(self.windows, cut)
+        at_edge = np.flatnonzero(first_left == cut)
+        edge = index[at_edge]                          # by window: by source, then rank
+        edge_tokens = None
+        if edge.size:
+            taken, edge_tokens = _edge_take(self.c, edge, cutoff, self.through, remaining)
+            again = at_edge[taken]                     # taken: the next one is the first left
+            first_left[again] = self._first_light(again, cut[again] + 1)[1]
+            edge = edge[taken]
+        _count_take(used, cutoff, self.through, edge_tokens)
+        return cutoff, edge, first_left
 
-
-def _first_left(c: Candidates, light_position: np.ndarray, take: np.ndarray) -> np.ndarray:
-    """Per window (source · num_ranks + rank), the least position of a light item the step
-    leaves (`light_position`: each light item's position, the dtype's largest value for the
-    others; `take`: the light take, a mask); that largest value where there is none.
-    Where candidates come by (source, rank, position), a window's items are one segment
-    (`Candidates.window_bounds`): one `np.minimum.reduceat`; else (sources relabelled by
-    length buckets) a minimum per window key."""
-    bounds = c.window_bounds
-    never = np.iinfo(c.position.dtype).max
-    left_position = np.where(take, never, light_position)
-    first_left = np.full(c.num_sources * c.num_ranks, never, dtype=c.position.dtype)
-    if bounds is None:
-        np.minimum.at(first_left, c.source.astype(np.int64) * c.num_ranks + c.rank,
-                      left_position)
-        return first_left
-    windows = np.flatnonzero(bounds[:-1] < bounds[1:])          # windows with items
-    first_left[windows] = np.minimum.reduceat(left_position, bounds[windows])
-    return first_left
+    def mask(self, take) -> np.ndarray:
+        """A take's items as a mask over the candidates."""
+        cutoff, edge, _ = take
+        c = self.c
+        out = self.light & (c.position < c.by_source(cutoff.astype(c.position.dtype)))
+        out[edge] = True
+        return out
 
 
 def _arrived(c: Candidates, candidates: np.ndarray, first_left: np.ndarray) -> np.ndarray:
     """Of `candidates` (indices, ascending), those with no light item the step leaves before
-    them in their own window (`first_left`, from `_first_left`): taking them overtakes no
+    them in their own window (`first_left`, from `_LightTake`): taking them overtakes no
     light item. The candidates, few, are looked up alone."""
     window = c.source[candidates].astype(np.int64) * c.num_ranks + c.rank[candidates]
     return candidates[c.position[candidates] < first_left[window]]
@@ -283,20 +360,17 @@ def _arrived_layer(c: Candidates, excess: np.ndarray, must: np.ndarray, free: np
     length, age = c.length, c.age
     candidates = free
     light_take = _LightTake(c, light, light_tokens)
-    light_position = np.where(light, c.position, np.iinfo(c.position.dtype).max)
     whole_room = take = light_take(quota, used.copy(), room)
-    first_left = _first_left(c, light_position, take)
     for _ in range(ARRIVAL_ROUNDS):
-        candidates = _arrived(c, candidates, first_left)
+        candidates = _arrived(c, candidates, take[2])
         picked = heavy_layer(excess, must, candidates, age, length, slots, slot_tokens, room)
         if picked.size == 0:   # no layer: the light take is the whole room's
-            return picked, whole_room
+            return picked, light_take.mask(whole_room)
         take = light_take(quota, used.copy(), room - float(length[picked].sum()))
-        first_left = _first_left(c, light_position, take)
-        arrived = np.isin(picked, _arrived(c, free, first_left))
+        arrived = np.isin(picked, _arrived(c, free, take[2]))
         if arrived.all():
             break
-    return picked[arrived], take
+    return picked[arrived], light_take.mask(take)
 
 
 def bounded_forced(c: Candidates, force_age: int, limit: int) -> np.ndarray:
@@ -396,13 +470,10 @@ def heavy_layer(excess: np.ndarray, must: np.ndarray, free: np.ndarray, age: np.
         if levels.size > LEVEL_CANDIDATES:   # spread over the whole range, the heaviest first
             levels = levels[np.unique(np.linspace(0, levels.size - 1, LEVEL_CANDIDATES)
                                       .astype(np.int64))]
-        x, l = excess[free][:, None], length[free][:, None]
-        fits = (x <= levels[None, :] * (1 + 1e-9)) & \
-            (x * slot_tokens >= ALIKE * levels[None, :] * l)
-        feasible = (np.where(fits, x, 0.0).sum(axis=0) >= slots * levels)
-        if not feasible.any():
+        level = _first_feasible(levels, excess[free][:, None], length[free][:, None],
+                                slots, slot_tokens)
+        if level is None:
             return free[:0]
-        level = float(levels[int(np.argmax(feasible))])
     budget = slots * level - must_excess
     if budget <= 0:
         return free[:0]
@@ -413,6 +484,31 @@ def heavy_layer(excess: np.ndarray, must: np.ndarray, free: np.ndarray, age: np.
     within = (np.cumsum(excess[eligible]) - excess[eligible] < budget) & \
         (np.cumsum(length[eligible]) <= room)
     return eligible[within]
+
+
+def _first_feasible(levels: np.ndarray, x: np.ndarray, l: np.ndarray, slots: int,
+                    slot_tokens: int) -> float | None:
+    """The first of `levels` (heaviest first) that the items of excess `x` and length `l`
+    (columns) fit for can give every slot (`heavy_layer`); None when none can.
+
+    The top levels are tried first (in most steps the top one is feasible), a block of
+    columns at a time. Each column's sum is the same float whatever the block: NumPy sums a
+    C-ordered (n, k) matrix over axis 0 row after row for k >= 2 (a single column would be
+    summed pairwise), so blocks keep at least two columns, as the whole matrix has."""
+    start = 0
+    for stop in LEVEL_BLOCKS + (levels.size,):
+        stop = min(stop, levels.size)
+        if stop <= start:
+            continue
+        first = max(min(start, stop - 2), 0)           # at least two columns when there are
+        block = levels[first:stop]
+        fits = (x <= block[None, :] * (1 + 1e-9)) & \
+            (x * slot_tokens >= ALIKE * block[None, :] * l)
+        feasible = np.where(fits, x, 0.0).sum(axis=0) >= slots * block
+        if feasible.any():
+            return float(block[int(np.argmax(feasible))])
+        start = stop
+    return None
 
 
 def balance_slots(geometry: Geometry, cost: CostModel) -> int:

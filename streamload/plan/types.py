@@ -173,6 +173,24 @@ class Candidates:
         bounds[S * R] = len(self)
         return bounds
 
+    @cached_property
+    def dense_positions(self) -> bool:
+        """Whether each window's items sit at positions 0, 1, 2, ... in order, as
+        `from_windows` lays them out: the item at (window w, position p) is then at
+        `window_bounds[w] + p`, found without a search."""
+        bounds = self.window_bounds
+        if bounds is None:
+            return False
+        p = self.position
+        starts = bounds[:-1][bounds[:-1] < bounds[1:]]
+        if p.size == 0:
+            return True
+        if p[starts].any():
+            return False
+        steps = np.diff(p)
+        steps[starts[1:] - 1] = 1                      # across the start of a window
+        return bool((steps == 1).all())
+
     def windows(self):
         """((source, rank), slice) of every non-empty window, in candidate order (items laid
         out by window)."""
