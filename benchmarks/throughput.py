@@ -219,6 +219,7 @@ class _RssTrace:
         self.out = open(path, "a")
         self.tracing = tracing
         self.first = None
+        self.large: dict = {}
         if tracing:
             import tracemalloc
             tracemalloc.start(8)
@@ -239,19 +240,46 @@ class _RssTrace:
         return out
 
     def step(self, steps: int, loader) -> None:
+        every = int(os.environ.get("THROUGHPUT_MALLOC_TRIM", "0"))   # an experiment
+        if every and steps % every == 0:
+            import ctypes
+            started = time.thread_time()
+            ctypes.CDLL("libc.so.6").malloc_trim(0)
+            self.trim_s = getattr(self, "trim_s", 0.0) + time.thread_time() - started
         if steps % 10:
             return
-        line = {"step": steps, **self._memory(), "threads": threading.active_count()}
+        line = {"step": steps, **self._memory(), "threads": threading.active_count(),
+                "trim_ms": round(getattr(self, "trim_s", 0.0) * 1e3, 2)}
         if self.tracing:
             import tracemalloc
             line["traced_mb"] = tracemalloc.get_traced_memory()[0] // 2**20
+            snapshot = tracemalloc.take_snapshot()
             if self.first is None:
-                self.first = tracemalloc.take_snapshot()
+                self.first = snapshot
+            # the live blocks glibc serves from its arenas once its mmap threshold has risen
+            # (128 KiB to 32 MiB), by where they were allocated
+            for trace in snapshot.traces:
+                if 2**17 <= trace.size < 2**25:
+                    key = tuple(str(f) for f in trace.traceback[-4:])
+                    count, total = self.large.get(key, (0, 0))
+                    self.large[key] = (count + 1, total + trace.size)
         self.out.write(json.dumps(line) + "\n")
         self.out.flush()
 
     def finish(self, stats: dict) -> None:
         self.out.write(json.dumps({"end": self._memory()}) + "\n")
+        self.out.flush()
+        import ctypes   # glibc's per-arena figures (malloc_stats writes them to stderr)
+        saved = os.dup(2)
+        os.dup2(self.out.fileno(), 2)
+        try:
+            ctypes.CDLL("libc.so.6").malloc_stats()
+        finally:
+            os.dup2(saved, 2)
+            os.close(saved)
+        for key, (count, total) in sorted(self.large.items(), key=lambda kv: -kv[1][1])[:15]:
+            self.out.write(f"large live blocks: {count} seen, mean {total / count / 2**10:.0f} "
+                           f"KiB at\n  " + "\n  ".join(key) + "\n")
         if self.tracing and self.first is not None:
             import tracemalloc
             diff = tracemalloc.take_snapshot().compare_to(self.first, "traceback")
