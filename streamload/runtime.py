@@ -32,8 +32,8 @@ from .batch import Batch
 from .collective.comm import Comm, GlooComm
 from .collective.messages import (OUTCOMES, LocalPlan, PlanMessage, SourceWindow,
                                   decode_local_plan, decode_plan, decode_summaries,
-                                  encode_local_plan, encode_plan, encode_summary,
-                                  own_summaries, plan_size, step_totals)
+                                  encode_local_plan, encode_plan, encode_summary, plan_size,
+                                  step_totals)
 from .collective.protocol import Agreement, StopStepping
 from .collective.topology import Topology
 from .config import LoaderConfig, Source
@@ -164,7 +164,6 @@ class Runtime:
         self._totals = None
         # rank 0, gather: its own part of the step it just planned, not encoded (`_plan_replies`)
         self._own: Optional[LocalPlan] = None
-        self._sent: Optional[tuple] = None   # this rank's last summary: (windows, encoded)
         # gather, more than one rank: the states of recent steps, from rank 0 to the others.
         # With broadcast delivery every DP rank's leader sends its ranks each step's state with
         # the step (`peers`), so rank 0 sends every step's state with that step's reply.
@@ -333,9 +332,7 @@ class Runtime:
                     np.zeros((2, window.lengths.shape[0]), np.int64)
             windows.append(SourceWindow(window.lengths, window.ages, window.ids, window.done,
                                         extra, visual))
-        summary = encode_summary(windows)
-        self._sent = (windows, summary)
-        return summary
+        return encode_summary(windows)
 
     async def _wait_ready(self, s: int) -> None:
         started = time.perf_counter()
@@ -467,10 +464,7 @@ class Runtime:
         what it takes from its buffers and sends, what it receives, the job's totals, and its
         buffers for the next step when they changed (the states go on the side: `relay`)."""
         job, S, R = self.job, len(self.sources), self.comm.world
-        # One rank: the summary gathered is the one `_summary` just made, from its windows
-        summaries = own_summaries(self._sent[0]) \
-            if R == 1 and self._sent is not None and gathered[0] is self._sent[1] \
-            else decode_summaries(gathered, S)
+        summaries = decode_summaries(gathered, S)
         c = summaries.candidates
         step = job.begin(c, summaries.exhausted)
         if step.outcome == "stop":   # a source with on_exhausted="stop" ran out

@@ -8,7 +8,7 @@ import pytest
 from streamload import pieces
 from streamload.collective.messages import (OUTCOMES, SourceWindow, decode_plan,
                                             decode_summaries, encode_plan, encode_summary,
-                                            own_summaries, plan_size)
+                                            plan_size)
 from streamload.collective.protocol import OK
 from streamload.plan.types import Assignment, Candidates
 
@@ -87,25 +87,6 @@ def test_summaries_round_trip(case):
         [(key, (w.start, w.stop)) for key, w in searched.windows()]
     assert [key for key, _ in c.windows()] == \
         [(s, r) for s in range(S) for r in range(R) if len(per_rank[r][s].lengths)]
-
-
-@pytest.mark.parametrize("case", SUMMARY_CASES)
-def test_own_summaries_are_the_decoded_ones(case):
-    """One rank plans from its windows as they are (`own_summaries`): every column, its dtype
-    and the window bounds as decoding its encoded summary gives them."""
-    windows = SUMMARY_CASES[case][0]
-    direct = own_summaries(windows)
-    decoded = decode_summaries([encode_summary(windows)], len(windows))
-    for name in ("length", "source", "rank", "position", "age", "extra_cost", "divisible",
-                 "images", "patches"):
-        a, b = getattr(direct.candidates, name), getattr(decoded.candidates, name)
-        assert (a is None) == (b is None), name
-        if a is not None:
-            assert a.dtype == b.dtype and a.tobytes() == b.tobytes(), name
-    assert direct.ids.dtype == decoded.ids.dtype and (direct.ids == decoded.ids).all()
-    assert direct.ids.shape == decoded.ids.shape
-    assert direct.exhausted.tolist() == decoded.exhausted.tolist()
-    assert direct.candidates.window_bounds.tolist() == decoded.candidates.window_bounds.tolist()
 
 
 PLAN_CASES = {

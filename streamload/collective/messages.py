@@ -103,36 +103,6 @@ def decode_summaries(gathered: list[np.ndarray], num_sources: int) -> Summaries:
     return Summaries(c.known_windows(sizes), ids, exhausted)
 
 
-def own_summaries(windows: list[SourceWindow]) -> Summaries:
-    """One rank's windows as `decode_summaries(encode_summary(windows))` gives them, straight
-    from the windows (a job of one rank plans from its own summary: nothing to decode)."""
-    S = len(windows)
-    sizes = np.array([[w.lengths.shape[0] for w in windows]], np.int64).reshape(1, S)
-    source, rank, position = window_columns(sizes)
-    n = int(sizes.sum())
-
-    def column(values, dtype, width=None):
-        shape = (n,) if width is None else (n, width)
-        parts = [v for v in values if v is not None]
-        if len(parts) == len(values):
-            return np.concatenate(parts).astype(dtype, copy=False).reshape(shape)
-        return np.concatenate([np.zeros((w.lengths.shape[0],) + shape[1:], dtype) if v is None
-                               else v for v, w in zip(values, windows)]).reshape(shape)
-    lengths = column([w.lengths for w in windows], np.int64)
-    ids = column([w.ids.reshape(-1, ID_FIELDS) for w in windows], np.int64, ID_FIELDS)
-    extra = column([w.extra_cost for w in windows], np.float64)
-    images = patches = None
-    if any(w.visual is not None for w in windows):
-        visual = column([None if w.visual is None else np.asarray(w.visual, np.int64).T
-                         for w in windows], np.int64, 2)
-        images, patches = visual[:, 0].copy(), visual[:, 1].copy()
-    c = Candidates(lengths, source, rank, position,
-                   column([w.ages for w in windows], np.int32), extra, S, 1, ids[:, 2] >= 0,
-                   images, patches)
-    exhausted = np.array([[bool(w.exhausted) for w in windows]], bool).reshape(1, S)
-    return Summaries(c.known_windows(sizes), ids, exhausted)
-
-
 def _headers(array: np.ndarray, num_sources: int):
     """(where its lengths begin, n, flags) of each window of one rank's summary, in source
     order."""
