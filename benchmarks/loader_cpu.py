@@ -156,7 +156,6 @@ PHASES = [("streamload.pipeline.buffer", "SourceBuffer", "window", "buffer.windo
           ("streamload.pipeline.buffer", "SourceBuffer", "take", "buffer.take"),
           ("streamload.runtime", None, "encode_summary", "encode_summary"),
           ("streamload.runtime", None, "decode_summaries", "decode_summaries"),
-          ("streamload.runtime", None, "own_summaries", "own_summaries"),   # 1 rank, since hot7
           ("streamload.runtime", None, "encode_local_plan", "encode_local_plan"),
           ("streamload.runtime", None, "decode_local_plan", "decode_local_plan"),
           ("streamload.job", "JobModel", "begin", "job.begin"),
