@@ -173,11 +173,14 @@ def w_streamload(spec: dict) -> dict:
     first = None
     docs = pieces = tokens = steps = 0
     mix: dict = {}
+    trace = _RssTrace.from_env()
     with sl.Loader(sources, micro_batch_tokens=spec["C"], micro_batches=spec["M"], epochs=1,
                    seed=0, storage_options=spec["storage_options"], **opts) as loader:
         for batch in loader:
             if first is None:
                 first = time.perf_counter() - t0
+            if trace is not None:
+                trace.step(steps, loader)
             for mb in batch.micro_batches:
                 tokens += mb.num_tokens
                 pieces += len(mb.sample_ids)
@@ -192,6 +195,8 @@ def w_streamload(spec: dict) -> dict:
         elapsed = time.perf_counter() - t0
         cpu, thread = time.process_time() - cpu0, time.thread_time() - thread0
         stats = loader.stats()
+        if trace is not None:
+            trace.finish(stats)
         closing = time.perf_counter()
     close_s = time.perf_counter() - closing
     if world > 1:
@@ -202,6 +207,88 @@ def w_streamload(spec: dict) -> dict:
             "setup_s": t0 - setup0,
             "loader_cpu_ms_per_step": (cpu - thread) / max(1, steps) * 1e3,
             "process_cpu_s": cpu, "consumer_cpu_s": thread, "stats": _summarize_sl_stats(stats)}
+
+
+class _RssTrace:
+    """A diagnostic (env THROUGHPUT_RSS_TRACE=<file>): where a streamload worker's RSS goes
+    over the run. Every 10 steps one line: step, VmRSS, the smaps_rollup's anonymous and file
+    pages, and (THROUGHPUT_TRACEMALLOC=1) the bytes Python's allocators hold; at the end the
+    tracemalloc sites that grew most since the first batch, and the loader's in-flight stats."""
+
+    def __init__(self, path: str, tracing: bool):
+        self.out = open(path, "a")
+        self.tracing = tracing
+        self.first = None
+        self.large: dict = {}
+        if tracing:
+            import tracemalloc
+            tracemalloc.start(8)
+
+    @classmethod
+    def from_env(cls):
+        path = os.environ.get("THROUGHPUT_RSS_TRACE")
+        return cls(path, os.environ.get("THROUGHPUT_TRACEMALLOC") == "1") if path else None
+
+    @staticmethod
+    def _memory() -> dict:
+        out = {}
+        with open("/proc/self/smaps_rollup") as f:
+            for line in f:
+                key, _, rest = line.partition(":")
+                if key in ("Rss", "Anonymous", "Private_Dirty", "Shared_Clean", "Private_Clean"):
+                    out[key] = int(rest.split()[0]) // 1024
+        return out
+
+    def step(self, steps: int, loader) -> None:
+        every = int(os.environ.get("THROUGHPUT_MALLOC_TRIM", "0"))   # an experiment
+        if every and steps % every == 0:
+            import ctypes
+            started = time.thread_time()
+            ctypes.CDLL("libc.so.6").malloc_trim(0)
+            self.trim_s = getattr(self, "trim_s", 0.0) + time.thread_time() - started
+        if steps % 10:
+            return
+        line = {"step": steps, **self._memory(), "threads": threading.active_count(),
+                "trim_ms": round(getattr(self, "trim_s", 0.0) * 1e3, 2)}
+        if self.tracing:
+            import tracemalloc
+            line["traced_mb"] = tracemalloc.get_traced_memory()[0] // 2**20
+            snapshot = tracemalloc.take_snapshot()
+            if self.first is None:
+                self.first = snapshot
+            # the live blocks glibc serves from its arenas once its mmap threshold has risen
+            # (128 KiB to 32 MiB), by where they were allocated
+            for trace in snapshot.traces:
+                if 2**17 <= trace.size < 2**25:
+                    key = tuple(str(f) for f in trace.traceback[-4:])
+                    count, total = self.large.get(key, (0, 0))
+                    self.large[key] = (count + 1, total + trace.size)
+        self.out.write(json.dumps(line) + "\n")
+        self.out.flush()
+
+    def finish(self, stats: dict) -> None:
+        self.out.write(json.dumps({"end": self._memory()}) + "\n")
+        self.out.flush()
+        import ctypes   # glibc's per-arena figures (malloc_stats writes them to stderr)
+        saved = os.dup(2)
+        os.dup2(self.out.fileno(), 2)
+        try:
+            ctypes.CDLL("libc.so.6").malloc_stats()
+        finally:
+            os.dup2(saved, 2)
+            os.close(saved)
+        for key, (count, total) in sorted(self.large.items(), key=lambda kv: -kv[1][1])[:15]:
+            self.out.write(f"large live blocks: {count} seen, mean {total / count / 2**10:.0f} "
+                           f"KiB at\n  " + "\n  ".join(key) + "\n")
+        if self.tracing and self.first is not None:
+            import tracemalloc
+            diff = tracemalloc.take_snapshot().compare_to(self.first, "traceback")
+            for d in diff[:12]:
+                self.out.write(f"{d.size_diff / 2**20:+.2f} MB now {d.size / 2**20:.2f} MB "
+                               f"count {d.count_diff:+d}\n  " +
+                               "\n  ".join(d.traceback.format()[-8:]) + "\n")
+        self.out.write(json.dumps(stats.get("sources", stats), default=str)[:4000] + "\n")
+        self.out.close()
 
 
 def w_streamload_next(spec: dict) -> dict:

@@ -148,8 +148,15 @@ class Delivery:
                          pad_to_capacity=self._pad, pad_token_id=self._pad_token_id,
                          counting=self._counting)
         micro_batches = []
+        sample_id, prefixes = self._sample_id, self._id_prefixes
         for row in rows:
-            ids = [self._sample_id(source_list[k], *id_list[k]) for k in row.item_indices.tolist()]
+            ids = []
+            for k in row.item_indices.tolist():
+                shard, record, chunk = id_list[k]
+                prefix = prefixes.get((source_list[k], shard))
+                # a whole document whose shard was named before: its id inline
+                ids.append(f"{prefix}{record}" if chunk < 0 and prefix is not None
+                           else sample_id(source_list[k], shard, record, chunk))
             micro_batches.append(MicroBatch(
                 tokens=torch.from_numpy(row.tokens), cu_seqlens=torch.from_numpy(row.cu_seqlens),
                 position_ids=torch.from_numpy(row.position_ids),

@@ -420,9 +420,9 @@ class JobModel(_Deal):
             ids = ids.copy()
             ids[take[cut], 2] += length[cut]
             taken[take[cut]] = False
+        ages = candidates.age.astype(np.int64)
         for (s, q), window in candidates.windows():
-            self.trackers[s].observe(q, ids[window], candidates.age[window].astype(np.int64),
-                                     taken[window])
+            self.trackers[s].observe(q, ids[window], ages[window], taken[window])
 
     def snapshot(self) -> StepSnapshot:
         """Cheap, per step: the trackers' progress objects are replaced, never mutated."""

@@ -30,9 +30,10 @@ import numpy as np
 
 from .batch import Batch
 from .collective.comm import Comm, GlooComm
-from .collective.messages import (OUTCOMES, PlanMessage, SourceWindow, decode_local_plan,
-                                  decode_plan, decode_summaries, encode_local_plan, encode_plan,
-                                  encode_summary, plan_size, step_totals)
+from .collective.messages import (OUTCOMES, LocalPlan, PlanMessage, SourceWindow,
+                                  decode_local_plan, decode_plan, decode_summaries,
+                                  encode_local_plan, encode_plan, encode_summary, plan_size,
+                                  step_totals)
 from .collective.protocol import Agreement, StopStepping
 from .collective.topology import Topology
 from .config import LoaderConfig, Source
@@ -161,6 +162,8 @@ class Runtime:
         # rank 0, gather: the last step's totals with every rank's figures (a reply carries
         # only its rank's: `encode_local_plan`)
         self._totals = None
+        # rank 0, gather: its own part of the step it just planned, not encoded (`_plan_replies`)
+        self._own: Optional[LocalPlan] = None
         # gather, more than one rank: the states of recent steps, from rank 0 to the others.
         # With broadcast delivery every DP rank's leader sends its ranks each step's state with
         # the step (`peers`), so rank 0 sends every step's state with that step's reply.
@@ -406,7 +409,9 @@ class Runtime:
         plan_replies = self._plan_replies if self.comm.rank == 0 else None
         while True:
             mine = await agreement.gather_step(self._summary, plan_replies, self.relay)
-            local = decode_local_plan(mine, S, R, M)
+            # Rank 0's own part of a step it planned stays here, as the whole plan (the
+            # all-gather loop's); its reply carries the header only (`_plan_replies`)
+            local, self._own = self._own or decode_local_plan(mine, S, R, M), None
             totals = local.totals if self.comm.rank else self._totals   # rank 0: every rank's
             if local.budgets is not None:
                 self._set_budgets(local.budgets)
@@ -490,12 +495,15 @@ class Runtime:
         self._snapshot = job.snapshot()
         if self.relay is not None:
             self.relay.kept(step.index, self._snapshot)
-        holder = c.rank[plan.take]
-        return [encode_local_plan(0, job.epoch, step.index, c=c, ids=summaries.ids, plan=plan,
-                                  entries=np.flatnonzero((holder == r) | (plan.rank == r)),
-                                  totals=totals, rank=r, units=units, mix=mix,
-                                  budgets=self._budgets_for(r))
-                for r in range(R)]
+        self._own = LocalPlan(0, False, job.epoch, step.index, summaries, plan, totals, units,
+                              (mix.target, mix.tail, mix.ran_out), self._budgets_for(0))
+        holder = c.rank[plan.take] if R > 1 else None
+        return [encode_local_plan(0, job.epoch, step.index)] + \
+            [encode_local_plan(0, job.epoch, step.index, c=c, ids=summaries.ids, plan=plan,
+                               entries=np.flatnonzero((holder == r) | (plan.rank == r)),
+                               totals=totals, rank=r, units=units, mix=mix,
+                               budgets=self._budgets_for(r))
+             for r in range(1, R)]
 
     def _budgets_for(self, rank: int) -> Optional[np.ndarray]:
         """Rank 0: `rank`'s buffers for the next step, if they changed since it was told."""

@@ -10,7 +10,7 @@ from streamload.collective.messages import (OUTCOMES, SourceWindow, decode_plan,
                                             decode_summaries, encode_plan, encode_summary,
                                             plan_size)
 from streamload.collective.protocol import OK
-from streamload.plan.types import Assignment
+from streamload.plan.types import Assignment, Candidates
 
 pytestmark = pytest.mark.core
 
@@ -78,6 +78,15 @@ def test_summaries_round_trip(case):
         assert c.patches.tolist() == expect["patches"]
     else:
         assert c.images is None and c.patches is None
+    # The window and source bounds it knows from the window sizes are the ones searched for
+    # on the same columns (`Candidates.window_bounds`), and its windows are the summary's.
+    searched = Candidates(c.length, c.source, c.rank, c.position, c.age, c.extra_cost, S, R)
+    assert c.window_bounds.tolist() == searched.window_bounds.tolist()
+    assert c.by_source(np.arange(S)).tolist() == searched.by_source(np.arange(S)).tolist()
+    assert [(key, (w.start, w.stop)) for key, w in c.windows()] == \
+        [(key, (w.start, w.stop)) for key, w in searched.windows()]
+    assert [key for key, _ in c.windows()] == \
+        [(s, r) for s in range(S) for r in range(R) if len(per_rank[r][s].lengths)]
 
 
 PLAN_CASES = {

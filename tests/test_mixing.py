@@ -593,3 +593,18 @@ def test_length_quota_rejects(kwargs, match):
 def test_mixture_check_against_sources(mixture, match):
     with pytest.raises(ConfigError, match=match):
         make(mixture)
+
+
+def test_bucket_targets_without_quotas_cap_each_source_as_water_fill_does():
+    """No quotas: each source's target capped at what it holds, as `water_fill` of its one
+    bucket gives it (the per-source loop `bucket_targets` skips then), bit for bit."""
+    from streamload.plan.length_buckets import bucket_targets
+    rng = np.random.default_rng(7)
+    buckets = Buckets.build(5, [])
+    for _ in range(200):
+        targets = rng.choice([0.0, -0.0, 1.5, 1e6], 5) * rng.random(5)
+        available = rng.choice([0.0, 3.0, 1e5, 1e7], 5) * rng.random(5)
+        out = bucket_targets(buckets, targets, available, np.zeros(0))
+        expect = np.concatenate([water_fill(targets[s:s + 1] - 0.0, available[s:s + 1])
+                                 for s in range(5)])
+        assert out.tobytes() == expect.tobytes()

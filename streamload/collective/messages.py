@@ -100,7 +100,7 @@ def decode_summaries(gathered: list[np.ndarray], num_sources: int) -> Summaries:
         patches = np.where(has, flat[np.where(has, first + n_of, 0)], 0)
     c = Candidates(lengths, source, rank, position, ages.astype(np.int32), extra, S, R,
                    ids[:, 2] >= 0, images, patches)   # a piece (chunk >= 0) may be cut
-    return Summaries(c, ids, exhausted)
+    return Summaries(c.known_windows(sizes), ids, exhausted)
 
 
 def _headers(array: np.ndarray, num_sources: int):

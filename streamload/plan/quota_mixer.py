@@ -49,6 +49,7 @@ and their mutual proportions stay exact.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 from typing import Optional, Sequence
 
 import msgspec
@@ -284,13 +285,18 @@ class QuotaMixer:
         if exhausted.ndim == 2:
             exhausted = exhausted.all(axis=0)
         gone = exhausted & ~has_data
-        policy = np.array(self.on_exhausted)
-        if (gone & (policy == "stop")).any():
+        stops, finite = self._policies
+        if (gone & stops).any():
             return "stop"
-        finite = policy != "restart"
         if gone[finite].all() if finite.any() else gone.all():
             return "end_epoch"
         return "continue"
+
+    @cached_property
+    def _policies(self) -> tuple[np.ndarray, np.ndarray]:
+        """`on_exhausted` (fixed) as masks: the sources that stop the run, those that end."""
+        policy = np.array(self.on_exhausted)
+        return policy == "stop", policy != "restart"
 
     # -- state -------------------------------------------------------------------------------------
     def to_state(self) -> MixtureState:

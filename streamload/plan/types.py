@@ -191,6 +191,17 @@ class Candidates:
         steps[starts[1:] - 1] = 1                      # across the start of a window
         return bool((steps == 1).all())
 
+    def known_windows(self, sizes: np.ndarray) -> "Candidates":
+        """These candidates laid out by window with `sizes` [R, S] items each (as
+        `window_columns` lays them out): `window_bounds` and the source bounds are their
+        cumulative sums, so nothing searches for them. Returns self."""
+        ordered = sizes.T.reshape(-1)   # by source, then rank
+        bounds = np.zeros(ordered.shape[0] + 1, np.int64)
+        np.cumsum(ordered, out=bounds[1:])
+        self.__dict__["window_bounds"] = bounds
+        self.__dict__["_source_bounds"] = bounds[::self.num_ranks]
+        return self
+
     def windows(self):
         """((source, rank), slice) of every non-empty window, in candidate order (items laid
         out by window)."""
