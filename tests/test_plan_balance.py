@@ -88,6 +88,30 @@ def test_forced_items_are_placed_even_when_the_step_is_overfull():
     assert tokens.max() <= C
 
 
+@pytest.mark.parametrize("R,M,C,seed", [(2, 2, 1024, 0), (4, 4, 1024, 1), (3, 2, 2048, 2)])
+def test_trim_without_overhead_keeps_an_over_full_step_of_short_documents(R, M, C, seed):
+    """With ranks as bins and no step overhead, `balance._trim`'s gain is the same (top - mean)
+    for every level below all ranks' loads: of levels that gain alike it takes the highest, so
+    the step stays nearly full (taking the lowest left every document out), and it still goes
+    at least as deep as with a positive overhead."""
+    from streamload.plan.fill import step_overhead_cost
+    rng = np.random.default_rng(seed)
+    # Twice the step in short documents, longer on later ranks: the ranks' costs differ.
+    c = Candidates.from_windows([[rng.integers(4, 24 + 8 * r, 4 * M * C // (14 + 4 * r))]
+                                 for r in range(R)])
+    geometry, cost = Geometry(R, M, C), CostModel(a=1 / 256)
+
+    def plan(overhead):
+        take, rank, row = assign_balanced(c, np.arange(len(c)), geometry, cost, overhead=overhead)
+        costs = cost.row_costs(c.length[take], rank * M + row, R * M).reshape(R, M).sum(axis=1)
+        return np.bincount(rank, weights=c.length[take], minlength=R), costs.max()
+
+    tokens, top = plan(0.0)
+    assert tokens.min() >= 0.75 * M * C, tokens
+    _, top_with_overhead = plan(step_overhead_cost(0.05, geometry, cost))
+    assert top <= top_with_overhead * (1 + 1e-9)
+
+
 def test_plain_causal_attention_evens_out_rows():
     rng = np.random.default_rng(3)
     R, M, C = 4, 4, 2048

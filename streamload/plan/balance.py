@@ -609,7 +609,9 @@ def _trim(bins: _Bins, droppable: np.ndarray, geometry: Geometry, overhead: floa
     With the step full, bins whose documents came out costlier per token end up above the rest
     with no room to even out. Their light items can wait one step when what the step saves
     beats what the epoch pays for them later. The level is chosen among `levels` candidates,
-    to maximize that gain.
+    to maximize that gain; of levels that gain alike, the highest, so that nothing waits for
+    no gain (with ranks as bins and no overhead, every level below all bins' loads gains
+    top - mean).
     """
     placed = np.flatnonzero((bins.bin >= 0) & droppable)
     if placed.size == 0:
@@ -626,7 +628,7 @@ def _trim(bins: _Bins, droppable: np.ndarray, geometry: Geometry, overhead: floa
     level = np.linspace(lowest, top, levels + 1)
     lost_work = np.maximum(load[None, :] - level[:, None], 0.0).sum(axis=1)
     gain = deferral_gain(top - level, lost_work, lost_work / density, geometry, overhead)
-    best = int(np.argmax(gain))
+    best = int(np.flatnonzero(gain >= gain.max() - 1e-9 * top)[-1])
     if gain[best] <= 1e-9 * top:
         return placed[:0]
     cut = level[best]
