@@ -88,12 +88,12 @@ def test_a_swap_never_takes_a_row_over_a_cap():
 
 
 @pytest.mark.core
-def test_the_pass_runs_for_image_steps_where_ranks_are_the_bins_only():
+def test_the_pass_runs_where_ranks_are_the_bins_only():
     image = image_candidates(0, 2, 8)
     text = Candidates.from_windows([[np.array([100, 200])], [np.array([300, 400])]])
     flat = Geometry(ranks=2, micro_batches=2, capacity=4096)
     assert applies(image, flat, COST)
-    assert not applies(text, flat, COST)                               # no images
+    assert applies(text, flat, COST)                                   # text: moves only (cp7)
     assert not applies(image, Geometry(1, 2, 4096), COST)              # one rank
     assert not applies(image, Geometry(2, 2, 4096, pipeline_stages=4), COST)   # 1F1B rows
     assert not applies(image, flat, CostModel(a=1e-4, b=1.0, document_masking=False))
@@ -177,3 +177,27 @@ def test_of_equal_swaps_the_one_that_sends_an_item_home_is_taken():
     assert where[G] == 2 and where[A] == 0     # G went home, A stayed home
     costs = rank_costs(c, take, new_rank, c.length[take], geometry)
     assert costs.max() < rank_costs(c, take, rank, c.length[take], geometry).max()
+
+
+@pytest.mark.core
+def test_text_steps_move_items_to_a_rank_with_room_past_the_least_loaded():
+    # Text (no images): moves only. C = 1000, M = 1, 20 ranks, a = 1e-3. Rank 0: a 900-token
+    # document and a 100-token one (1,710 + 110). Ranks 1-16, the least loaded: a full row of
+    # fifty 20-token items (1,020 each); with 811 items the pass's partners are 16 ranks, these.
+    # Ranks 17-19: 700 + 100 + 100 tokens (1,410), 100 tokens of room. The one move that lowers
+    # rank 0 sends its 100-token item to one of ranks 17-19: past the least loaded ranks.
+    windows = [[np.array([900, 100])]] + [[np.full(50, 20)] for _ in range(16)] + \
+        [[np.array([700, 100, 100])] for _ in range(3)]
+    c = Candidates.from_windows(windows)
+    geometry = Geometry(ranks=20, micro_batches=1, capacity=1000)
+    cost = CostModel(a=1e-3, b=1.0)
+    take = np.arange(len(c))
+    rank = c.rank[take].astype(np.int32)
+    row = np.zeros(take.size, np.int32)
+    before = rank_costs(c, take, rank, c.length[take], geometry, cost)
+    new_rank, new_row = refine_swaps(c, take, rank, row, c.length[take], geometry, cost)
+    after = rank_costs(c, take, new_rank, c.length[take], geometry, cost)
+    assert int(np.argmax(before)) == 0 and before.max() == pytest.approx(1820.0)
+    assert after.max() == pytest.approx(1710.0)      # rank 0 keeps only its long document
+    assert new_rank[1] in (17, 18, 19) and (new_rank[2:] == rank[2:]).all()
+    assert np.bincount(new_rank, c.length[take], minlength=20).max() <= 1000

@@ -39,7 +39,7 @@ NAIVE_CHECK_ITEMS = 64   # up to this many items, a cost-aware plan is never wor
 # a bound of one window left no slack, the overdue items outgrew the step (the bound did not
 # hold: ages of 7 at W = 4) and, taken past their quotas, pushed the mix off by 0.02-0.03.
 DEFERRAL_WINDOWS = 2
-SWAPS = True   # image steps: `swaps.refine_swaps` after the caps (False: the plan as made)
+SWAPS = True   # ranks as bins: `swaps.refine_swaps` after the caps (False: the plan as made)
 
 
 def overdue_first(c: Candidates, selected: np.ndarray, force_age: int | None) -> np.ndarray:
@@ -187,7 +187,8 @@ class Planner:
         take, rank, row, length = enforce(c, take, rank, row, length, self.geometry, self.caps,
                                           self.force_age, self.cost, eligible)
         if method != "naive" and SWAPS and swaps_apply(c, self.geometry, self.cost):
-            # Image steps: the top rank trades items with any rank (`swaps.py`); the same items.
+            # Ranks as bins: the top rank trades items with any rank (image steps) or moves
+            # them into any rank's row with room (text) (`swaps.py`); the same items.
             rank, row = refine_swaps(c, take, rank, row, length, self.geometry, self.cost,
                                      self.caps)
         return finish(c, take, rank, row, self.geometry, self.cost, length)

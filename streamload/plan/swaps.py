@@ -31,7 +31,11 @@ Deterministic: ties go to the lowest index. Pure NumPy, O(rounds x items on the 
 items).
 
 It runs where ranks are the bins: document masking without a pipeline (with 1F1B or plain
-causal attention a rank's time is not the sum of its items' costs).
+causal attention a rank's time is not the sum of its items' costs). On text steps (no images)
+it only moves (`SWAP_TEXT`), and a move may go into a row of *any* rank with room for one of
+the top rank's items, not only the partners: in a long-context layer step (C = 128k, M = 2) the
+least loaded ranks are full, the slack sits on ranks of middling load, and without these moves
+the top ranks kept the light items they should shed (128k CP=4, R = 64: 0.953 -> 0.972; cp7).
 """
 from __future__ import annotations
 
@@ -50,6 +54,8 @@ PARTNER_RANKS = 64    # the top rank trades with at most this many ranks, the le
 PARTNER_ITEMS = 512   # ... and fewer where ranks hold many items: about this many items in
                       # all (M = 4 at R = 64: 18 ranks; 44 -> 27 ms a step, the same plans' cost)
 MIN_PARTNERS = 16
+SWAP_TEXT = False     # text steps (no images): moves only; swaps there cost 20x the plan (R = 64,
+                      # C = 128k: ~100 items a rank) for no gain over the moves (cp7)
 TOLERANCE = 1e-3      # done when the top rank is within this share of the mean
 HOME_SLACK = 2e-3     # options this close (share of the mean) to the lowest count as equal,
                       # and the one that keeps the most tokens home is taken
@@ -58,8 +64,7 @@ HOME_SLACK = 2e-3     # options this close (share of the mean) to the lowest cou
 def applies(c: Candidates, geometry: Geometry, cost: CostModel) -> bool:
     """Where the pass runs: image candidates (the encoder's cost, or their fused lengths' under
     image_cost="backbone"), ranks as the bins (document masking, no pipeline), R > 1."""
-    return c.images is not None and geometry.ranks > 1 and cost.document_masking and \
-        not geometry.pipelined
+    return geometry.ranks > 1 and cost.document_masking and not geometry.pipelined
 
 
 def refine_swaps(c: Candidates, take: np.ndarray, rank: np.ndarray, row: np.ndarray,
@@ -89,6 +94,7 @@ def refine_swaps(c: Candidates, take: np.ndarray, rank: np.ndarray, row: np.ndar
     # what it holds.
     vis_limit = np.maximum(limit[None, :], vis)
     rounds = min(ROUNDS_PER_RANK * R, MAX_ROUNDS) if max_rounds is None else max_rounds
+    trade = SWAP_TEXT or c.images is not None
     # about PARTNER_ITEMS items to trade with (a round's cost), from at least MIN_PARTNERS ranks
     partners = min(PARTNER_RANKS, max(MIN_PARTNERS, PARTNER_ITEMS * R // n))
     for _ in range(rounds):
@@ -102,10 +108,12 @@ def refine_swaps(c: Candidates, take: np.ndarray, rank: np.ndarray, row: np.ndar
             np.isin(np.arange(R), np.argpartition(load, partners - 1)[:partners])
         partner[top] = False
         ys = np.flatnonzero(partner[rank])
-        if xs.size == 0 or ys.size == 0:
+        if xs.size == 0 or (ys.size == 0 and trade):
             break
         bar = cur - max(1e-9 * cur, 1e-12)
-        # Swaps: x (top) for y (any other rank).
+        # Swaps: x (top) for y (any other rank); text steps move only (`SWAP_TEXT`).
+        if not trade:
+            ys = ys[:0]
         d = weight[xs][:, None] - weight[ys][None, :]
         dl = length[xs][:, None] - length[ys][None, :]
         sx, sy = slot[xs], slot[ys]
@@ -115,8 +123,9 @@ def refine_swaps(c: Candidates, take: np.ndarray, rank: np.ndarray, row: np.ndar
             ok &= (vis[sx][:, None, :] - dv <= vis_limit[sx][:, None, :]).all(axis=2)
             ok &= (vis[sy][None, :, :] + dv <= vis_limit[sy][None, :, :]).all(axis=2)
         swap_value = np.where(ok, np.maximum(cur - d, load[rank[ys]][None, :] + d), np.inf)
-        # Moves: x into a row of another rank with room.
-        other = np.flatnonzero(partner[np.arange(R * M) // M])
+        # Moves: x into a row of any other rank with room for one of the top rank's items
+        # (the least loaded ranks are often full: their rows took what the top rank sheds).
+        other = np.flatnonzero((fill + length[xs].min() <= C) & (np.arange(R * M) // M != top))
         fits = fill[other][None, :] + length[xs][:, None] <= C
         if capped:
             fits &= (vis[other][None, :, :] + visual[xs][:, None, :] <=
