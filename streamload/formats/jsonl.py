@@ -19,7 +19,6 @@ import zstandard
 
 from ..errors import ConfigError
 from ..storage.base import ObjectInfo, ObjectStore
-from ..storage.buffers import kept_copy
 from ..tokenizer import TextTokenizer
 from .base import (LENGTHS_CHUNK_BYTES, DocumentLengths, PlannedStream, Problems, RawRecord,
                    Records, field_hint)
@@ -168,14 +167,12 @@ class JsonlStream(PlannedStream):
         if cut < 0:                  # no line ends here; joining later keeps long lines linear
             self._pending.append(data)
             return _NO_RECORDS
-        # The rest after the last newline waits for the next range: a copy of its own, mapped
-        # when large (`kept_copy`: not a ~1 MB hole in the allocator's arenas).
-        pending, self._pending = self._pending, [kept_copy(memoryview(data)[cut + 1:])]
-        if not any(map(len, pending)):   # the last chunk ended a line
+        pending, self._pending = self._pending, [data[cut + 1:]]
+        if not any(pending):   # the last chunk ended a line
             return self._columns(data, 0, cut)
         # The line begun in earlier chunks, joined on its own, then the rest over a view.
         end = data.find(b"\n")
-        line = b"".join([*pending, memoryview(data)[:end]])
+        line = b"".join([*pending, data[:end]])
         first = self._columns(line, 0, len(line))
         if end == cut:
             return first

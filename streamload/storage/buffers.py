@@ -37,13 +37,3 @@ def joined(pieces: Iterable[bytes], size: int) -> np.ndarray:
     if at != size:
         raise ValueError(f"pieces of {at} bytes for a buffer of {size}")
     return out
-
-
-def kept_copy(data) -> bytes | np.ndarray:
-    """A copy of `data` (bytes-like) to keep for a while: bytes below MAPPED_BYTES, a
-    `byte_buffer` of its own from it (a leftover that waits for the next range)."""
-    if len(data) < MAPPED_BYTES:
-        return bytes(data)
-    out = byte_buffer(len(data))
-    out[:] = np.frombuffer(data, np.uint8)
-    return out
