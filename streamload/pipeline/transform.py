@@ -12,7 +12,6 @@ from typing import Optional, Union
 import numpy as np
 
 from ..formats.base import Problems, RawRecord, Records
-from ..storage.buffers import joined
 from ..tokenizer import TextTokenizer
 from .. import pieces
 from .buffer import ItemBlock
@@ -141,12 +140,16 @@ def record_tokens(records: Records, problems: Problems, counts: TransformCounts,
     were gathered from, if so (their own arrays are checked when the buffer fails)."""
     if records.texts is not None:
         texts = records.texts
-        # Each text's bytes written straight into the block's one buffer (`buffers.joined`:
-        # no transient ~1 MB join, and the block's own mapping, out of the arenas).
-        encoded = [t.encode("utf-8") for t in texts]
+        if all(map(str.isascii, texts)):   # (a flag of each str) one byte per character
+            data = "".join(texts).encode("ascii")
+            lengths = np.fromiter(map(len, texts), np.int64, len(texts))
+        else:
+            encoded = [t.encode("utf-8") for t in texts]
+            data = b"".join(encoded)
+            lengths = np.fromiter(map(len, encoded), np.int64, len(encoded))
         offsets = np.zeros(len(texts) + 1, np.int64)
-        np.cumsum(np.fromiter(map(len, encoded), np.int64, len(encoded)), out=offsets[1:])
-        return records.index, joined(encoded, int(offsets[-1])), offsets
+        np.cumsum(lengths, out=offsets[1:])
+        return records.index, np.frombuffer(data, np.uint8), offsets
     tokens = records.tokens
     if tokens.dtype == np.int32 or (tokens.dtype.kind == "u" and tokens.dtype.itemsize <= 2):
         return records.index, tokens, records.offsets   # kept as they are: packing widens
