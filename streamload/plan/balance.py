@@ -663,7 +663,7 @@ def _arrival_windows(c: Candidates, selected: np.ndarray):
     return window, position, order, c.num_ranks * c.num_sources
 
 
-def _window_fronts(length: np.ndarray, window: np.ndarray, position: np.ndarray,
+def _window_fronts(length: np.ndarray, window: np.ndarray,
                    order: np.ndarray | None) -> np.ndarray:
     """bool per selected item: the first items of each (rank, source) window, as long as they
     hold at most `FRONT_SHARE` of the window's selected tokens (`window`, `order`:
@@ -988,7 +988,7 @@ def assign_balanced(c: Candidates, selected: np.ndarray, geometry: Geometry, cos
     arrival = _arrival_windows(c, selected) if tight and ARRIVAL_SWAPS else None
     # Over-full steps with rows as bins: each window's first items go first in the light fill.
     # (With a rank's rows as one bin it bought no delay in the dry runs: left alone there.)
-    early = _window_fronts(length, *arrival[:3]) \
+    early = _window_fronts(length, arrival[0], arrival[2]) \
         if rows_are_bins and arrival is not None and FRONT_SHARE > 0 else None
 
     def largest_first(items):

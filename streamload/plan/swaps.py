@@ -62,8 +62,8 @@ HOME_SLACK = 2e-3     # options this close (share of the mean) to the lowest cou
 
 
 def applies(c: Candidates, geometry: Geometry, cost: CostModel) -> bool:
-    """Where the pass runs: image candidates (the encoder's cost, or their fused lengths' under
-    image_cost="backbone"), ranks as the bins (document masking, no pipeline), R > 1."""
+    """Where the pass runs: ranks as the bins (document masking, no pipeline), R > 1, on image
+    and text steps alike (`refine_swaps` trades on image steps and only moves on text ones)."""
     return geometry.ranks > 1 and cost.document_masking and not geometry.pipelined
 
 
@@ -77,7 +77,7 @@ def refine_swaps(c: Candidates, take: np.ndarray, rank: np.ndarray, row: np.ndar
     n = take.size
     R, M, C = geometry.ranks, geometry.micro_batches, geometry.capacity
     rank = np.asarray(rank, np.int64).copy()
-    row = np.asarray(row, np.int64).copy()
+    row = np.asarray(row, np.int64)
     if n < 2 or R < 2:
         return rank.astype(np.int32), row.astype(np.int32)
     length = np.asarray(length, np.int64)
@@ -163,12 +163,13 @@ def refine_swaps(c: Candidates, take: np.ndarray, rank: np.ndarray, row: np.ndar
             _shift(x, a, b, weight, length, visual, load, fill, vis, M)
             _shift(y, b, a, weight, length, visual, load, fill, vis, M)
             slot[x], slot[y] = b, a
+            rank[x], rank[y] = b // M, a // M
         else:
             x, b = best[1], best[2]
             _shift(x, int(slot[x]), b, weight, length, visual, load, fill, vis, M)
             slot[x] = b
-        rank, row = slot // M, slot % M
-    return rank.astype(np.int32), row.astype(np.int32)
+            rank[x] = b // M
+    return rank.astype(np.int32), (slot % M).astype(np.int32)
 
 
 def _shift(i: int, a: int, b: int, weight, length, visual, load, fill, vis, M: int) -> None:
