@@ -82,6 +82,7 @@ def test_summaries_round_trip(case):
     # on the same columns (`Candidates.window_bounds`), and its windows are the summary's.
     searched = Candidates(c.length, c.source, c.rank, c.position, c.age, c.extra_cost, S, R)
     assert c.window_bounds.tolist() == searched.window_bounds.tolist()
+    assert c.dense_positions and searched.dense_positions      # known, and scanned alike
     assert c.by_source(np.arange(S)).tolist() == searched.by_source(np.arange(S)).tolist()
     assert [(key, (w.start, w.stop)) for key, w in c.windows()] == \
         [(key, (w.start, w.stop)) for key, w in searched.windows()]

@@ -192,14 +192,14 @@ class Candidates:
         return bool((steps == 1).all())
 
     def known_windows(self, sizes: np.ndarray) -> "Candidates":
-        """These candidates laid out by window with `sizes` [R, S] items each (as
-        `window_columns` lays them out): `window_bounds` and the source bounds are their
-        cumulative sums, so nothing searches for them. Returns self."""
-        ordered = sizes.T.reshape(-1)   # by source, then rank
-        bounds = np.zeros(ordered.shape[0] + 1, np.int64)
-        np.cumsum(ordered, out=bounds[1:])
+        """These candidates laid out by window with `sizes` [R, S] items each, their source,
+        rank and position from `window_columns(sizes)`: `window_bounds` and the source bounds
+        are the sizes' cumulative sums and the positions are dense, so nothing searches or
+        scans for them. Returns self."""
+        bounds = _window_bounds(sizes)
         self.__dict__["window_bounds"] = bounds
         self.__dict__["_source_bounds"] = bounds[::self.num_ranks]
+        self.__dict__["dense_positions"] = True
         return self
 
     def windows(self):
@@ -219,13 +219,21 @@ def window_columns(sizes: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarra
     NumPy calls whatever R x S."""
     num_ranks, num_sources = sizes.shape
     ordered = sizes.T.reshape(-1)   # by source, then rank
-    starts = np.zeros(ordered.shape[0], np.int64)
-    np.cumsum(ordered[:-1], out=starts[1:])
-    position = np.arange(int(ordered.sum()), dtype=np.int64)
-    position -= np.repeat(starts, ordered)
+    bounds = _window_bounds(sizes)
+    position = np.arange(int(bounds[-1]), dtype=np.int64)
+    position -= np.repeat(bounds[:-1], ordered)
     return (np.repeat(np.arange(num_sources, dtype=np.int32), sizes.sum(axis=0)),
             np.repeat(np.tile(np.arange(num_ranks, dtype=np.int32), num_sources), ordered),
             position.astype(np.int32))
+
+
+def _window_bounds(sizes: np.ndarray) -> np.ndarray:
+    """Where each window (source · R + rank) of window sizes [R, S] starts in the candidates'
+    order, and the end: S · R + 1 offsets."""
+    ordered = sizes.T.reshape(-1)   # by source, then rank
+    bounds = np.zeros(ordered.shape[0] + 1, np.int64)
+    np.cumsum(ordered, out=bounds[1:])
+    return bounds
 
 
 def flatten_windows(per_window: list[list[np.ndarray]], dtype) -> np.ndarray:
