@@ -113,13 +113,17 @@ def measure(world: int, root: str, weights: dict, steps: int) -> list[dict]:
     return sorted(results, key=lambda r: r["rank"])
 
 
+# The step's geometry (--micro-batch-tokens, --micro-batches): 4 rows of 65,536 tokens, as
+# throughput.py's, unless set (a per-step fixed cost shows as the difference between sizes).
+GEOMETRY = {"micro_batch_tokens": 65536, "micro_batches": 4}
+
+
 def loader(root: str, weights: dict, **options):
     import streamload as sl
     import streamload.loader  # noqa: F401
     return sl.Loader([sl.Source(f"{root}/{name}/", weight=w, name=name)
                       for name, w in weights.items()],
-                     micro_batch_tokens=65536, micro_batches=4, epochs=1, seed=0,
-                     planner="naive", **options)
+                     epochs=1, seed=0, planner="naive", **GEOMETRY, **options)
 
 
 def profile_loop(root: str, weights: dict, steps: int, top: int) -> None:
@@ -186,25 +190,28 @@ def measure_phases(root: str, weights: dict, steps: int) -> dict:
     import importlib
     import inspect
     spent: dict[str, float] = {}
+    walls: dict[str, float] = {}   # the same phases' wall time: CPU, waits for the GIL, the OS
 
     def timed(fn, label):
         if inspect.iscoroutinefunction(fn):   # one that awaits nothing, such as an old take
             @functools.wraps(fn)
             async def waited(*args, **kwargs):
-                started = time.thread_time()
+                started, wall = time.thread_time(), time.perf_counter()
                 try:
                     return await fn(*args, **kwargs)
                 finally:
                     spent[label] = spent.get(label, 0.0) + time.thread_time() - started
+                    walls[label] = walls.get(label, 0.0) + time.perf_counter() - wall
             return waited
 
         @functools.wraps(fn)
         def wrapper(*args, **kwargs):
-            started = time.thread_time()
+            started, wall = time.thread_time(), time.perf_counter()
             try:
                 return fn(*args, **kwargs)
             finally:
                 spent[label] = spent.get(label, 0.0) + time.thread_time() - started
+                walls[label] = walls.get(label, 0.0) + time.perf_counter() - wall
         return wrapper
 
     import streamload.loader  # noqa: F401  (every module below is loaded)
@@ -221,12 +228,16 @@ def measure_phases(root: str, weights: dict, steps: int) -> dict:
             if loop0 is None:
                 loop0 = thread_cpu_s().get("streamload-loop", 0.0)
                 spent.clear()   # steady state: from the first batch on
+                walls.clear()
             if done >= steps:
                 break
         loop = thread_cpu_s().get("streamload-loop", 0.0) - loop0
     per_step = 1e3 / max(done - 1, 1)
     out = {label: round(t * per_step, 3) for label, t in spent.items()}
     out["loop thread, all"] = round(loop * per_step, 3)
+    # wall time per step in each phase: above its CPU where the loop thread waited (for the
+    # GIL, which a NumPy copy lets go of and a transform thread then holds; or for a core)
+    out["wall"] = {label: round(t * per_step, 3) for label, t in walls.items()}
     return out
 
 
@@ -267,7 +278,12 @@ def main(argv=None) -> int:
                     help="the loop thread's CPU per phase (steady state), ms per step")
     ap.add_argument("--next", action="store_true",
                     help="instead: time next() and the drop of its batch, queue full")
+    ap.add_argument("--micro-batch-tokens", type=int, default=65536,
+                    help="C (--phases, --profile, --next): a step's size changes its per-token "
+                         "share of the loop's fixed per-step costs")
+    ap.add_argument("--micro-batches", type=int, default=4, help="M (as --micro-batch-tokens)")
     args = ap.parse_args(argv)
+    GEOMETRY.update(micro_batch_tokens=args.micro_batch_tokens, micro_batches=args.micro_batches)
     workdir = Path(args.workdir)
     workdir.mkdir(parents=True, exist_ok=True)
     info = _corpus.main_corpus(workdir, 300, 8)
@@ -279,7 +295,10 @@ def main(argv=None) -> int:
     if args.phases:
         result = measure_phases(root, weights, args.steps)
         for label, ms in result.items():
-            print(f"{ms:8.3f} ms/step  {label}", file=sys.stderr)
+            if label != "wall":
+                wall = result["wall"].get(label)
+                print(f"{ms:8.3f} ms/step  {label}"
+                      + (f"  (wall {wall:.3f})" if wall is not None else ""), file=sys.stderr)
         print(json.dumps(result))
         return 0
     if args.next:

@@ -23,6 +23,12 @@ Loaders
                       0 and 2 DataLoader workers
   litdata             CombinedStreamingDataset(weights=...) over one StreamingDataset per source,
                       batch 8, 0 and 2 workers
+  litdata+packing     the same work as streamload (0 workers): the consumer also makes each text
+                      byte tokens and packs them into full steps of M rows of C tokens with
+                      streamload's own pack_rows (`_RowPacker`); no balancing. The litdata rows
+                      above hand over texts only, which is less work than streamload's rows
+  streamload on litdata chunks  streamload (1 rank) reading LitData's chunks instead of the JSONL:
+                      the same input as the litdata rows (its format reader, ranged GETs)
 
 Measured: samples/s (documents; a document streamload splits into several rows counts once),
 text MB/s (UTF-8 bytes of text delivered), time to first batch (from constructing the loader,
@@ -58,6 +64,7 @@ import tempfile
 import threading
 import time
 from pathlib import Path
+from typing import Optional
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
@@ -362,6 +369,9 @@ def w_litdata(spec: dict) -> dict:
     # chunk GET fails with "BadScheme". Forked DataLoader workers inherit the change.
     if isinstance(getattr(downloader, "_OBSTORE_CLIENT_OPTIONS", None), dict):
         downloader._OBSTORE_CLIENT_OPTIONS["allow_http"] = True
+    if spec.get("pack"):
+        import streamload.plan.packing  # noqa: F401  (the packing's modules, before the clock)
+        import streamload.pipeline.recycle  # noqa: F401
     cache = Path(spec["cache"])
     t0 = time.perf_counter()
     opts = spec["storage_options"]
@@ -379,27 +389,102 @@ def w_litdata(spec: dict) -> dict:
             iterate_over_all=whole, seed=0)
     dl = litdata.StreamingDataLoader(ds, batch_size=PEER_BATCH, num_workers=spec["workers"],
                                      collate_fn=_collate_list)
-    return _consume_peer(dl, t0, spec.get("budget"))
+    return _consume_peer(dl, t0, spec.get("budget"), spec.get("pack"))
 
 
-def _consume_peer(dl, t0: float, budget) -> dict:
+def _consume_peer(dl, t0: float, budget, pack: Optional[dict] = None) -> dict:
+    """Iterate a peer's loader until `budget` bytes of text. `pack` ({"C", "M"}): also do what
+    streamload's loader does with each sample before the trainer sees it (`_RowPacker`), so the
+    peer's figure counts the same work; None: the texts only (the peers' own output)."""
     first = None
     docs = text = 0
     mix: dict = {}
+    packer = None if pack is None else _RowPacker(pack["C"], pack["M"])
+    cpu0, thread0 = time.process_time(), time.thread_time()
     for batch in dl:
         if first is None:
             first = time.perf_counter() - t0
         for item in batch:
-            n = len(item["text"].encode())
+            encoded = item["text"].encode()
+            n = len(encoded)
             docs += 1
             text += n
             mix[item["src"]] = mix.get(item["src"], 0) + n
+            if packer is not None:
+                packer.add(encoded, item["src"], docs)
         if budget is not None and text >= budget:
             break
     elapsed = time.perf_counter() - t0
+    out = {"elapsed_s": elapsed, "first_batch_s": first, "text_bytes": text, "samples": docs,
+           "mix": mix, "process_cpu_s": time.process_time() - cpu0,
+           "consumer_cpu_s": time.thread_time() - thread0}
+    if packer is not None:
+        out.update(steps=packer.steps, pack_cpu_s=packer.cpu_s)
     del dl
-    return {"elapsed_s": elapsed, "first_batch_s": first, "text_bytes": text, "samples": docs,
-            "mix": mix}
+    return out
+
+
+class _RowPacker:
+    """A peer's samples made into what streamload's loader hands the trainer, without the
+    balancing: each text's UTF-8 bytes as tokens (streamload's default tokenizer), cut into
+    steps of M rows of exactly C tokens (concatenate and cut, a document split across rows as
+    streamload's full steps split one), packed by streamload's own `pack_rows` into recycled
+    step memory (int64 tokens, positions, labels, float32 loss mask, cu_seqlens), five tensors
+    and a sample id per document piece per row. The same packing code as the loader's, so
+    what differs between the two columns is the data path and the planning, not the rows."""
+
+    def __init__(self, C: int, M: int):
+        import numpy as np
+        from streamload.pipeline.recycle import ArrayRecycler
+        from streamload.plan.packing import row_memory_words
+        self.C, self.M, self.np = C, M, np
+        self.step_tokens = C * M
+        self.memory = ArrayRecycler(row_memory_words(self.step_tokens), np.int64, 4)
+        self.counting = np.arange(C, dtype=np.int64)
+        self.pending: list = []       # (tokens, id) not yet in a step
+        self.pending_tokens = 0
+        self.steps = 0
+        self.cpu_s = 0.0
+        self.held = None              # the last step, alive as a trainer's batch would be
+
+    def add(self, encoded: bytes, src: str, index: int) -> None:
+        started = time.thread_time()
+        self.pending.append((self.np.frombuffer(encoded, self.np.uint8), f"{src}/{index}"))
+        self.pending_tokens += len(encoded)
+        while self.pending_tokens >= self.step_tokens:
+            self._step()
+        self.cpu_s += time.thread_time() - started
+
+    def _step(self) -> None:
+        import torch
+        from streamload.plan.packing import pack_rows, split_row_memory
+        np, C = self.np, self.C
+        pieces, rows, ids = [], [], []
+        row, room = 0, C
+        while row < self.M:
+            tokens, sid = self.pending[0]
+            take = min(room, len(tokens))
+            pieces.append(tokens[:take])
+            rows.append(row)
+            ids.append(sid)
+            if take < len(tokens):     # the rest starts the next row (or the next step)
+                self.pending[0] = (tokens[take:], sid + ":+")
+            else:
+                self.pending.pop(0)
+            room -= take
+            if room == 0:
+                row, room = row + 1, C
+        self.pending_tokens -= self.step_tokens
+        memory = self.memory.take()
+        packed = pack_rows(pieces, np.array(rows, np.int64), self.M, C,
+                           out=split_row_memory(memory, self.step_tokens),
+                           counting=self.counting)
+        self.held = [(torch.from_numpy(r.tokens), torch.from_numpy(r.cu_seqlens),
+                      torch.from_numpy(r.position_ids), torch.from_numpy(r.labels),
+                      torch.from_numpy(r.loss_mask),
+                      [ids[k] for k in r.item_indices.tolist()], r.max_seqlen)
+                     for r in packed]
+        self.steps += 1
 
 
 def w_imports(spec: dict) -> dict:
@@ -586,6 +671,17 @@ def combine(loader: str, ranks: int, workers, run: dict) -> dict:
     if mix:
         total = sum(mix.values()) or 1
         row["mix"] = {k: round(v / total, 3) for k, v in sorted(mix.items())}
+    if all("process_cpu_s" in r for r in rs) and samples:
+        # CPU time of the loader's processes (every thread) per sample from construction on;
+        # with 0 workers a peer's whole work is in this process (its downloads included), so
+        # this compares the work done per sample whatever the machine's load
+        row["process_cpu_us_per_sample"] = round(
+            sum(r["process_cpu_s"] for r in rs) / samples * 1e6, 1)
+    if "pack_cpu_s" in rs[0]:   # litdata+packing: the consumer's CPU, and its packing's
+        row["consumer_cpu_us_per_sample"] = round(
+            rs[0]["consumer_cpu_s"] / max(1, rs[0]["samples"]) * 1e6, 1)
+        row["pack_cpu_us_per_sample"] = round(
+            rs[0]["pack_cpu_s"] / max(1, rs[0]["samples"]) * 1e6, 1)
     if "loader_cpu_ms_per_step" in rs[0]:
         row["loader_cpu_ms_per_step"] = round(statistics.mean(
             r["loader_cpu_ms_per_step"] for r in rs), 3)
@@ -639,6 +735,10 @@ def print_tables(results, rss_sources, nxt, ceiling):
               + (f"  loader CPU/step={r['loader_cpu_ms_per_step']:.2f} ms  stall={r['stall_s']:.2f} s"
                  f"  plan_ms_median={fmt(r.get('plan_ms_median'), '{:.2f}')}"
                  if "loader_cpu_ms_per_step" in r else "")
+              + (f"  process CPU/sample={r['process_cpu_us_per_sample']:.0f} µs"
+                 if r.get("process_cpu_us_per_sample") else "")
+              + (f"  consumer CPU/sample={r['consumer_cpu_us_per_sample']:.1f} µs (packing "
+                 f"{r['pack_cpu_us_per_sample']:.1f})" if "pack_cpu_us_per_sample" in r else "")
               + ("  mix " + " ".join(f"{k}={v:.2f}" for k, v in r["mix"].items())
                  if r.get("mix") else ""))
     if rss_sources:
@@ -670,6 +770,10 @@ def main(argv=None) -> int:
     ap.add_argument("--loaders", default="raw,streamload,mosaic,litdata",
                     help="comma list of raw, streamload, mosaic, litdata")
     ap.add_argument("--no-rss-sources", action="store_true", help="skip RSS vs number of sources")
+    ap.add_argument("--no-same-work", action="store_true",
+                    help="skip the rows 'litdata+packing' (LitData, 0 workers, whose consumer "
+                         "also tokenizes and packs every sample into streamload's rows) and "
+                         "'streamload on litdata chunks' (streamload reading LitData's input)")
     ap.add_argument("--peer-rss-sources", choices=("auto", "yes", "no"), default="auto",
                     help="also measure the peers' RSS vs sources (auto: not with --small)")
     ap.add_argument("--micro-batch-tokens", type=int, default=65536)
@@ -734,6 +838,12 @@ def main(argv=None) -> int:
                 return ("raw-aiobotocore-ranged", 1, None,
                         lambda: [{"kind": "raw", "endpoint": s3.endpoint_url, "concurrency": 16,
                                   "range_bytes": range_bytes}])
+            if name == "streamload-litdata":   # the same input as LitData: its chunks
+                steps = math.ceil(budget / (M * C))
+                return ("streamload on litdata chunks", 1, None, lambda: [
+                    {"kind": "streamload", "rank": 0, "world": 1, "prefix": "litdata",
+                     "sources": weights, "C": C, "M": M, "steps": steps,
+                     "storage_options": so, "options": {**sl_opts, "text_field": "text"}}])
             if name.startswith("streamload"):
                 world = 2 if name.endswith("2") else 1
                 steps = math.ceil(budget / (world * M * C))
@@ -745,6 +855,12 @@ def main(argv=None) -> int:
                              "steps": steps, "storage_options": so, "options": sl_opts}
                             for r in range(world)]
                 return ("streamload", world, None, specs)
+            if name == "litdata-packed":   # LitData, 0 workers, doing streamload's packing
+                return ("litdata+packing", 1, 0,
+                        lambda: [{"kind": "litdata", "workers": 0, "prefix": "litdata",
+                                  "sources": proportions, "budget": budget,
+                                  "cache": cache_dir(), "storage_options": so,
+                                  "pack": {"C": C, "M": M}}])
             kind, workers = name.rsplit("-", 1)
             prefix = "mds" if kind == "mosaic" else "litdata"
             label = "mosaicml-streaming" if kind == "mosaic" else "litdata"
@@ -761,6 +877,10 @@ def main(argv=None) -> int:
         for kind in ("mosaic", "litdata"):
             if kind in wanted:
                 configs += [f"{kind}-0", f"{kind}-2"]
+        if "litdata" in wanted and not args.no_same_work:
+            configs += ["litdata-packed"]
+            if "streamload" in wanted:
+                configs += ["streamload-litdata"]
 
         rows: dict[str, list] = {c: [] for c in configs}
         for rep in range(args.reps):
@@ -788,7 +908,9 @@ def main(argv=None) -> int:
                     baseline[kind] = round(run["peak_rss_mb"], 1)
         labels = {"raw-aiobotocore": "raw", "raw-aiobotocore-ranged": "raw",
                   "streamload": "streamload",
-                  "mosaicml-streaming": "mosaic", "litdata": "litdata"}
+                  "mosaicml-streaming": "mosaic", "litdata": "litdata",
+                  "litdata+packing": "litdata",
+                  "streamload on litdata chunks": "streamload"}
         for r in results:
             if labels.get(r["loader"]) in baseline:
                 r["import_rss_mb"] = baseline[labels[r["loader"]]]
