@@ -99,7 +99,10 @@ def main(argv=None) -> int:
                 spec = {"bucket": BUCKET, "sources": [(s.name, s.weight) for s in info.sources],
                         "storage_options": storage, "steps": steps,
                         "options": json.loads(options or "{}")}
-                done = subprocess.run([sys.executable, "-c", WORKER, json.dumps(spec)], env=env,
+                # -P: `python -c` would put the working directory first on sys.path, so a
+                # run from a worktree's root imported that tree's streamload whatever TREE was
+                done = subprocess.run([sys.executable, "-P", "-c", WORKER, json.dumps(spec)],
+                                      env=env,
                                       capture_output=True, text=True)
                 lines = [line for line in done.stdout.splitlines() if line.startswith("{")]
                 if done.returncode or not lines:

@@ -354,7 +354,7 @@ def w_mosaic(spec: dict) -> dict:
                                     shuffle_seed=0, batch_size=PEER_BATCH)
     dl = DataLoader(ds, batch_size=PEER_BATCH, num_workers=spec["workers"],
                     collate_fn=_collate_list)
-    return _consume_peer(dl, t0, spec.get("budget"))
+    return _consume_peer(dl, t0, spec.get("budget"), cache=str(cache))
 
 
 def w_litdata(spec: dict) -> dict:
@@ -389,14 +389,32 @@ def w_litdata(spec: dict) -> dict:
             iterate_over_all=whole, seed=0)
     dl = litdata.StreamingDataLoader(ds, batch_size=PEER_BATCH, num_workers=spec["workers"],
                                      collate_fn=_collate_list)
-    return _consume_peer(dl, t0, spec.get("budget"), spec.get("pack"))
+    return _consume_peer(dl, t0, spec.get("budget"), spec.get("pack"), str(cache))
 
 
-def _consume_peer(dl, t0: float, budget, pack: Optional[dict] = None) -> dict:
+def _cached_bytes(cache: Optional[str]) -> Optional[int]:
+    """Bytes a peer has downloaded into its local cache directory so far."""
+    if cache is None:
+        return None
+    total = 0
+    for folder, _, files in os.walk(cache):
+        for name in files:
+            try:
+                total += os.path.getsize(os.path.join(folder, name))
+            except OSError:   # a chunk being renamed or evicted meanwhile
+                pass
+    return total
+
+
+def _consume_peer(dl, t0: float, budget, pack: Optional[dict] = None,
+                  cache: Optional[str] = None) -> dict:
     """Iterate a peer's loader until `budget` bytes of text. `pack` ({"C", "M"}): also do what
     streamload's loader does with each sample before the trainer sees it (`_RowPacker`), so the
-    peer's figure counts the same work; None: the texts only (the peers' own output)."""
+    peer's figure counts the same work; None: the texts only (the peers' own output). `cache`:
+    the peer's cache directory, whose size at the first batch tells how much of what it will
+    read it had downloaded before its steady state began (the look-up's time is left out)."""
     first = None
+    cached_at_first = None
     docs = text = 0
     mix: dict = {}
     packer = None if pack is None else _RowPacker(pack["C"], pack["M"])
@@ -404,6 +422,9 @@ def _consume_peer(dl, t0: float, budget, pack: Optional[dict] = None) -> dict:
     for batch in dl:
         if first is None:
             first = time.perf_counter() - t0
+            looked = time.perf_counter()
+            cached_at_first = _cached_bytes(cache)
+            t0 += time.perf_counter() - looked
         for item in batch:
             encoded = item["text"].encode()
             n = len(encoded)
@@ -417,7 +438,8 @@ def _consume_peer(dl, t0: float, budget, pack: Optional[dict] = None) -> dict:
     elapsed = time.perf_counter() - t0
     out = {"elapsed_s": elapsed, "first_batch_s": first, "text_bytes": text, "samples": docs,
            "mix": mix, "process_cpu_s": time.process_time() - cpu0,
-           "consumer_cpu_s": time.thread_time() - thread0}
+           "consumer_cpu_s": time.thread_time() - thread0, "cached_at_first": cached_at_first,
+           "cached_at_end": _cached_bytes(cache)}
     if packer is not None:
         out.update(steps=packer.steps, pack_cpu_s=packer.cpu_s)
     del dl
@@ -677,6 +699,9 @@ def combine(loader: str, ranks: int, workers, run: dict) -> dict:
         # this compares the work done per sample whatever the machine's load
         row["process_cpu_us_per_sample"] = round(
             sum(r["process_cpu_s"] for r in rs) / samples * 1e6, 1)
+    if rs[0].get("cached_at_first") is not None:   # a peer: downloaded before its first batch
+        row["cached_mb_at_first_batch"] = round(rs[0]["cached_at_first"] / 1e6, 1)
+        row["cached_mb_at_end"] = round(rs[0]["cached_at_end"] / 1e6, 1)
     if "pack_cpu_s" in rs[0]:   # litdata+packing: the consumer's CPU, and its packing's
         row["consumer_cpu_us_per_sample"] = round(
             rs[0]["consumer_cpu_s"] / max(1, rs[0]["samples"]) * 1e6, 1)
@@ -737,6 +762,8 @@ def print_tables(results, rss_sources, nxt, ceiling):
                  if "loader_cpu_ms_per_step" in r else "")
               + (f"  process CPU/sample={r['process_cpu_us_per_sample']:.0f} µs"
                  if r.get("process_cpu_us_per_sample") else "")
+              + (f"  cached at first batch={r['cached_mb_at_first_batch']:.0f} of "
+                 f"{r['cached_mb_at_end']:.0f} MB" if r.get("cached_mb_at_end") is not None else "")
               + (f"  consumer CPU/sample={r['consumer_cpu_us_per_sample']:.1f} µs (packing "
                  f"{r['pack_cpu_us_per_sample']:.1f})" if "pack_cpu_us_per_sample" in r else "")
               + ("  mix " + " ".join(f"{k}={v:.2f}" for k, v in r["mix"].items())
