@@ -3,6 +3,7 @@
     python benchmarks/s3_cpu.py --rounds 3 /path/to/main .        # A/B two trees
     python benchmarks/s3_cpu.py --rounds 3 . '.@{"memory_budget": 268435456}'   # A/B options
     python benchmarks/s3_cpu.py --delay 0.05 /path/to/main .      # 50 ms more to first byte
+    python benchmarks/s3_cpu.py . '.@{"input": "litdata"}'   # JSONL against LitData's chunks
 
 `throughput.py`'s streamload measurement (1 rank, the 5-source JSONL corpus, half of it read,
 4 rows of 65,536 tokens, planner "naive") with what a loaded two-core machine cannot give by
@@ -49,7 +50,8 @@ def thread_cpu():
         out[name] = out.get(name, 0.0) + (int(stat[11]) + int(stat[12])) / os.sysconf("SC_CLK_TCK")
     return out
 
-sources = [sl.Source(f"s3://{spec['bucket']}/jsonl/{n}/", weight=w, name=n) for n, w in spec["sources"]]
+sources = [sl.Source(f"s3://{spec['bucket']}/{spec['prefix']}/{n}/", weight=w, name=n)
+           for n, w in spec["sources"]]
 t0 = time.perf_counter()
 docs = steps = 0
 first = None
@@ -86,8 +88,15 @@ def main(argv=None) -> int:
     info = _corpus.main_corpus(Path(args.workdir), 300, 8)
     steps = math.ceil(info.text_bytes * args.fraction / (4 * 65536))
     runs: dict[str, list] = {tree: [] for tree in args.trees}
+    # {"input": "litdata"} among a TREE's options: the same corpus as LitData's chunks
+    # (`_corpus.to_litdata`, as throughput.py's peers read it) instead of the JSONL
+    inputs = {tree: json.loads(tree.partition("@")[2] or "{}").get("input", "jsonl")
+              for tree in args.trees}
+    if "litdata" in inputs.values():
+        _corpus.to_litdata(info, 8)
     with MotoServer(delay_s=args.delay) as s3:
-        s3.upload_dir(Path(info.root) / "jsonl", BUCKET, "jsonl/")
+        for prefix in sorted(set(inputs.values())):
+            s3.upload_dir(Path(info.root) / prefix, BUCKET, f"{prefix}/")
         storage = dict(s3.storage_options)
         if args.delay:
             storage["endpoint_url"] = s3.delayed_url
@@ -96,9 +105,11 @@ def main(argv=None) -> int:
                 path, _, options = tree.partition("@")
                 env = merged_env(s3.env)
                 env["PYTHONPATH"] = str(Path(path).resolve())
+                options = json.loads(options or "{}")
+                options.pop("input", None)   # LitData's "text" leaf is the reader's default
                 spec = {"bucket": BUCKET, "sources": [(s.name, s.weight) for s in info.sources],
-                        "storage_options": storage, "steps": steps,
-                        "options": json.loads(options or "{}")}
+                        "storage_options": storage, "steps": steps, "options": options,
+                        "prefix": inputs[tree]}
                 # -P: `python -c` would put the working directory first on sys.path, so a
                 # run from a worktree's root imported that tree's streamload whatever TREE was
                 done = subprocess.run([sys.executable, "-P", "-c", WORKER, json.dumps(spec)],

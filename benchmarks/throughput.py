@@ -870,7 +870,7 @@ def main(argv=None) -> int:
                 return ("streamload on litdata chunks", 1, None, lambda: [
                     {"kind": "streamload", "rank": 0, "world": 1, "prefix": "litdata",
                      "sources": weights, "C": C, "M": M, "steps": steps,
-                     "storage_options": so, "options": {**sl_opts, "text_field": "text"}}])
+                     "storage_options": so, "options": sl_opts}])   # the "text" leaf: the default
             if name.startswith("streamload"):
                 world = 2 if name.endswith("2") else 1
                 steps = math.ceil(budget / (world * M * C))
