@@ -14,8 +14,9 @@ to a rank of its own).
 It starts from the plan as made, or from a largest-first repack of the same items where
 that is faster (each item, heaviest first, to the least loaded row with room, `balance._lpt`,
 the rows then dealt to ranks like the balancer's, `deal_rows`). Then each round takes the
-slowest rank and, over its items x and the (rank, row) slots with room for x (its own rows, and
-those of faster ranks: at most `MAX_SLOTS`, the fastest ranks'), makes the move that brings
+slowest rank and, over its items x (at most `MAX_ITEMS`, spread over their costs) and the
+(rank, row) slots with room for x (its own rows, and those of faster ranks: at most
+`MAX_SLOTS`, the fastest ranks'), makes the move that brings
 the slowest of the ranks' times lowest, x's old rank and the slot's rank worked out in full
 under 1F1B. It stops when no move lowers the step's time, when the slowest rank is within
 `TOLERANCE` of the time every rank would take with the step's work spread evenly over every
@@ -41,6 +42,7 @@ MAX_ROWS = 256     # R * M at most (R = 64 at M = 4): beyond, rounds cost more t
 MAX_MOVES = 64     # moves per pass at most
 TOLERANCE = 2e-3   # done when the slowest rank is within this share of the even time
 MAX_SLOTS = 64     # a round looks at the slots with room of the fastest ranks, this many at most
+MAX_ITEMS = 128    # a round looks at this many of the top rank's items at most
 _RELATIVE = 1e-9   # a move must lower the step's time by this share at least
 
 
@@ -89,6 +91,9 @@ def _moves(weight: np.ndarray, length: np.ndarray, cell: np.ndarray, geometry: G
         xs = xs[length[xs] <= room[slots].max()]
         if xs.size == 0:
             break
+        if xs.size > MAX_ITEMS:   # spread over their weights, lightest to heaviest
+            xs = xs[np.lexsort((xs, weight[xs]))][
+                np.linspace(0, xs.size - 1, MAX_ITEMS).round().astype(np.int64)]
         slot_rank, slot_row = slots // M, slots % M
         wx, lx, rx = weight[xs], length[xs], cell[xs] % M
         # The top rank's rows once x leaves (one line per x), and its time then.
@@ -166,6 +171,8 @@ def pipeline_moves(c: Candidates, take: np.ndarray, rank: np.ndarray, row: np.nd
 
     # The plan as made, or the largest-first repack where that is faster; then the moves.
     start, start_time = cell, step_time(cell)
+    if start_time <= float(weight.sum()) / geometry.ranks * geometry.work_time * (1 + TOLERANCE):
+        return rank.astype(np.int32), row.astype(np.int32)   # even already
     packed = _largest_first(weight, length, geometry)
     if packed is not None and step_time(packed) < start_time * (1 - _RELATIVE):
         start = packed
