@@ -129,3 +129,23 @@ def test_where_the_pass_runs():
                                      patches=[[np.array([64, 0])], [np.array([128])]])
     assert applies(images, Geometry(2, 4, 1024, 4), COST)
     assert not applies(images, Geometry(2, 4, 1024, 4), COST, RowCaps(images=2))
+
+
+def test_whole_rows_swap_where_no_item_can_move():
+    """Four full rows, two of one 128k document each and two of 128 short ones, with the two
+    long ones on rank 0: no row has room for any item, so only whole rows can trade; after
+    the swaps each rank holds one long row (its time (472k + 131k + 3 * 472k) / 4)."""
+    from streamload.plan.pipeline_moves import _row_swaps
+    geometry = Geometry(2, 2, 128 * K, 4)
+    length = np.array([128 * K, 128 * K] + [K] * 256)
+    cell = np.array([0, 1] + [2] * 128 + [3] * 128)
+    weight = COST.doc_cost(length)
+    new = _row_swaps(weight, cell, geometry, 8)
+    rows = np.bincount(new, weights=weight, minlength=4).reshape(2, 2)
+    assert np.bincount(new // 2, weights=(length == 128 * K), minlength=2).tolist() == [1, 1]
+    assert all((new[cell == c] == new[cell == c][0]).all() for c in range(4))   # rows whole
+    long_row, short_row = float(weight[0]), float(weight[2:130].sum())
+    assert float(pipeline_time(rows, 4).max()) == pytest.approx(
+        (long_row + short_row + 3 * long_row) / 4)
+    before = np.bincount(cell, weights=weight, minlength=4).reshape(2, 2)
+    assert float(pipeline_time(before, 4).max()) > 1.15 * float(pipeline_time(rows, 4).max())

@@ -13,7 +13,10 @@ to a rank of its own).
 
 It starts from the plan as made, or from a largest-first repack of the same items where
 that is faster (each item, heaviest first, to the least loaded row with room, `balance._lpt`,
-the rows then dealt to ranks like the balancer's, `deal_rows`). Then each round takes the
+the rows then dealt to ranks like the balancer's, `deal_rows`). Whole rows then swap between
+the slowest rank and any other while that lowers the step's time (`_row_swaps`: a row of one
+long document cannot move item by item, and which rows share a rank decides its time), before
+the moves and again after them. In the moves, each round takes the
 slowest rank and, over its items x (at most `MAX_ITEMS`, spread over their costs) and the
 (rank, row) slots with room for x (its own rows, and those of faster ranks: at most
 `MAX_SLOTS`, the fastest ranks'), makes the move that brings
@@ -43,6 +46,7 @@ MAX_MOVES = 64     # moves per pass at most
 TOLERANCE = 2e-3   # done when the slowest rank is within this share of the even time
 MAX_SLOTS = 64     # a round looks at the slots with room of the fastest ranks, this many at most
 MAX_ITEMS = 128    # a round looks at this many of the top rank's items at most
+ROW_SWAPS = True   # whole rows swap between ranks too, before and after the moves (`_row_swaps`)
 _RELATIVE = 1e-9   # a move must lower the step's time by this share at least
 
 
@@ -134,6 +138,50 @@ def _moves(weight: np.ndarray, length: np.ndarray, cell: np.ndarray, geometry: G
     return cell
 
 
+def _row_swaps(weight: np.ndarray, cell: np.ndarray, geometry: Geometry,
+               max_swaps: int) -> np.ndarray:
+    """`cell` after whole rows are swapped between the slowest rank and any other while that
+    lowers the step's time. Under 1F1B a rank pays its costliest row P times: rows dealt one
+    heavy per rank (`deal_rows`) leave each rank's other rows to decide, and a row of one long
+    document cannot move item by item (no other row has room for it)."""
+    R, M, P = geometry.ranks, geometry.micro_batches, geometry.pipeline_stages
+    row_cost = np.bincount(cell, weights=weight, minlength=R * M).reshape(R, M)
+    where = np.arange(R * M)                 # where each of the plan's rows is now
+    mine_i, theirs_j = np.repeat(np.arange(M), M), np.tile(np.arange(M), M)
+    for _ in range(max_swaps):
+        times = rank_times(row_cost, P)
+        top = int(np.argmax(times))
+        now = float(times[top])
+        if now <= float(row_cost.sum()) / R * geometry.work_time * (1 + TOLERANCE):
+            break
+        others = np.flatnonzero(np.arange(R) != top)
+        # Every (row i of the top rank, rank q, row j of q): both ranks' rows after the swap.
+        a = np.repeat(row_cost[top][None, :], M * M, axis=0)            # (M*M, M)
+        a[np.arange(M * M), mine_i] = 0.0
+        b_rows = row_cost[others]                                         # (R-1, M)
+        a_new = a[None, :, :] + 0.0
+        a_new = np.broadcast_to(a_new, (others.size, M * M, M)).copy()
+        a_new[:, np.arange(M * M), mine_i] = b_rows[:, theirs_j]
+        b_new = np.repeat(b_rows[:, None, :], M * M, axis=1)              # (R-1, M*M, M)
+        b_new[:, np.arange(M * M), theirs_j] = row_cost[top][mine_i][None, :]
+        rest_first = np.where(np.arange(R) == top, -np.inf, times)
+        first = int(np.argmax(rest_first))
+        second = float(np.max(np.where(np.arange(R) == first, -np.inf, rest_first),
+                              initial=-np.inf))
+        rest = np.where(others == first, second, float(rest_first[first]))[:, None]
+        new = np.maximum(np.maximum(rank_times(a_new, P), rank_times(b_new, P)), rest)
+        k = int(np.argmin(new))                                           # ties: lowest
+        if not new.flat[k] < now * (1 - _RELATIVE):
+            break
+        qi, pair = divmod(k, M * M)
+        q, i, j = int(others[qi]), int(mine_i[pair]), int(theirs_j[pair])
+        row_cost[top, i], row_cost[q, j] = row_cost[q, j], row_cost[top, i]
+        s, t = top * M + i, q * M + j
+        ws, wt = where == s, where == t
+        where[ws], where[wt] = t, s
+    return where[cell]
+
+
 def _largest_first(weight: np.ndarray, length: np.ndarray, geometry: Geometry
                    ) -> np.ndarray | None:
     """The same items packed again, heaviest first, each to the least loaded row with room
@@ -176,7 +224,11 @@ def pipeline_moves(c: Candidates, take: np.ndarray, rank: np.ndarray, row: np.nd
     packed = _largest_first(weight, length, geometry)
     if packed is not None and step_time(packed) < start_time * (1 - _RELATIVE):
         start = packed
+    if ROW_SWAPS:
+        start = _row_swaps(weight, start, geometry, max_moves)
     best = _moves(weight, length, start, geometry, max_moves)
+    if ROW_SWAPS:
+        best = _row_swaps(weight, best, geometry, max_moves)
     best_time = step_time(best)
     if best_time >= start_time * (1 - _RELATIVE):   # never worse: the plan as made
         return rank.astype(np.int32), row.astype(np.int32)
