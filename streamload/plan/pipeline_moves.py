@@ -155,15 +155,14 @@ def _row_swaps(weight: np.ndarray, cell: np.ndarray, geometry: Geometry,
         if now <= float(row_cost.sum()) / R * geometry.work_time * (1 + TOLERANCE):
             break
         others = np.flatnonzero(np.arange(R) != top)
-        # Every (row i of the top rank, rank q, row j of q): both ranks' rows after the swap.
-        a = np.repeat(row_cost[top][None, :], M * M, axis=0)            # (M*M, M)
-        a[np.arange(M * M), mine_i] = 0.0
+        # Every (rank q, row i of the top rank, row j of q): both ranks' rows after the swap.
+        pairs = np.arange(M * M)
         b_rows = row_cost[others]                                         # (R-1, M)
-        a_new = a[None, :, :] + 0.0
-        a_new = np.broadcast_to(a_new, (others.size, M * M, M)).copy()
-        a_new[:, np.arange(M * M), mine_i] = b_rows[:, theirs_j]
+        a_new = np.repeat(np.repeat(row_cost[top][None, None, :], M * M, axis=1),
+                          others.size, axis=0)                            # (R-1, M*M, M)
+        a_new[:, pairs, mine_i] = b_rows[:, theirs_j]
         b_new = np.repeat(b_rows[:, None, :], M * M, axis=1)              # (R-1, M*M, M)
-        b_new[:, np.arange(M * M), theirs_j] = row_cost[top][mine_i][None, :]
+        b_new[:, pairs, theirs_j] = row_cost[top][mine_i][None, :]
         rest_first = np.where(np.arange(R) == top, -np.inf, times)
         first = int(np.argmax(rest_first))
         second = float(np.max(np.where(np.arange(R) == first, -np.inf, rest_first),
