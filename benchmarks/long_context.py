@@ -31,6 +31,9 @@ stream went ahead of them; their delay counts the steps since then), delay_mean_
 delays over every token delivered, deferred or not: what a token waits on average), age_max
 (the most steps a taken item sat in a head window; the deferral bound is on this), plan_ms
 (planner CPU per step: mean and max).
+waited_short_* / waited_long_* / waited_next / waited_mean_floor: the same delays by kind of
+item, the share taken at the next step, and the mean were every short one taken then
+(`delay_breakdown`).
 The delay is the wait beyond arrival order: in arrival order nothing of a stream goes before an
 earlier item, so an item that a later one overtook at step t would have been taken by step t,
 and each step it stays after t counts. It does not count a stream that gives fewer tokens for
@@ -157,6 +160,28 @@ def summarize(row_cost: np.ndarray, P: int, tokens_by_source: np.ndarray, active
             "plan_ms_max": round(float(plan_ms.max()), 2) if plan_ms.size else None}
 
 
+def delay_breakdown(delays: np.ndarray, C: int) -> dict:
+    """The deferred items' delays ([2, n]: delay, tokens) by what they are: *short* ones (under
+    C/16 tokens: the light items the balancer and the top-up leave out or pass over) and *long*
+    ones (C/4 or more: documents that wait in the outlier queue for their layer, by design).
+    `waited_next` is the share taken at the very next step (delay 1, the least a deferred item
+    can have: see the module docstring), and `waited_mean_floor` the mean were every short
+    item taken at the next step and the rest as they were: what the short items' second
+    deferrals add, and what stays with the long ones."""
+    delay, tokens = delays
+    n = delay.size
+    if n == 0:
+        return {}
+    short, long = tokens < C // 16, tokens >= C // 4
+
+    def mean(mask):
+        return round(float(delay[mask].mean()), 3) if mask.any() else None
+    return {"waited_short_items": int(short.sum()), "waited_short_mean": mean(short),
+            "waited_long_items": int(long.sum()), "waited_long_mean": mean(long),
+            "waited_next": round(float((delay == 1).mean()), 3),
+            "waited_mean_floor": round(float(np.where(short, 1, delay).sum()) / n, 3)}
+
+
 def run_sim(name: str, R: int, planners, args, seed: int = 0) -> list[dict]:
     """The dry run (`streamload.commands.dryrun.simulate`) at R ranks, `args.sim_steps` steps of
     a corpus sized for them."""
@@ -189,6 +214,7 @@ def run_sim(name: str, R: int, planners, args, seed: int = 0) -> list[dict]:
         res["delay_mean_all"] = round(sum(r.waited_token_steps for r in reports) /
                                       max(sum(int(r.tokens.sum()) for r in reports), 1), 3)
         res["age_max"] = int(max(r.max_age for r in reports))
+        res.update(delay_breakdown(np.concatenate([r.delays for r in reports], axis=1), C))
         out.append({"config": name, "mode": "sim", "ranks": R, "planner": planner, "seed": seed,
                     "wall_s": round(wall, 1), **res})
     return out
@@ -199,7 +225,8 @@ def print_row(r: dict, jsonl: str | None = None) -> None:
         with open(jsonl, "a", encoding="utf-8") as f:
             f.write(json.dumps(r) + "\n")
     keys = ("efficiency", "speedup_vs_baseline", "fill_but_last", "mix_dev_active",
-            "waited_mean", "waited_max", "delay_mean_all", "plan_ms_mean", "steps")
+            "waited_mean", "waited_max", "waited_short_mean", "waited_long_mean",
+            "waited_mean_floor", "delay_mean_all", "plan_ms_mean", "steps")
     print(f"{r['config']:>9} {r['mode']:>6} R={r['ranks']:<5} {r['planner']:>17} " +
           " ".join(f"{k}={r.get(k)}" for k in keys), file=sys.stderr, flush=True)
 

@@ -25,6 +25,7 @@ from .cost import CostModel
 from .fill import FULL, Leftovers, epoch_cost, step_overhead_cost, top_up
 from .lookahead import select_lookahead
 from .naive import assign_naive, finish
+from .pipeline_moves import applies as moves_apply, pipeline_moves
 from .select import select
 from .swaps import applies as swaps_apply, refine_swaps
 from .types import Assignment, Candidates, Geometry
@@ -40,6 +41,7 @@ NAIVE_CHECK_ITEMS = 64   # up to this many items, a cost-aware plan is never wor
 # hold: ages of 7 at W = 4) and, taken past their quotas, pushed the mix off by 0.02-0.03.
 DEFERRAL_WINDOWS = 2
 SWAPS = True   # ranks as bins: `swaps.refine_swaps` after the caps (False: the plan as made)
+PIPELINE_MOVES = True   # rows as bins under 1F1B: `pipeline_moves` after the caps (False: as made)
 
 
 def overdue_first(c: Candidates, selected: np.ndarray, force_age: int | None) -> np.ndarray:
@@ -191,4 +193,9 @@ class Planner:
             # them into any rank's row with room (text) (`swaps.py`); the same items.
             rank, row = refine_swaps(c, take, rank, row, length, self.geometry, self.cost,
                                      self.caps)
+        if method != "naive" and PIPELINE_MOVES and \
+                moves_apply(c, self.geometry, self.cost, self.caps):
+            # Rows as bins under 1F1B: the slowest rank's items move to other (rank, row)
+            # slots while that lowers the step's time (`pipeline_moves.py`); the same items.
+            rank, row = pipeline_moves(c, take, rank, row, length, self.geometry, self.cost)
         return finish(c, take, rank, row, self.geometry, self.cost, length)

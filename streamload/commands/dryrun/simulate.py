@@ -53,6 +53,7 @@ class StepReport:
     waited_steps: int = 0       # ... and the steps since then, summed (their delays)
     delay_max: int = 0          # the longest of those delays
     waited_token_steps: int = 0  # their delays weighted by their tokens
+    delays: Optional[np.ndarray] = None   # int64 [2, waited]: each one's delay and tokens
     plan_seconds: float = 0.0   # CPU time of the planner (`Stepper.assign`) for this step
     exchanged: int = 0          # tokens planned onto a rank other than the one holding them
     mix: Optional[StepMix] = None   # the configured target, the tail, run-outs (`mixreport`)
@@ -296,6 +297,7 @@ def simulate(spec: LoaderSpec, lengths: Sequence[Union[SourceScan, np.ndarray]],
         report = reports[-1]
         report.waited, report.waited_steps = int(delays.size), int(delays.sum())
         report.waited_token_steps = int((delays * tokens).sum())
+        report.delays = np.stack([delays, tokens])
         report.delay_max = int(delays.max(initial=0))
     return reports
 
