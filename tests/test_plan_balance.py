@@ -396,3 +396,41 @@ def test_without_the_fronts_short_first_documents_are_left_out(monkeypatch):
     out (the waves place the longest first) in most of them."""
     left = [not _front_step(*case, False, monkeypatch)[0] for case in FRONT_CASES]
     assert sum(left) >= len(FRONT_CASES) // 2, left
+
+
+def _layer_items(rows):
+    """(excess, length, age) arrays for `heavy_layer` from (count, excess, length, age) rows."""
+    n = [r[0] for r in rows]
+    return (np.repeat([float(r[1]) for r in rows], n), np.repeat([r[2] for r in rows], n),
+            np.repeat([r[3] for r in rows], n))
+
+
+def test_a_layer_takes_no_more_long_items_than_it_has_slots():
+    """Items of more than half a slot never share one: a layer of them past its slots left the
+    extra ones to the balancer, which could drop the oldest (they then came due alone: 128k
+    PP=4 R=64 steps at 0.62-0.80). Three old 55-token items, alike but lighter than the level,
+    let a fourth and a fifth piece into the excess budget of four slots."""
+    from streamload.plan.lookahead import heavy_layer
+    excess, length, age = _layer_items([(3, 4.5, 55, 9), (3, 10.0, 100, 0)])
+    free = np.arange(6)
+    picked = heavy_layer(excess, free[:0], free, age, length, slots=4, slot_tokens=100,
+                         room=400)
+    assert picked.size == 4
+    assert set(picked.tolist()) >= {0, 1, 2}          # the oldest first, the youngest wait
+
+
+def test_a_near_due_item_rides_a_heavier_layer_when_it_costs_the_layer_little():
+    """An item too light to count for a layer's level (below ALIKE) but due within RIDE_AHEAD
+    steps joins it (its slot is lighter than the layer's: no straggler) rather than come due
+    alone in a light step later; only while the layer's shortfall stays within RIDE_SHARE of it,
+    so at few slots (where each lighter slot costs the step more) it waits."""
+    from streamload.plan import lookahead
+    from streamload.plan.lookahead import heavy_layer
+    for slots, rides in ((64, True), (4, False)):
+        excess, length, age = _layer_items([(1, 5.0, 90, 14), (slots, 10.0, 100, 0)])
+        free = np.arange(slots + 1)
+        args = (excess, free[:0], free, age, length, slots, 100, 100 * slots)
+        assert 0 not in heavy_layer(*args)            # not alike: 5·100 < ALIKE·10·90
+        picked = heavy_layer(*args, ride_age=16 - lookahead.RIDE_AHEAD)
+        assert (0 in picked) == rides
+        assert (2 * length[picked] > 100).sum() <= slots

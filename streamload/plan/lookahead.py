@@ -14,7 +14,17 @@ windows that deep) and plans the step as the first of W:
   token. The step takes heavy documents only at one *level* of excess for all its slots
   (`heavy_layer`): the largest level that the window's alike documents can give every slot
   (for documents alike, one per slot), and none when the window cannot. Heavier documents
-  wait for a step of their own level, so none is the lone straggler of a step.
+  wait for a step of their own level, so none is the lone straggler of a step. A layer takes
+  at most one item of more than half a slot per slot (`ONE_PER_SLOT`): two never share one,
+  and the balancer would leave the extra ones out, the oldest among them, which then came due
+  alone.
+- **Riders.** A heavy document too light to count for a layer's level (below `ALIKE`), due
+  within `RIDE_AHEAD` steps, joins a heavier layer (its slot is lighter: no straggler) rather
+  than come due alone in a step of light ones, while the layer's shortfall (level less the
+  riders' excess) stays within `RIDE_SHARE` of the layer. A lighter slot costs a step about
+  its shortfall over the slots, a lone forced document a fifth to a third of a step whatever
+  the slots: riders pay at many slots (at 128k, PP = 4, R = 64, 256 of them, documents of
+  97-105k, 0.58 of a 128k piece's excess, came due alone every few steps) and wait at few.
 - **Held once arrived** (`HOLD_ARRIVED`, `_arrived_layer`). Light documents flow in arrival
   order at their quotas; a heavy one joins a layer only when nothing light is left in front of
   it in its window (rank, source): it has *arrived*, and waits at the head of its window, in
@@ -58,6 +68,10 @@ ALIKE = 0.75         # an item fits a level when a slot of it reaches this share
 HOLD_ARRIVED = True  # heavy documents join a layer only once arrived (`_arrived_layer`);
                      # False: from anywhere in the window (the rule before, for comparison)
 ARRIVAL_ROUNDS = 3   # rounds for the arrived heavy items and the light take to agree
+ONE_PER_SLOT = True  # a layer takes at most one item of more than half a slot per slot;
+                     # False: as many as its excess allows (the rule before, for comparison)
+RIDE_AHEAD = 2       # heavy items due within this many steps may ride a heavier layer
+RIDE_SHARE = 0.05    # riders while the layer's shortfall stays within this share of it
 LEVEL_BLOCKS = (2, 8)  # `_first_feasible` tries the top 2 levels, then to the 8th, then the rest
 
 
@@ -221,7 +235,8 @@ def select_lookahead(c: Candidates, targets: np.ndarray, geometry: Geometry, cos
         light_take = lights.mask(lights(quota, used, room - float(length[picked].sum())))
     else:
         picked, light_take = _arrived_layer(c, excess, must, free, light, quota,
-                                            used, room, slots, slot_tokens, light_tokens)
+                                            used, room, slots, slot_tokens, light_tokens,
+                                            force_age)
         taken[picked] = True
     taken |= light_take
     selected = np.flatnonzero(taken)
@@ -343,7 +358,7 @@ def _arrived(c: Candidates, candidates: np.ndarray, first_left: np.ndarray) -> n
 
 def _arrived_layer(c: Candidates, excess: np.ndarray, must: np.ndarray, free: np.ndarray,
                    light: np.ndarray, quota: np.ndarray, used: np.ndarray, room: float,
-                   slots: int, slot_tokens: int, light_tokens: np.ndarray
+                   slots: int, slot_tokens: int, light_tokens: np.ndarray, force_age: int
                    ) -> tuple[np.ndarray, np.ndarray]:
     """The heavy layer out of the heavy documents that have *arrived* (`HOLD_ARRIVED`), and
     the light take around it. Returns (picked heavy indices, light take mask). `must`, `free`:
@@ -358,12 +373,14 @@ def _arrived_layer(c: Candidates, excess: np.ndarray, must: np.ndarray, free: np
     depends on the room the layer leaves, so the candidates shrink until they agree (a few
     rounds); a picked item still behind a light one left waits for the next step."""
     length, age = c.length, c.age
+    ride_age = force_age - RIDE_AHEAD if RIDE_AHEAD > 0 else None
     candidates = free
     light_take = _LightTake(c, light, light_tokens)
     whole_room = take = light_take(quota, used.copy(), room)
     for _ in range(ARRIVAL_ROUNDS):
         candidates = _arrived(c, candidates, take[2])
-        picked = heavy_layer(excess, must, candidates, age, length, slots, slot_tokens, room)
+        picked = heavy_layer(excess, must, candidates, age, length, slots, slot_tokens, room,
+                             ride_age)
         if picked.size == 0:   # no layer: the light take is the whole room's
             return picked, light_take.mask(whole_room)
         take = light_take(quota, used.copy(), room - float(length[picked].sum()))
@@ -440,7 +457,8 @@ def straggler_limit(attention: np.ndarray, length: np.ndarray, pool: np.ndarray,
 
 
 def heavy_layer(excess: np.ndarray, must: np.ndarray, free: np.ndarray, age: np.ndarray,
-                length: np.ndarray, slots: int, slot_tokens: int, room: float) -> np.ndarray:
+                length: np.ndarray, slots: int, slot_tokens: int, room: float,
+                ride_age: int | None = None) -> np.ndarray:
     """Which heavy documents (`free`, candidate indices) join this step, besides the forced
     ones (`must`), so that every one of the step's `slots` (of `slot_tokens` tokens) carries
     the same excess cost.
@@ -451,14 +469,24 @@ def heavy_layer(excess: np.ndarray, must: np.ndarray, free: np.ndarray, age: np.
     (excess per token >= ALIKE · e / slot_tokens: attention grows with L², so half-length
     documents cannot stand in for a full one); for items alike, that is one per slot. Items
     heavier than e wait for a step of their own level (or until they are forced), so none of
-    them is the lone straggler of a step. The fit items then join, oldest first (then
-    heaviest), while their excess stays within slots·e and their tokens within `room` (with a
+    them is the lone straggler of a step. Items of age `ride_age` or more, no heavier than e
+    but not dense enough, ride (`RIDE_SHARE`; None: none rides). The fit items then join,
+    oldest first (then heaviest), while their excess stays within slots·e, their tokens within
+    `room`, and those of more than half a slot within one per slot (`ONE_PER_SLOT`) (with a
     forced item, every item no heavier than e is fit).
     Without a level (too little heavy work in the window to even out a step) none joins.
     """
     def fit(level, dense):
         ok = excess[free] <= level * (1 + 1e-9)
-        return ok & (excess[free] * slot_tokens >= ALIKE * level * length[free]) if dense else ok
+        if not dense:
+            return free[ok]
+        alike = ok & (excess[free] * slot_tokens >= ALIKE * level * length[free])
+        if ride_age is None:
+            return free[alike]
+        riders = free[ok & ~alike & (age[free] >= ride_age)]
+        riders = riders[np.lexsort((riders, -excess[riders], -age[riders]))]
+        riders = riders[np.cumsum(level - excess[riders]) <= RIDE_SHARE * slots * level]
+        return np.union1d(free[alike], riders)
 
     must_excess = float(excess[must].sum())
     if must.size:
@@ -479,10 +507,16 @@ def heavy_layer(excess: np.ndarray, must: np.ndarray, free: np.ndarray, age: np.
         return free[:0]
     # A forced item sets the step's slowest slot whatever joins it: then any item no heavier
     # fills the other slots toward it for free (one less straggler later), alike or not.
-    eligible = free[fit(level, dense=not must.size)]
+    eligible = fit(level, dense=not must.size)
     eligible = eligible[np.lexsort((eligible, -excess[eligible], -age[eligible]))]
     within = (np.cumsum(excess[eligible]) - excess[eligible] < budget) & \
         (np.cumsum(length[eligible]) <= room)
+    if ONE_PER_SLOT:
+        # Two items of more than half a slot never share one: past `slots` of them (the
+        # forced ones counted) the balancer would leave the extra ones out, oldest or not.
+        wide = 2 * length[eligible] > slot_tokens
+        open_slots = slots - int((2 * length[must] > slot_tokens).sum())
+        within &= ~wide | (np.cumsum(wide & within) <= open_slots)
     return eligible[within]
 
 
