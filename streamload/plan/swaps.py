@@ -54,11 +54,20 @@ PARTNER_RANKS = 64    # the top rank trades with at most this many ranks, the le
 PARTNER_ITEMS = 512   # ... and fewer where ranks hold many items: about this many items in
                       # all (M = 4 at R = 64: 18 ranks; 44 -> 27 ms a step, the same plans' cost)
 MIN_PARTNERS = 16
+TEXT_SHED = True      # text steps: `_shed` (many ranks a round, swaps with a refill)
 SWAP_TEXT = False     # text steps (no images): moves only; swaps there cost 20x the plan (R = 64,
                       # C = 128k: ~100 items a rank) for no gain over the moves (cp7)
 TOLERANCE = 1e-3      # done when the top rank is within this share of the mean
 HOME_SLACK = 2e-3     # options this close (share of the mean) to the lowest count as equal,
                       # and the one that keeps the most tokens home is taken
+TEXT_ROUNDS = 64      # text steps (`_shed`): rounds at most, each trading for many ranks at once
+PARTNERS = 16         # ... about R / this many of them (each with its own partners)
+STALL, GAIN = 2, 1e-4  # ... until the top rank comes down by less than GAIN (of the mean)
+                       # in STALL rounds
+SOURCES = 32         # ... for at most this many of the most loaded ranks
+MIN_ROOM = 256        # ... moves go into rows with at least this much room
+WINDOW = 8            # ... weighing this many partners on either side of the one sought
+SHORT = 4096          # ... items of at most this many tokens refill a row after a swap
 
 
 def applies(c: Candidates, geometry: Geometry, cost: CostModel) -> bool:
@@ -82,10 +91,15 @@ def refine_swaps(c: Candidates, take: np.ndarray, rank: np.ndarray, row: np.ndar
         return rank.astype(np.int32), row.astype(np.int32)
     length = np.asarray(length, np.int64)
     weight = cost.doc_cost(length).astype(np.float64) + c.extra_cost[take]
+    slot = rank * M + row
+    if TEXT_SHED and c.images is None and c.patches is None:
+        # text: many ranks a round, moves and swaps with a refill (`_shed`)
+        _shed(weight, length, rank, slot, R, M, C,
+              TEXT_ROUNDS if max_rounds is None else max_rounds)
+        return rank.astype(np.int32), (slot % M).astype(np.int32)
     limit = caps.limits()
     capped = caps.active and (c.images is not None or c.patches is not None)
     visual = item_visual(c)[take].astype(np.float64) if capped else np.zeros((n, 2))
-    slot = rank * M + row
     home = c.rank[take].astype(np.int64)   # the rank holding each item
     load = np.bincount(rank, weight, minlength=R)
     fill = np.bincount(slot, length, minlength=R * M).astype(np.int64)
@@ -180,3 +194,191 @@ def _shift(i: int, a: int, b: int, weight, length, visual, load, fill, vis, M: i
     fill[b] += length[i]
     vis[a] -= visual[i]
     vis[b] += visual[i]
+
+
+def _shed(weight: np.ndarray, length: np.ndarray, rank: np.ndarray, slot: np.ndarray,
+          R: int, M: int, C: int, max_rounds: int) -> None:
+    """Text steps: the ranks above the mean shed cost, many at once (`slot`, `rank` in place).
+
+    Each round takes the most loaded ranks (at most `SOURCES`, those above the mean by more
+    than `TOLERANCE`) and deals the others out to them, least loaded first and in turn (the
+    j-th least loaded to source j mod k), so no two sources share a partner and every source's
+    trade can be made at once. Each source then makes its one best trade with its partners, the
+    one that leaves the higher of the two ranks lowest, when that is below where it was:
+    - a *move* of one of its items into a partner's row with room;
+    - a *swap with a refill*: a long item x for a partner's shorter long item y (both over
+      `SHORT` tokens); when x does not fit where y was, that row's shortest items (at most
+      `SHORT` tokens each) go back into x's old row until it does. With full rows this moves
+      x's attention term over y's (the cost beyond the tokens) at no change in tokens: what
+      evens a rank holding a 128k piece and a 70k document where no rank has the room for a
+      move. The refill is weighed exactly before the swap is made.
+    It stops when the top rank is within TOLERANCE of the mean, after a round in which the top
+    rank found no trade, or after `max_rounds`."""
+    load = np.bincount(rank, weight, minlength=R)
+    fill = np.bincount(slot, length, minlength=R * M).astype(np.int64)
+    short = length <= SHORT
+    longs = np.flatnonzero(~short)
+    # the short items' tokens in every row: what a refill can send back
+    short_fill = np.bincount(slot[short], length[short], minlength=R * M).astype(np.int64)
+    mean = float(load.mean())
+    tops = [float(load.max())] * STALL
+    for _ in range(max_rounds):
+        high = mean * (1 + TOLERANCE)
+        order = np.argsort(-load, kind="stable")
+        k = max(1, min(SOURCES, R // PARTNERS))
+        sources = order[:k][load[order[:k]] > high]
+        if sources.size == 0:
+            break
+        k = sources.size
+        # partner ranks, dealt out: owner[q] = the index of q's source, -1 for a source
+        owner = np.full(R, -1)
+        others = order[k:][::-1]
+        owner[others] = np.arange(others.size) % k
+        if not _trade_round(sources, owner, weight, length, short, longs, rank, slot, load,
+                            fill, short_fill, M, C):
+            break
+        # done when the top rank came down by less than GAIN (of the mean) in STALL rounds
+        tops.append(float(load.max()))
+        if tops[-1 - STALL] - tops[-1] < GAIN * mean:
+            break
+
+
+def _trade_round(sources, owner, weight, length, short, longs, rank, slot, load, fill,
+                 short_fill, M, C) -> int:
+    """Every source's best move or swap with its own partners (see `_shed`); how many it made."""
+    k = sources.size
+    R = load.size
+    group = np.full(R, -1)
+    group[sources] = np.arange(k)
+    src_load = load[sources]
+    # Moves: for each row b with room of a partner of source g, the item of g that comes
+    # closest to halving their gap: the longest that fits b and is at most half the gap long,
+    # and the next longer one if it fits (by length, about the order of their cost)
+    xs = np.flatnonzero(group[rank] >= 0)
+    # sorted by (source, length, index): the keys are distinct, so any sort gives this order
+    n = rank.size
+    xs = np.sort((group[rank[xs]] * (C + 1) + length[xs]) * n + xs)
+    key, xs = xs // n, xs % n
+    slots = np.flatnonzero((owner[np.arange(fill.size) // M] >= 0) & (fill < C))
+    slots = slots[np.argsort(owner[slots // M], kind="stable")]
+    gb = owner[slots // M]
+    room = C - fill[slots]
+    half = np.floor((src_load[gb] - load[slots // M]) / 2).clip(0, C).astype(np.int64)
+    at = np.searchsorted(key, gb * (C + 1) + np.minimum(room, half), side="right") - 1
+    at = np.stack([at, at + 1], 1).clip(0, max(xs.size - 1, 0))
+    x = xs[at] if xs.size else np.zeros(at.shape, np.int64)
+    b = np.repeat(slots[:, None], 2, 1)
+    ok = (key[at] // (C + 1) == gb[:, None]) & (length[x] <= room[:, None]) if xs.size else \
+        np.zeros(at.shape, bool)
+    move_value = np.where(ok, np.maximum(src_load[gb][:, None] - weight[x],
+                                         load[slots // M][:, None] + weight[x]), np.inf).ravel()
+    x, b, gm = x.ravel(), b.ravel(), np.repeat(gb, 2)
+    # Swaps with a refill: (long item of source g) x (long item of a partner of g)
+    lx = longs[group[rank[longs]] >= 0]
+    ly = longs[owner[rank[longs]] >= 0]
+    glx, gly = group[rank[lx]], owner[rank[ly]]
+    lx, ly = lx[np.argsort(glx, kind="stable")], ly[np.argsort(gly, kind="stable")]
+    glx, gly = np.sort(glx), np.sort(gly)
+    sx, sy = _cross(glx, gly, k)
+    u, v = lx[sx], ly[sy]
+    dl = length[u] - length[v]
+    d = weight[u] - weight[v]
+    a, bb = slot[u], slot[v]
+    over = np.maximum(fill[bb] + dl - C, 0)
+    ok = (dl > 0) & (d > dl) & (over <= short_fill[bb]) & \
+        (fill[a] - dl + over + np.where(over > 0, SHORT, 0) <= C)
+    # the refill's cost taken as its tokens here (short items), weighed exactly when made
+    swap_value = np.where(ok, np.maximum(src_load[glx[sx]] - d + over, load[rank[v]] + d - over),
+                          np.inf)
+    # each source's best option: the lowest value, moves before swaps, then the first
+    best_move, move_at = _group_min(move_value, gm, k)
+    best_swap, swap_at = _group_min(swap_value, glx[sx], k)
+    # each source makes its best swap, then its best move if that still lowers it (the move's
+    # partner is another rank or has room still; checked on the loads as they are then)
+    traded = 0
+    bar = src_load * (1 - 1e-12)
+    for j in np.flatnonzero(np.minimum(best_move, best_swap) < bar):
+        s = int(sources[j])
+        if best_swap[j] < bar[j]:
+            i = int(swap_at[j])
+            traded += _swap_refill(int(u[i]), int(v[i]), weight, length, short, rank, slot,
+                                   load, fill, short_fill, M, C)
+        if best_move[j] < bar[j]:
+            i = int(move_at[j])
+            y, to = int(x[i]), int(b[i])
+            if rank[y] == s and fill[to] + length[y] <= C and \
+                    max(load[s] - weight[y], load[to // M] + weight[y]) < load[s] * (1 - 1e-12):
+                _place(y, int(slot[y]), to, weight, length, short, rank, slot, load, fill,
+                       short_fill, M)
+                traded += 1
+    return traded
+
+
+def _group_min(value: np.ndarray, group: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
+    """Per group in [0, k) (`group` sorted): the lowest value (inf where none) and the first
+    index holding it."""
+    lowest = np.full(k, np.inf)
+    at = np.zeros(k, np.int64)
+    if value.size == 0:
+        return lowest, at
+    starts = np.flatnonzero(np.r_[True, group[1:] != group[:-1]])
+    present = group[starts]
+    lowest[present] = np.minimum.reduceat(value, starts)
+    hit = np.flatnonzero(value == lowest[group])
+    first = np.r_[True, group[hit[1:]] != group[hit[:-1]]]
+    at[group[hit[first]]] = hit[first]
+    return lowest, at
+
+
+def _cross(ga: np.ndarray, gb: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
+    """Index pairs (i, j) with ga[i] == gb[j], for ga and gb sorted group ids in [0, k)."""
+    na = np.bincount(ga, minlength=k)
+    nb = np.bincount(gb, minlength=k)
+    sa = np.concatenate([[0], np.cumsum(na)])[:-1]
+    sb = np.concatenate([[0], np.cumsum(nb)])[:-1]
+    per = na * nb                                   # pairs per group
+    total = int(per.sum())
+    if total == 0:
+        return np.zeros(0, np.int64), np.zeros(0, np.int64)
+    grp = np.repeat(np.arange(k), per)
+    within = np.arange(total) - np.repeat(np.concatenate([[0], np.cumsum(per)])[:-1], per)
+    nbg = nb[grp]
+    return sa[grp] + within // nbg, sb[grp] + within % nbg
+
+
+def _swap_refill(x, y, weight, length, short, rank, slot, load, fill, short_fill, M, C
+                 ) -> bool:
+    """x and y change places, then y's old row sends its shortest items to x's old row until it
+    fits; undone unless the source is lower after and the other rank below where it was."""
+    a, b = int(slot[x]), int(slot[y])
+    s, q = a // M, b // M
+    before = float(load[s])
+    moves = [(x, a, b), (y, b, a)]
+    for i, src, dst in moves:
+        _place(i, src, dst, weight, length, short, rank, slot, load, fill, short_fill, M)
+    if fill[b] > C:
+        row = np.flatnonzero(slot == b)
+        row = row[short[row]]
+        for i in row[np.argsort(length[row], kind="stable")]:
+            if fill[b] <= C or fill[a] + length[i] > C:
+                break
+            _place(int(i), b, a, weight, length, short, rank, slot, load, fill, short_fill, M)
+            moves.append((int(i), b, a))
+    if fill[b] <= C and fill[a] <= C and max(load[s], load[q]) < before * (1 - 1e-12):
+        return True
+    for i, src, dst in reversed(moves):
+        _place(i, dst, src, weight, length, short, rank, slot, load, fill, short_fill, M)
+    return False
+
+
+def _place(i, a, b, weight, length, short, rank, slot, load, fill, short_fill, M) -> None:
+    """Item i from slot a to slot b."""
+    load[a // M] -= weight[i]
+    load[b // M] += weight[i]
+    fill[a] -= length[i]
+    fill[b] += length[i]
+    if short[i]:
+        short_fill[a] -= length[i]
+        short_fill[b] += length[i]
+    slot[i] = b
+    rank[i] = b // M
