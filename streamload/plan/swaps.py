@@ -67,7 +67,8 @@ STALL, GAIN = 2, 1e-4  # ... until the top rank comes down by less than GAIN (of
 SOURCES = 32         # ... for at most this many of the most loaded ranks
 MIN_ROOM = 256        # ... moves go into rows with at least this much room
 WINDOW = 8            # ... weighing this many partners on either side of the one sought
-SHORT = 4096          # ... items of at most this many tokens refill a row after a swap
+SHORT = 1 / 32        # ... items of at most this share of C refill a row after a swap (4k
+                      # of 128k: at most 3% over their tokens in attention at a = 1/49152)
 
 
 def applies(c: Candidates, geometry: Geometry, cost: CostModel) -> bool:
@@ -216,7 +217,7 @@ def _shed(weight: np.ndarray, length: np.ndarray, rank: np.ndarray, slot: np.nda
     rank found no trade, or after `max_rounds`."""
     load = np.bincount(rank, weight, minlength=R)
     fill = np.bincount(slot, length, minlength=R * M).astype(np.int64)
-    short = length <= SHORT
+    short = length <= int(C * SHORT)
     longs = np.flatnonzero(~short)
     # the short items' tokens in every row: what a refill can send back
     short_fill = np.bincount(slot[short], length[short], minlength=R * M).astype(np.int64)
@@ -286,7 +287,7 @@ def _trade_round(sources, owner, weight, length, short, longs, rank, slot, load,
     a, bb = slot[u], slot[v]
     over = np.maximum(fill[bb] + dl - C, 0)
     ok = (dl > 0) & (d > dl) & (over <= short_fill[bb]) & \
-        (fill[a] - dl + over + np.where(over > 0, SHORT, 0) <= C)
+        (fill[a] - dl + over <= C)
     # the refill's cost taken as its tokens here (short items), weighed exactly when made
     swap_value = np.where(ok, np.maximum(src_load[glx[sx]] - d + over, load[rank[v]] + d - over),
                           np.inf)
@@ -348,8 +349,8 @@ def _cross(ga: np.ndarray, gb: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarr
 
 def _swap_refill(x, y, weight, length, short, rank, slot, load, fill, short_fill, M, C
                  ) -> bool:
-    """x and y change places, then y's old row sends its shortest items to x's old row until it
-    fits; undone unless the source is lower after and the other rank below where it was."""
+    """x and y change places, then y's old row sends short items to x's old row until it fits;
+    undone unless it does and the source is lower after, the other rank below where it was."""
     a, b = int(slot[x]), int(slot[y])
     s, q = a // M, b // M
     before = float(load[s])
@@ -357,13 +358,16 @@ def _swap_refill(x, y, weight, length, short, rank, slot, load, fill, short_fill
     for i, src, dst in moves:
         _place(i, src, dst, weight, length, short, rank, slot, load, fill, short_fill, M)
     if fill[b] > C:
+        # longest first, each one that fits row a, until row b fits (fewest items moved)
         row = np.flatnonzero(slot == b)
         row = row[short[row]]
-        for i in row[np.argsort(length[row], kind="stable")]:
-            if fill[b] <= C or fill[a] + length[i] > C:
+        for i in row[np.lexsort((row, -length[row]))]:
+            if fill[b] <= C:
                 break
-            _place(int(i), b, a, weight, length, short, rank, slot, load, fill, short_fill, M)
-            moves.append((int(i), b, a))
+            if fill[a] + length[i] <= C:
+                _place(int(i), b, a, weight, length, short, rank, slot, load, fill, short_fill,
+                       M)
+                moves.append((int(i), b, a))
     if fill[b] <= C and fill[a] <= C and max(load[s], load[q]) < before * (1 - 1e-12):
         return True
     for i, src, dst in reversed(moves):
