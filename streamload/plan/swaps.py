@@ -31,11 +31,35 @@ Deterministic: ties go to the lowest index. Pure NumPy, O(rounds x items on the 
 items).
 
 It runs where ranks are the bins: document masking without a pipeline (with 1F1B or plain
-causal attention a rank's time is not the sum of its items' costs). On text steps (no images)
-it only moves (`SWAP_TEXT`), and a move may go into a row of *any* rank with room for one of
-the top rank's items, not only the partners: in a long-context layer step (C = 128k, M = 2) the
-least loaded ranks are full, the slack sits on ranks of middling load, and without these moves
-the top ranks kept the light items they should shed (128k CP=4, R = 64: 0.953 -> 0.972; cp7).
+causal attention a rank's time is not the sum of its items' costs).
+
+Text steps (no images or patches; `_shed`, swap9) trade differently, for speed and for what a
+long-context layer step needs. In such a step (C = 128k, M = 2, R = 512: 40k-100k items) the
+slowest ranks hold a 128k piece in one row and a 55k-75k document with short items in the
+other; 100-130 ranks sit more than 1% above the mean, the least loaded ranks' rows are full and
+the room is on ranks of middling load. One rank a round (the loop above, cp7's moves) lowered
+64 of them at ~30 ms a step, and a move only sheds short items into what room there is. So:
+- *many ranks a round*: the most loaded ranks (about R / `PARTNERS`, at most `SOURCES`, those
+  more than `TOLERANCE` above the mean) each get their own partners, the other ranks dealt out
+  least loaded first (the j-th to source j mod k), so every source's trade is made in the same
+  round without two touching one rank; the candidates are built for all sources at once;
+- *a move* of one of the source's items into a partner's row with room: per row, the longest
+  item that fits and is at most half their gap long, and the next longer one;
+- *a swap with a refill*: a long item x of the source (over C x `SHORT` tokens) for a shorter
+  long item y of a partner; where x does not fit in y's row, that row's short items go back
+  into x's old row, longest first, until it does. With full rows this moves x's attention term
+  over y's (its cost beyond its tokens) to the partner at no change in either rank's tokens:
+  what evens a rank holding a piece and a 70k document when no rank has room for a move. A swap
+  is weighed exactly (rows within C, the source lower, the partner below where the source was)
+  and undone otherwise.
+Each source makes its best swap and then its best move that still lowers it. It stops when the
+top rank is within TOLERANCE of the mean, when a round makes no trade, when the top rank came
+down by less than `GAIN` (of the mean) in `STALL` rounds, or after `TEXT_ROUNDS`. What it keeps
+is the same as above (the items, rows within C, a step never slower). It does not weigh where
+items are held (`HOME_SLACK`): at 128k CP=4 the share of tokens sent away from the rank holding
+them rose by ~1 point (0.597 -> 0.605 at R = 512) in the dry run. Deterministic: candidates
+in a fixed order, ties to the first. 128k CP=4 dry runs, seeds 0-2: R = 512 0.968 -> 0.976,
+R = 64 0.972 -> 0.974, the pass ~32 -> ~10 ms a step at R = 512 (docs/benchmarks.md, swap9).
 """
 from __future__ import annotations
 
@@ -54,9 +78,9 @@ PARTNER_RANKS = 64    # the top rank trades with at most this many ranks, the le
 PARTNER_ITEMS = 512   # ... and fewer where ranks hold many items: about this many items in
                       # all (M = 4 at R = 64: 18 ranks; 44 -> 27 ms a step, the same plans' cost)
 MIN_PARTNERS = 16
-TEXT_SHED = True      # text steps: `_shed` (many ranks a round, swaps with a refill)
-SWAP_TEXT = False     # text steps (no images): moves only; swaps there cost 20x the plan (R = 64,
-                      # C = 128k: ~100 items a rank) for no gain over the moves (cp7)
+TEXT_SHED = True      # text steps: `_shed` (False: the loop above, moves only as in cp7)
+SWAP_TEXT = False     # ... with TEXT_SHED off, text steps only move (swaps there cost 20x the
+                      # plan at R = 64, C = 128k for no gain over the moves, cp7)
 TOLERANCE = 1e-3      # done when the top rank is within this share of the mean
 HOME_SLACK = 2e-3     # options this close (share of the mean) to the lowest count as equal,
                       # and the one that keeps the most tokens home is taken
@@ -65,15 +89,13 @@ PARTNERS = 16         # ... about R / this many of them (each with its own partn
 STALL, GAIN = 2, 1e-4  # ... until the top rank comes down by less than GAIN (of the mean)
                        # in STALL rounds
 SOURCES = 32         # ... for at most this many of the most loaded ranks
-MIN_ROOM = 256        # ... moves go into rows with at least this much room
-WINDOW = 8            # ... weighing this many partners on either side of the one sought
 SHORT = 1 / 32        # ... items of at most this share of C refill a row after a swap (4k
                       # of 128k: at most 3% over their tokens in attention at a = 1/49152)
 
 
 def applies(c: Candidates, geometry: Geometry, cost: CostModel) -> bool:
     """Where the pass runs: ranks as the bins (document masking, no pipeline), R > 1, on image
-    and text steps alike (`refine_swaps` trades on image steps and only moves on text ones)."""
+    and text steps alike (`refine_swaps`: the round loop on image steps, `_shed` on text)."""
     return geometry.ranks > 1 and cost.document_masking and not geometry.pipelined
 
 
@@ -199,44 +221,23 @@ def _shift(i: int, a: int, b: int, weight, length, visual, load, fill, vis, M: i
 
 def _shed(weight: np.ndarray, length: np.ndarray, rank: np.ndarray, slot: np.ndarray,
           R: int, M: int, C: int, max_rounds: int) -> None:
-    """Text steps: the ranks above the mean shed cost, many at once (`slot`, `rank` in place).
-
-    Each round takes the most loaded ranks (at most `SOURCES`, those above the mean by more
-    than `TOLERANCE`) and deals the others out to them, least loaded first and in turn (the
-    j-th least loaded to source j mod k), so no two sources share a partner and every source's
-    trade can be made at once. Each source then makes its one best trade with its partners, the
-    one that leaves the higher of the two ranks lowest, when that is below where it was:
-    - a *move* of one of its items into a partner's row with room;
-    - a *swap with a refill*: a long item x for a partner's shorter long item y (both over
-      `SHORT` tokens); when x does not fit where y was, that row's shortest items (at most
-      `SHORT` tokens each) go back into x's old row until it does. With full rows this moves
-      x's attention term over y's (the cost beyond the tokens) at no change in tokens: what
-      evens a rank holding a 128k piece and a 70k document where no rank has the room for a
-      move. The refill is weighed exactly before the swap is made.
-    It stops when the top rank is within TOLERANCE of the mean, after a round in which the top
-    rank found no trade, or after `max_rounds`."""
-    load = np.bincount(rank, weight, minlength=R)
-    fill = np.bincount(slot, length, minlength=R * M).astype(np.int64)
-    short = length <= int(C * SHORT)
-    longs = np.flatnonzero(~short)
-    # the short items' tokens in every row: what a refill can send back
-    short_fill = np.bincount(slot[short], length[short], minlength=R * M).astype(np.int64)
+    """Text steps: the ranks above the mean shed cost, many a round (the module's text part);
+    `rank` and `slot` change in place."""
+    bins = _Bins(weight, length, rank, slot, R, M, C)
+    load = bins.load
     mean = float(load.mean())
     tops = [float(load.max())] * STALL
     for _ in range(max_rounds):
-        high = mean * (1 + TOLERANCE)
         order = np.argsort(-load, kind="stable")
         k = max(1, min(SOURCES, R // PARTNERS))
-        sources = order[:k][load[order[:k]] > high]
+        sources = order[:k][load[order[:k]] > mean * (1 + TOLERANCE)]
         if sources.size == 0:
             break
-        k = sources.size
-        # partner ranks, dealt out: owner[q] = the index of q's source, -1 for a source
+        # the other ranks dealt out, least loaded first: owner[q] = the index of q's source
         owner = np.full(R, -1)
-        others = order[k:][::-1]
-        owner[others] = np.arange(others.size) % k
-        if not _trade_round(sources, owner, weight, length, short, longs, rank, slot, load,
-                            fill, short_fill, M, C):
+        others = order[sources.size:][::-1]
+        owner[others] = np.arange(others.size) % sources.size
+        if not bins.trade_round(sources, owner):
             break
         # done when the top rank came down by less than GAIN (of the mean) in STALL rounds
         tops.append(float(load.max()))
@@ -244,75 +245,124 @@ def _shed(weight: np.ndarray, length: np.ndarray, rank: np.ndarray, slot: np.nda
             break
 
 
-def _trade_round(sources, owner, weight, length, short, longs, rank, slot, load, fill,
-                 short_fill, M, C) -> int:
-    """Every source's best move or swap with its own partners (see `_shed`); how many it made."""
-    k = sources.size
-    R = load.size
-    group = np.full(R, -1)
-    group[sources] = np.arange(k)
-    src_load = load[sources]
-    # Moves: for each row b with room of a partner of source g, the item of g that comes
-    # closest to halving their gap: the longest that fits b and is at most half the gap long,
-    # and the next longer one if it fits (by length, about the order of their cost)
-    xs = np.flatnonzero(group[rank] >= 0)
-    # sorted by (source, length, index): the keys are distinct, so any sort gives this order
-    n = rank.size
-    xs = np.sort((group[rank[xs]] * (C + 1) + length[xs]) * n + xs)
-    key, xs = xs // n, xs % n
-    slots = np.flatnonzero((owner[np.arange(fill.size) // M] >= 0) & (fill < C))
-    slots = slots[np.argsort(owner[slots // M], kind="stable")]
-    gb = owner[slots // M]
-    room = C - fill[slots]
-    half = np.floor((src_load[gb] - load[slots // M]) / 2).clip(0, C).astype(np.int64)
-    at = np.searchsorted(key, gb * (C + 1) + np.minimum(room, half), side="right") - 1
-    at = np.stack([at, at + 1], 1).clip(0, max(xs.size - 1, 0))
-    x = xs[at] if xs.size else np.zeros(at.shape, np.int64)
-    b = np.repeat(slots[:, None], 2, 1)
-    ok = (key[at] // (C + 1) == gb[:, None]) & (length[x] <= room[:, None]) if xs.size else \
-        np.zeros(at.shape, bool)
-    move_value = np.where(ok, np.maximum(src_load[gb][:, None] - weight[x],
-                                         load[slots // M][:, None] + weight[x]), np.inf).ravel()
-    x, b, gm = x.ravel(), b.ravel(), np.repeat(gb, 2)
-    # Swaps with a refill: (long item of source g) x (long item of a partner of g)
-    lx = longs[group[rank[longs]] >= 0]
-    ly = longs[owner[rank[longs]] >= 0]
-    glx, gly = group[rank[lx]], owner[rank[ly]]
-    lx, ly = lx[np.argsort(glx, kind="stable")], ly[np.argsort(gly, kind="stable")]
-    glx, gly = np.sort(glx), np.sort(gly)
-    sx, sy = _cross(glx, gly, k)
-    u, v = lx[sx], ly[sy]
-    dl = length[u] - length[v]
-    d = weight[u] - weight[v]
-    a, bb = slot[u], slot[v]
-    over = np.maximum(fill[bb] + dl - C, 0)
-    ok = (dl > 0) & (d > dl) & (over <= short_fill[bb]) & \
-        (fill[a] - dl + over <= C)
-    # the refill's cost taken as its tokens here (short items), weighed exactly when made
-    swap_value = np.where(ok, np.maximum(src_load[glx[sx]] - d + over, load[rank[v]] + d - over),
-                          np.inf)
-    # each source's best option: the lowest value, moves before swaps, then the first
-    best_move, move_at = _group_min(move_value, gm, k)
-    best_swap, swap_at = _group_min(swap_value, glx[sx], k)
-    # each source makes its best swap, then its best move if that still lowers it (the move's
-    # partner is another rank or has room still; checked on the loads as they are then)
-    traded = 0
-    bar = src_load * (1 - 1e-12)
-    for j in np.flatnonzero(np.minimum(best_move, best_swap) < bar):
-        s = int(sources[j])
-        if best_swap[j] < bar[j]:
-            i = int(swap_at[j])
-            traded += _swap_refill(int(u[i]), int(v[i]), weight, length, short, rank, slot,
-                                   load, fill, short_fill, M, C)
-        if best_move[j] < bar[j]:
-            i = int(move_at[j])
-            y, to = int(x[i]), int(b[i])
-            if rank[y] == s and fill[to] + length[y] <= C and \
-                    max(load[s] - weight[y], load[to // M] + weight[y]) < load[s] * (1 - 1e-12):
-                _place(y, int(slot[y]), to, weight, length, short, rank, slot, load, fill,
-                       short_fill, M)
-                traded += 1
-    return traded
+class _Bins:
+    """A text step's (rank, row) slots as `_shed` trades them: every item's slot and rank
+    (the caller's arrays, changed in place), each rank's load, each slot's tokens and its short
+    items' tokens (what a refill can send back)."""
+
+    def __init__(self, weight, length, rank, slot, R: int, M: int, C: int):
+        self.weight, self.length, self.rank, self.slot = weight, length, rank, slot
+        self.M, self.C = M, C
+        self.short = length <= int(C * SHORT)
+        self.longs = np.flatnonzero(~self.short)
+        self.load = np.bincount(rank, weight, minlength=R)
+        self.fill = np.bincount(slot, length, minlength=R * M).astype(np.int64)
+        self.short_fill = np.bincount(slot[self.short], length[self.short],
+                                      minlength=R * M).astype(np.int64)
+
+    def trade_round(self, sources: np.ndarray, owner: np.ndarray) -> int:
+        """Every source's best swap and move with its own partners; how many it made."""
+        weight, length, rank, slot = self.weight, self.length, self.rank, self.slot
+        load, fill, M, C = self.load, self.fill, self.M, self.C
+        k = sources.size
+        group = np.full(load.size, -1)
+        group[sources] = np.arange(k)
+        src_load = load[sources]
+        # Moves: for each row b with room of a partner of source g, the item of g that comes
+        # closest to halving their gap: the longest that fits b and is at most half the gap
+        # long, and the next longer one if it fits (by length, about the order of cost)
+        xs = np.flatnonzero(group[rank] >= 0)
+        # sorted by (source, length, index): the keys are distinct, so any sort gives this
+        n = rank.size
+        xs = np.sort((group[rank[xs]] * (C + 1) + length[xs]) * n + xs)
+        key, xs = xs // n, xs % n
+        slots = np.flatnonzero((owner[np.arange(fill.size) // M] >= 0) & (fill < C))
+        slots = slots[np.argsort(owner[slots // M], kind="stable")]
+        gb = owner[slots // M]
+        room = C - fill[slots]
+        half = np.floor((src_load[gb] - load[slots // M]) / 2).clip(0, C).astype(np.int64)
+        at = np.searchsorted(key, gb * (C + 1) + np.minimum(room, half), side="right") - 1
+        at = np.stack([at, at + 1], 1).clip(0, max(xs.size - 1, 0))
+        x = xs[at] if xs.size else np.zeros(at.shape, np.int64)
+        ok = (key[at] // (C + 1) == gb[:, None]) & (length[x] <= room[:, None]) \
+            if xs.size else np.zeros(at.shape, bool)
+        move_value = np.where(ok, np.maximum(src_load[gb][:, None] - weight[x],
+                                             load[slots // M][:, None] + weight[x]), np.inf)
+        move_x, move_to = x.ravel(), np.repeat(slots, 2)
+        best_move, move_at = _group_min(move_value.ravel(), np.repeat(gb, 2), k)
+        # Swaps with a refill: (long item of source g) x (shorter long item of a partner of g);
+        # the refill's cost taken as its tokens here (short items), weighed exactly when made
+        lx = self.longs[group[rank[self.longs]] >= 0]
+        ly = self.longs[owner[rank[self.longs]] >= 0]
+        lx, ly = lx[np.argsort(group[rank[lx]], kind="stable")], \
+            ly[np.argsort(owner[rank[ly]], kind="stable")]
+        glx = group[rank[lx]]
+        sx, sy = _cross(glx, owner[rank[ly]], k)
+        u, v = lx[sx], ly[sy]
+        dl = length[u] - length[v]
+        d = weight[u] - weight[v]
+        over = np.maximum(fill[slot[v]] + dl - C, 0)
+        ok = (dl > 0) & (d > dl) & (over <= self.short_fill[slot[v]]) & \
+            (fill[slot[u]] - dl + over <= C)
+        swap_value = np.where(ok, np.maximum(src_load[glx[sx]] - d + over,
+                                             load[rank[v]] + d - over), np.inf)
+        best_swap, swap_at = _group_min(swap_value, glx[sx], k)
+        # each source makes its best swap, then its best move if that still lowers it (checked
+        # on the loads and rooms as they are then)
+        traded = 0
+        bar = src_load * (1 - 1e-12)
+        for j in np.flatnonzero(np.minimum(best_move, best_swap) < bar):
+            s = int(sources[j])
+            if best_swap[j] < bar[j]:
+                i = int(swap_at[j])
+                traded += self.swap_refill(int(u[i]), int(v[i]))
+            if best_move[j] < bar[j]:
+                y, to = int(move_x[move_at[j]]), int(move_to[move_at[j]])
+                if rank[y] == s and fill[to] + length[y] <= C and \
+                        max(load[s] - weight[y], load[to // M] + weight[y]) < load[s] * (1 - 1e-12):
+                    self.place(y, to)
+                    traded += 1
+        return traded
+
+    def swap_refill(self, x: int, y: int) -> bool:
+        """x and y change places, then y's old row sends short items to x's old row until it
+        fits; undone unless it does, the source is lower and the other rank below where the
+        source was."""
+        a, b = int(self.slot[x]), int(self.slot[y])
+        s, q = a // self.M, b // self.M
+        before = float(self.load[s])
+        moved = [(x, a), (y, b)]
+        self.place(x, b)
+        self.place(y, a)
+        if self.fill[b] > self.C:
+            # longest first, each one that fits row a, until row b fits (fewest items moved)
+            row = np.flatnonzero(self.slot == b)
+            row = row[self.short[row]]
+            for i in row[np.lexsort((row, -self.length[row]))]:
+                if self.fill[b] <= self.C:
+                    break
+                if self.fill[a] + self.length[i] <= self.C:
+                    self.place(int(i), a)
+                    moved.append((int(i), b))
+        if self.fill[b] <= self.C and self.fill[a] <= self.C and \
+                max(self.load[s], self.load[q]) < before * (1 - 1e-12):
+            return True
+        for i, back in reversed(moved):
+            self.place(i, back)
+        return False
+
+    def place(self, i: int, b: int) -> None:
+        """Item i into slot b."""
+        a, w, n = int(self.slot[i]), self.weight[i], self.length[i]
+        self.load[a // self.M] -= w
+        self.load[b // self.M] += w
+        self.fill[a] -= n
+        self.fill[b] += n
+        if self.short[i]:
+            self.short_fill[a] -= n
+            self.short_fill[b] += n
+        self.slot[i] = b
+        self.rank[i] = b // self.M
 
 
 def _group_min(value: np.ndarray, group: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
@@ -323,8 +373,7 @@ def _group_min(value: np.ndarray, group: np.ndarray, k: int) -> tuple[np.ndarray
     if value.size == 0:
         return lowest, at
     starts = np.flatnonzero(np.r_[True, group[1:] != group[:-1]])
-    present = group[starts]
-    lowest[present] = np.minimum.reduceat(value, starts)
+    lowest[group[starts]] = np.minimum.reduceat(value, starts)
     hit = np.flatnonzero(value == lowest[group])
     first = np.r_[True, group[hit[1:]] != group[hit[:-1]]]
     at[group[hit[first]]] = hit[first]
@@ -335,54 +384,11 @@ def _cross(ga: np.ndarray, gb: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarr
     """Index pairs (i, j) with ga[i] == gb[j], for ga and gb sorted group ids in [0, k)."""
     na = np.bincount(ga, minlength=k)
     nb = np.bincount(gb, minlength=k)
-    sa = np.concatenate([[0], np.cumsum(na)])[:-1]
-    sb = np.concatenate([[0], np.cumsum(nb)])[:-1]
     per = na * nb                                   # pairs per group
     total = int(per.sum())
     if total == 0:
         return np.zeros(0, np.int64), np.zeros(0, np.int64)
     grp = np.repeat(np.arange(k), per)
-    within = np.arange(total) - np.repeat(np.concatenate([[0], np.cumsum(per)])[:-1], per)
+    within = np.arange(total) - np.repeat(np.cumsum(per) - per, per)
     nbg = nb[grp]
-    return sa[grp] + within // nbg, sb[grp] + within % nbg
-
-
-def _swap_refill(x, y, weight, length, short, rank, slot, load, fill, short_fill, M, C
-                 ) -> bool:
-    """x and y change places, then y's old row sends short items to x's old row until it fits;
-    undone unless it does and the source is lower after, the other rank below where it was."""
-    a, b = int(slot[x]), int(slot[y])
-    s, q = a // M, b // M
-    before = float(load[s])
-    moves = [(x, a, b), (y, b, a)]
-    for i, src, dst in moves:
-        _place(i, src, dst, weight, length, short, rank, slot, load, fill, short_fill, M)
-    if fill[b] > C:
-        # longest first, each one that fits row a, until row b fits (fewest items moved)
-        row = np.flatnonzero(slot == b)
-        row = row[short[row]]
-        for i in row[np.lexsort((row, -length[row]))]:
-            if fill[b] <= C:
-                break
-            if fill[a] + length[i] <= C:
-                _place(int(i), b, a, weight, length, short, rank, slot, load, fill, short_fill,
-                       M)
-                moves.append((int(i), b, a))
-    if fill[b] <= C and fill[a] <= C and max(load[s], load[q]) < before * (1 - 1e-12):
-        return True
-    for i, src, dst in reversed(moves):
-        _place(i, dst, src, weight, length, short, rank, slot, load, fill, short_fill, M)
-    return False
-
-
-def _place(i, a, b, weight, length, short, rank, slot, load, fill, short_fill, M) -> None:
-    """Item i from slot a to slot b."""
-    load[a // M] -= weight[i]
-    load[b // M] += weight[i]
-    fill[a] -= length[i]
-    fill[b] += length[i]
-    if short[i]:
-        short_fill[a] -= length[i]
-        short_fill[b] += length[i]
-    slot[i] = b
-    rank[i] = b // M
+    return (np.cumsum(na) - na)[grp] + within // nbg, (np.cumsum(nb) - nb)[grp] + within % nbg
