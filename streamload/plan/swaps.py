@@ -84,6 +84,7 @@ SWAP_TEXT = False     # ... with TEXT_SHED off, text steps only move (swaps ther
 TOLERANCE = 1e-3      # done when the top rank is within this share of the mean
 HOME_SLACK = 2e-3     # options this close (share of the mean) to the lowest count as equal,
                       # and the one that keeps the most tokens home is taken
+MOVES = 4             # ... each source making up to this many moves a round (distinct rows)
 TEXT_ROUNDS = 64      # text steps (`_shed`): rounds at most, each trading for many ranks at once
 PARTNERS = 16         # ... about R / this many of them (each with its own partners)
 STALL, GAIN = 2, 1e-4  # ... until the top rank comes down by less than GAIN (of the mean)
@@ -289,7 +290,15 @@ class _Bins:
         move_value = np.where(ok, np.maximum(src_load[gb][:, None] - weight[x],
                                              load[slots // M][:, None] + weight[x]), np.inf)
         move_x, move_to = x.ravel(), np.repeat(slots, 2)
-        best_move, move_at = _group_min(move_value.ravel(), np.repeat(gb, 2), k)
+        move_value, move_group = move_value.ravel(), np.repeat(gb, 2)
+        best_move, _ = _group_min(move_value, move_group, k)
+        # each source's MOVES best moves (into distinct rows), lowest value first
+        live = np.flatnonzero(move_value < np.inf)
+        live = live[np.lexsort((live, move_value[live], move_group[live]))]
+        lg = move_group[live]
+        rank_in = np.arange(live.size) - np.searchsorted(lg, lg)
+        live = live[rank_in < MOVES]
+        move_start = np.searchsorted(move_group[live], np.arange(k + 1))
         # Swaps with a refill: (long item of source g) x (shorter long item of a partner of g);
         # the refill's cost taken as its tokens here (short items), weighed exactly when made
         lx = self.longs[group[rank[self.longs]] >= 0]
@@ -316,8 +325,8 @@ class _Bins:
             if best_swap[j] < bar[j]:
                 i = int(swap_at[j])
                 traded += self.swap_refill(int(u[i]), int(v[i]))
-            if best_move[j] < bar[j]:
-                y, to = int(move_x[move_at[j]]), int(move_to[move_at[j]])
+            for i in live[move_start[j]:move_start[j + 1]].tolist():
+                y, to = int(move_x[i]), int(move_to[i])
                 if rank[y] == s and fill[to] + length[y] <= C and \
                         max(load[s] - weight[y], load[to // M] + weight[y]) < load[s] * (1 - 1e-12):
                     self.place(y, to)
@@ -331,25 +340,36 @@ class _Bins:
         a, b = int(self.slot[x]), int(self.slot[y])
         s, q = a // self.M, b // self.M
         before = float(self.load[s])
-        moved = [(x, a), (y, b)]
         self.place(x, b)
         self.place(y, a)
-        if self.fill[b] > self.C:
-            # longest first, each one that fits row a, until row b fits (fewest items moved)
-            row = np.flatnonzero(self.slot == b)
-            row = row[self.short[row]]
-            for i in row[np.lexsort((row, -self.length[row]))]:
-                if self.fill[b] <= self.C:
-                    break
-                if self.fill[a] + self.length[i] <= self.C:
-                    self.place(int(i), a)
-                    moved.append((int(i), b))
+        refill = self.refill(a, b) if self.fill[b] > self.C else np.zeros(0, np.int64)
         if self.fill[b] <= self.C and self.fill[a] <= self.C and \
                 max(self.load[s], self.load[q]) < before * (1 - 1e-12):
             return True
-        for i, back in reversed(moved):
-            self.place(i, back)
+        self.place_all(refill, b)
+        self.place(y, b)
+        self.place(x, a)
         return False
+
+    def refill(self, a: int, b: int) -> np.ndarray:
+        """Row b's short items into row a, longest first, each one that fits a, until b fits
+        (the fewest items moved); the items moved. Most often a prefix does it at once."""
+        row = np.flatnonzero(self.slot == b)
+        row = row[self.short[row]]
+        row = row[np.lexsort((row, -self.length[row]))]
+        total = np.cumsum(self.length[row])
+        j = int(np.searchsorted(total, self.fill[b] - self.C))
+        if j < row.size and total[j] <= self.C - self.fill[a]:
+            self.place_all(row[:j + 1], a)
+            return row[:j + 1]
+        moved = []
+        for i in row.tolist():
+            if self.fill[b] <= self.C:
+                break
+            if self.fill[a] + self.length[i] <= self.C:
+                self.place(i, a)
+                moved.append(i)
+        return np.array(moved, np.int64)
 
     def place(self, i: int, b: int) -> None:
         """Item i into slot b."""
@@ -363,6 +383,20 @@ class _Bins:
             self.short_fill[b] += n
         self.slot[i] = b
         self.rank[i] = b // self.M
+
+    def place_all(self, items: np.ndarray, b: int) -> None:
+        """Short items, all in one slot, into slot b."""
+        if items.size == 0:
+            return
+        a, w, n = int(self.slot[items[0]]), self.weight[items].sum(), int(self.length[items].sum())
+        self.load[a // self.M] -= w
+        self.load[b // self.M] += w
+        self.fill[a] -= n
+        self.fill[b] += n
+        self.short_fill[a] -= n
+        self.short_fill[b] += n
+        self.slot[items] = b
+        self.rank[items] = b // self.M
 
 
 def _group_min(value: np.ndarray, group: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
