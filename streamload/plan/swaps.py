@@ -45,7 +45,7 @@ the room is on ranks of middling load. One rank a round (the loop above, cp7's m
   round without two touching one rank; the candidates are built for all sources at once;
 - *a move* of one of the source's items into a partner's row with room: per row, the longest
   item that fits and is at most half their gap long, and the next longer one;
-- *a swap with a refill*: a long item x of the source (over C x `SHORT` tokens) for a shorter
+- *a swap with a refill*: a long item x of the source (over C x `LONG` tokens) for a shorter
   long item y of a partner; where x does not fit in y's row, that row's short items go back
   into x's old row, longest first, until it does. With full rows this moves x's attention term
   over y's (its cost beyond its tokens) to the partner at no change in either rank's tokens:
@@ -90,8 +90,9 @@ PARTNERS = 16         # ... about R / this many of them (each with its own partn
 STALL, GAIN = 2, 1e-4  # ... until the top rank comes down by less than GAIN (of the mean)
                        # in STALL rounds
 SOURCES = 32         # ... for at most this many of the most loaded ranks
-SHORT = 1 / 32        # ... items of at most this share of C refill a row after a swap (4k
-                      # of 128k: at most 3% over their tokens in attention at a = 1/49152)
+LONG = 1 / 32         # ... items of more than this share of C swap (4k of 128k)
+SHORT = 1 / 8         # ... items of at most this share of C refill a row after a swap (16k
+                      # of 128k: at most 33% over their tokens in attention at a = 1/49152)
 
 
 def applies(c: Candidates, geometry: Geometry, cost: CostModel) -> bool:
@@ -255,7 +256,7 @@ class _Bins:
         self.weight, self.length, self.rank, self.slot = weight, length, rank, slot
         self.M, self.C = M, C
         self.short = length <= int(C * SHORT)
-        self.longs = np.flatnonzero(~self.short)
+        self.longs = np.flatnonzero(length > int(C * LONG))
         self.load = np.bincount(rank, weight, minlength=R)
         self.fill = np.bincount(slot, length, minlength=R * M).astype(np.int64)
         self.short_fill = np.bincount(slot[self.short], length[self.short],
@@ -342,7 +343,7 @@ class _Bins:
         before = float(self.load[s])
         self.place(x, b)
         self.place(y, a)
-        refill = self.refill(a, b) if self.fill[b] > self.C else np.zeros(0, np.int64)
+        refill = self.refill(a, b, x) if self.fill[b] > self.C else np.zeros(0, np.int64)
         if self.fill[b] <= self.C and self.fill[a] <= self.C and \
                 max(self.load[s], self.load[q]) < before * (1 - 1e-12):
             return True
@@ -351,11 +352,12 @@ class _Bins:
         self.place(x, a)
         return False
 
-    def refill(self, a: int, b: int) -> np.ndarray:
-        """Row b's short items into row a, longest first, each one that fits a, until b fits
-        (the fewest items moved); the items moved. Most often a prefix does it at once."""
+    def refill(self, a: int, b: int, x: int) -> np.ndarray:
+        """Row b's short items but x (the long item that came) into row a, longest first, each
+        one that fits a, until b fits (the fewest items moved); the items moved. Most often a
+        prefix does it at once."""
         row = np.flatnonzero(self.slot == b)
-        row = row[self.short[row]]
+        row = row[self.short[row] & (row != x)]
         row = row[np.lexsort((row, -self.length[row]))]
         total = np.cumsum(self.length[row])
         j = int(np.searchsorted(total, self.fill[b] - self.C))
