@@ -91,8 +91,9 @@ STALL, GAIN = 2, 1e-4  # ... until the top rank comes down by less than GAIN (of
                        # in STALL rounds
 SOURCES = 32         # ... for at most this many of the most loaded ranks
 LONG = 1 / 32         # ... items of more than this share of C swap (4k of 128k)
-SHORT = 1 / 8         # ... items of at most this share of C refill a row after a swap (16k
-                      # of 128k: at most 33% over their tokens in attention at a = 1/49152)
+SHORT = 1 / 16        # ... items of at most this share of C refill a row after a swap (8k
+                      # of 128k: at most 17% over their tokens in attention at a = 1/49152;
+                      # 1/32 and 1/8 gave less in the Loader at R = 4: swap9)
 
 
 def applies(c: Candidates, geometry: Geometry, cost: CostModel) -> bool:
