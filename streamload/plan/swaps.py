@@ -57,9 +57,10 @@ top rank is within TOLERANCE of the mean, when a round makes no trade, when the 
 down by less than `GAIN` (of the mean) in `STALL` rounds, or after `TEXT_ROUNDS`. What it keeps
 is the same as above (the items, rows within C, a step never slower). It does not weigh where
 items are held (`HOME_SLACK`): at 128k CP=4 the share of tokens sent away from the rank holding
-them rose by ~1 point (0.597 -> 0.605 at R = 512) in the dry run. Deterministic: candidates
+them rose by 1-1.5 points (0.597 -> 0.609 at R = 512) in the dry run. Deterministic: candidates
 in a fixed order, ties to the first. 128k CP=4 dry runs, seeds 0-2: R = 512 0.968 -> 0.976,
-R = 64 0.972 -> 0.974, the pass ~32 -> ~10 ms a step at R = 512 (docs/benchmarks.md, swap9).
+R = 64 0.972 -> 0.976; the Loader at R = 4 0.963 -> 0.971; the pass ~32 -> ~11 ms a step at
+R = 512 (docs/benchmarks.md, swap9).
 """
 from __future__ import annotations
 
