@@ -46,8 +46,8 @@ the room is on ranks of middling load. One rank a round (the loop above, cp7's m
 - *a move* of one of the source's items into a partner's row with room: per row, the longest
   item that fits and is at most half their gap long, and the next longer one;
 - *a swap with a refill*: a long item x of the source (over C x `LONG` tokens) for a shorter
-  long item y of a partner; where x does not fit in y's row, that row's short items go back
-  into x's old row, longest first, until it does. With full rows this moves x's attention term
+  long item y of a partner; where x does not fit in y's row, that row's short items (at most
+  C x `SHORT` tokens, never x) go back into x's old row, longest first, until it does. With full rows this moves x's attention term
   over y's (its cost beyond its tokens) to the partner at no change in either rank's tokens:
   what evens a rank holding a piece and a 70k document when no rank has room for a move. A swap
   is weighed exactly (rows within C, the source lower, the partner below where the source was)
@@ -85,12 +85,12 @@ SWAP_TEXT = False     # ... with TEXT_SHED off, text steps only move (swaps ther
 TOLERANCE = 1e-3      # done when the top rank is within this share of the mean
 HOME_SLACK = 2e-3     # options this close (share of the mean) to the lowest count as equal,
                       # and the one that keeps the most tokens home is taken
-MOVES = 4             # ... each source making up to this many moves a round (distinct rows)
 TEXT_ROUNDS = 64      # text steps (`_shed`): rounds at most, each trading for many ranks at once
-PARTNERS = 16         # ... about R / this many of them (each with its own partners)
+PARTNERS = 16         # ... for about R / this many of the most loaded ranks (each with its own
+SOURCES = 32          # partners), at most this many
+MOVES = 4             # ... each making up to this many moves a round (into distinct rows)
 STALL, GAIN = 2, 1e-4  # ... until the top rank comes down by less than GAIN (of the mean)
                        # in STALL rounds
-SOURCES = 32         # ... for at most this many of the most loaded ranks
 LONG = 1 / 32         # ... items of more than this share of C swap (4k of 128k)
 SHORT = 1 / 16        # ... items of at most this share of C refill a row after a swap (8k
                       # of 128k: at most 17% over their tokens in attention at a = 1/49152;
