@@ -201,3 +201,66 @@ def test_text_steps_move_items_to_a_rank_with_room_past_the_least_loaded():
     assert after.max() == pytest.approx(1710.0)      # rank 0 keeps only its long document
     assert new_rank[1] in (17, 18, 19) and (new_rank[2:] == rank[2:]).all()
     assert np.bincount(new_rank, c.length[take], minlength=20).max() <= 1000
+
+
+@pytest.mark.core
+def test_text_steps_swap_a_long_item_for_a_shorter_one_and_refill_where_no_move_fits():
+    # Text, C = 1000, M = 2, a = 1e-3, every row of ranks 1 and 2 full (no move fits). Rank 0:
+    # a 900-token document in one row; a 500-token one and twenty 25-token items in the other
+    # (2,972.5). Ranks 1 and 2: a 300-token document and 28 short items; a 600-token document
+    # and 16 short items (2,477.5). Swapping rank 0's 500 for rank 1's 300 and sending 8 short
+    # items back to fill the row the 300 left evens the step to 2,817.5 / 2,632.5 / 2,477.5:
+    # the cost of the 500 beyond its tokens moves to rank 1, the tokens stay where they were.
+    short = np.full
+    windows = [[np.concatenate([[900, 500], short(20, 25)])]] + \
+        [[np.concatenate([[300, 600], short(44, 25)])] for _ in range(2)]
+    c = Candidates.from_windows(windows)
+    geometry = Geometry(ranks=3, micro_batches=2, capacity=1000)
+    cost = CostModel(a=1e-3, b=1.0)
+    take = np.arange(len(c))
+    rank = c.rank[take].astype(np.int32)
+    first = np.flatnonzero(c.position[take] == 0)       # each rank's first document: row 0
+    row = np.ones(take.size, np.int32)
+    row[first] = 0
+    row[(c.rank[take] > 0) & (c.position[take] >= 2) & (c.position[take] < 2 + 28)] = 0
+    fill = np.bincount(rank.astype(np.int64) * 2 + row, c.length[take], minlength=6)
+    assert fill.tolist() == [900, 1000, 1000, 1000, 1000, 1000]
+    before = rank_costs(c, take, rank, c.length[take], geometry, cost)
+    assert before.tolist() == pytest.approx([2972.5, 2477.5, 2477.5])
+    new_rank, new_row = refine_swaps(c, take, rank, row, c.length[take], geometry, cost)
+    after = rank_costs(c, take, new_rank, c.length[take], geometry, cost)
+    assert after.max() == pytest.approx(2817.5)
+    assert sorted(after.tolist()) == pytest.approx([2477.5, 2632.5, 2817.5])
+    five_hundred = int(np.flatnonzero(c.length[take] == 500)[0])
+    assert new_rank[five_hundred] != 0                  # the 500 went, the 900 stayed
+    assert new_rank[np.flatnonzero(c.length[take] == 900)[0]] == 0
+    fill = np.bincount(new_rank.astype(np.int64) * 2 + new_row, c.length[take], minlength=6)
+    assert fill.max() <= 1000 and fill.sum() == 5900
+
+
+@pytest.mark.core
+@pytest.mark.parametrize("ranks,micro_batches", [(4, 1), (8, 2), (40, 2)])
+def test_on_text_steps_the_same_items_rows_within_c_and_never_a_slower_step(
+        ranks, micro_batches, monkeypatch):
+    # Long-tail text windows (most items short, some near C), planned with and without the pass.
+    geometry = Geometry(ranks=ranks, micro_batches=micro_batches, capacity=4096)
+    lowered = 0
+    for seed in range(6):
+        rng = np.random.default_rng(seed)
+        windows = [[np.minimum(4096, np.where(rng.random(60) < 0.1,
+                                              rng.integers(1000, 4097, 60),
+                                              rng.integers(8, 200, 60)))]
+                   for _ in range(ranks)]
+        c = Candidates.from_windows(windows)
+        off = plan(c, geometry, "balanced", False, monkeypatch)
+        on = plan(c, geometry, "balanced", True, monkeypatch)
+        check_plan(c, geometry, COST, on)
+        assert sorted(on.take.tolist()) == sorted(off.take.tolist())
+        assert dict(zip(on.take.tolist(), on.length.tolist())) == \
+            dict(zip(off.take.tolist(), off.length.tolist()))
+        assert on.rank_cost.max() <= off.rank_cost.max() * (1 + 1e-12)
+        lowered += on.rank_cost.max() < off.rank_cost.max() * (1 - 1e-6)
+        again = plan(c, geometry, "balanced", True, monkeypatch)
+        assert (again.take == on.take).all() and (again.rank == on.rank).all() and \
+            (again.row == on.row).all()
+    assert lowered > 0
