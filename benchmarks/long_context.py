@@ -186,11 +186,13 @@ def default_sim_steps(R: int) -> int:
     """The dry run's default length at R ranks. No item can be forced before step 2W = 16 (the
     deferral bound), so the first ~18 steps are a warm-up whose layers take the window's heavy
     documents with nothing yet due; the steady state after it alternates layers with steps that
-    carry the documents come due. 32 steps at R = 64 were half warm-up (0.975 against 0.93-0.95
-    over 96); 96 steps keep the warm-up to a fifth up to R = 64 (seconds a run), 48 to 512
-    (planning ~0.1-0.5 s a step); at R = 4096 (~1 s a step, and a corpus of 10^11 tokens for
-    48 steps) 4 steps, warm-up only: its figures do not show the steady state."""
-    return 96 if R <= 64 else 48 if R <= 512 else 4
+    carry the documents come due. 32 steps at R = 64 were half warm-up (128k PP=4: 0.975 over
+    32 steps against 0.93-0.95 over 96, main before long9); 96 steps keep the warm-up to a fifth:
+    seconds a run at R = 64, ~1.5 min at R = 512 (planning ~0.3 s a step there). At R = 4096
+    (~1 s a step, and a corpus of 10^11 tokens for 48 steps) 4 steps: warm-up only, its figures
+    do not show the steady state.
+    """
+    return 96 if R <= 512 else 4
 
 
 def run_sim(name: str, R: int, planners, args, seed: int = 0) -> list[dict]:
@@ -248,7 +250,7 @@ def main(argv=None) -> int:
     ap.add_argument("--planners", default=",".join(PLANNERS))
     ap.add_argument("--sim-ranks", default="64,512,4096")
     ap.add_argument("--sim-steps", type=int, default=None,
-                    help="dry-run steps per run (default: 96 up to R=64, 48 up to 512, else 4: "
+                    help="dry-run steps per run (default: 96 up to R=512, else 4: "
                          "`default_sim_steps`)")
     ap.add_argument("--seeds", default="0",
                     help="corpus seeds of the dry runs, e.g. 0,1,2 (one run per seed)")

@@ -45,3 +45,16 @@ def test_each_dry_run_step_reports_its_deferred_items():
         assert (r.delays[0] >= 1).all()
         waited += r.waited
     assert waited > 0
+
+
+def test_default_dry_runs_reach_the_steady_state_up_to_512_ranks():
+    """No item is forced before step 2W = 16 (the planner's default deferral bound): a dry run
+    whose default length is not well past it reports the warm-up (32 steps at R = 64 read
+    0.975 where the steady state gives 0.93-0.95). Up to R = 512 the default keeps the first
+    18 steps to at most a fifth of the run."""
+    from long_context import default_sim_steps
+    from streamload.plan.planner import DEFERRAL_WINDOWS, Planner
+    bound = DEFERRAL_WINDOWS * Planner.lookahead
+    assert bound == 16
+    for R in (2, 4, 64, 512):
+        assert default_sim_steps(R) >= 5 * (bound + 2)
