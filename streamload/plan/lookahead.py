@@ -72,6 +72,7 @@ ONE_PER_SLOT = True  # a layer takes at most one item of more than half a slot p
                      # False: as many as its excess allows (the rule before, for comparison)
 RIDE_AHEAD = 2       # heavy items due within this many steps may ride a heavier layer
 RIDE_SHARE = 0.05    # riders while the layer's shortfall stays within this share of it
+FORCED_RIDE = True
 LEVEL_BLOCKS = (2, 8)  # `_first_feasible` tries the top 2 levels, then to the 8th, then the rest
 
 
@@ -485,21 +486,37 @@ def heavy_layer(excess: np.ndarray, must: np.ndarray, free: np.ndarray, age: np.
             return free[alike]
         riders = free[ok & ~alike & (age[free] >= ride_age)]
         riders = riders[np.lexsort((riders, -excess[riders], -age[riders]))]
-        riders = riders[np.cumsum(level - excess[riders]) <= RIDE_SHARE * slots * level]
+        riders = riders[np.cumsum(level - excess[riders]) <=
+                        RIDE_SHARE * slots * level - forced_deficit]
         return np.union1d(free[alike], riders)
 
-    must_excess = float(excess[must].sum())
-    if must.size:
-        level = float(excess[must].max())
-    else:
+    def layer_level():
         levels = np.unique(excess[free])[::-1]
         if levels.size == 0:
-            return free[:0]
+            return None
         if levels.size > LEVEL_CANDIDATES:   # spread over the whole range, the heaviest first
             levels = levels[np.unique(np.linspace(0, levels.size - 1, LEVEL_CANDIDATES)
                                       .astype(np.int64))]
-        level = _first_feasible(levels, excess[free][:, None], length[free][:, None],
-                                slots, slot_tokens)
+        return _first_feasible(levels, excess[free][:, None], length[free][:, None],
+                               slots, slot_tokens)
+
+    must_excess = float(excess[must].sum())
+    forced_deficit = 0.0
+    dense = not must.size
+    if must.size:
+        level = float(excess[must].max())
+        # Forced items the window cannot even out at their own level ride a heavier layer
+        # the window can give, while their shortfall stays within RIDE_SHARE of it.
+        below = excess[free][excess[free] <= level * (1 + 1e-9)]
+        if FORCED_RIDE and ride_age is not None and \
+                must_excess + float(below.sum()) < slots * level:
+            higher = layer_level()
+            if higher is not None and higher > level and \
+                    higher * must.size - must_excess <= RIDE_SHARE * slots * higher:
+                level, dense = higher, True
+                forced_deficit = higher * must.size - must_excess
+    else:
+        level = layer_level()
         if level is None:
             return free[:0]
     budget = slots * level - must_excess
@@ -507,7 +524,7 @@ def heavy_layer(excess: np.ndarray, must: np.ndarray, free: np.ndarray, age: np.
         return free[:0]
     # A forced item sets the step's slowest slot whatever joins it: then any item no heavier
     # fills the other slots toward it for free (one less straggler later), alike or not.
-    eligible = fit(level, dense=not must.size)
+    eligible = fit(level, dense=dense)
     eligible = eligible[np.lexsort((eligible, -excess[eligible], -age[eligible]))]
     within = (np.cumsum(excess[eligible]) - excess[eligible] < budget) & \
         (np.cumsum(length[eligible]) <= room)
