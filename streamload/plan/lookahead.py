@@ -25,6 +25,8 @@ windows that deep) and plans the step as the first of W:
   its shortfall over the slots, a lone forced document a fifth to a third of a step whatever
   the slots: riders pay at many slots (at 128k, PP = 4, R = 64, 256 of them, documents of
   97-105k, 0.58 of a 128k piece's excess, came due alone every few steps) and wait at few.
+  Forced items ride too (`FORCED_RIDE`) where the window cannot even the step out at their
+  own level but can give a heavier layer.
 - **Held once arrived** (`HOLD_ARRIVED`, `_arrived_layer`). Light documents flow in arrival
   order at their quotas; a heavy one joins a layer only when nothing light is left in front of
   it in its window (rank, source): it has *arrived*, and waits at the head of its window, in
@@ -72,7 +74,7 @@ ONE_PER_SLOT = True  # a layer takes at most one item of more than half a slot p
                      # False: as many as its excess allows (the rule before, for comparison)
 RIDE_AHEAD = 2       # heavy items due within this many steps may ride a heavier layer
 RIDE_SHARE = 0.05    # riders while the layer's shortfall stays within this share of it
-FORCED_RIDE = True
+FORCED_RIDE = True   # a forced item without peers rides a heavier layer (`heavy_layer`)
 LEVEL_BLOCKS = (2, 8)  # `_first_feasible` tries the top 2 levels, then to the 8th, then the rest
 
 
@@ -474,7 +476,8 @@ def heavy_layer(excess: np.ndarray, must: np.ndarray, free: np.ndarray, age: np.
     but not dense enough, ride (`RIDE_SHARE`; None: none rides). The fit items then join,
     oldest first (then heaviest), while their excess stays within slots·e, their tokens within
     `room`, and those of more than half a slot within one per slot (`ONE_PER_SLOT`) (with a
-    forced item, every item no heavier than e is fit).
+    forced item, every item no heavier than e is fit; where those cannot even the step out,
+    the forced items ride the heavier layer the free ones give, `FORCED_RIDE`).
     Without a level (too little heavy work in the window to even out a step) none joins.
     """
     def fit(level, dense):
