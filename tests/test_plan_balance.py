@@ -437,10 +437,10 @@ def test_a_near_due_item_rides_a_heavier_layer_when_it_costs_the_layer_little():
 
 
 def test_a_forced_item_without_peers_rides_a_heavier_layer():
-    """A forced item sets the step's level only where the window can even the step out at it;
-    a lone one (no peers no heavier) rides the heavier layer the window can give instead of
-    sitting alone in a light step (128k PP=4 R=512: single forced 99k documents at 0.75-0.85
-    beside a window full of 128k pieces)."""
+    """Under pipeline stages a forced item sets the level only where the window can even the
+    step out at it; a lone one (no peers no heavier) rides the heavier layer the window can
+    give instead of sitting alone in a light step (128k PP=4 R=512: single forced 99k
+    documents at 0.75-0.85 beside a window full of 128k pieces)."""
     from streamload.plan import lookahead
     from streamload.plan.lookahead import heavy_layer
     slots = 64
@@ -448,5 +448,6 @@ def test_a_forced_item_without_peers_rides_a_heavier_layer():
     must, free = np.array([0]), np.arange(1, slots + 1)
     args = (excess, must, free, age, length, slots, 100, 100 * slots)
     assert heavy_layer(*args).size == 0               # no riders: the level is the forced one's
-    picked = heavy_layer(*args, ride_age=16 - lookahead.RIDE_AHEAD)
+    assert heavy_layer(*args, ride_age=16 - lookahead.RIDE_AHEAD).size == 0
+    picked = heavy_layer(*args, ride_age=16 - lookahead.RIDE_AHEAD, forced_ride=True)
     assert picked.size == slots - 1                   # the forced item holds the last slot

@@ -25,8 +25,8 @@ windows that deep) and plans the step as the first of W:
   its shortfall over the slots, a lone forced document a fifth to a third of a step whatever
   the slots: riders pay at many slots (at 128k, PP = 4, R = 64, 256 of them, documents of
   97-105k, 0.58 of a 128k piece's excess, came due alone every few steps) and wait at few.
-  Forced items ride too (`FORCED_RIDE`) where the window cannot even the step out at their
-  own level but can give a heavier layer.
+  Under pipeline stages, forced items ride too (`FORCED_RIDE`) where the window cannot even
+  the step out at their own level but can give a heavier layer.
 - **Held once arrived** (`HOLD_ARRIVED`, `_arrived_layer`). Light documents flow in arrival
   order at their quotas; a heavy one joins a layer only when nothing light is left in front of
   it in its window (rank, source): it has *arrived*, and waits at the head of its window, in
@@ -74,7 +74,8 @@ ONE_PER_SLOT = True  # a layer takes at most one item of more than half a slot p
                      # False: as many as its excess allows (the rule before, for comparison)
 RIDE_AHEAD = 2       # heavy items due within this many steps may ride a heavier layer
 RIDE_SHARE = 0.05    # riders while the layer's shortfall stays within this share of it
-FORCED_RIDE = True   # a forced item without peers rides a heavier layer (`heavy_layer`)
+FORCED_RIDE = True   # under pipeline stages, a forced item without peers rides a heavier
+                     # layer (`heavy_layer`; measured to cost 32k DP R = 64, where it is off)
 LEVEL_BLOCKS = (2, 8)  # `_first_feasible` tries the top 2 levels, then to the 8th, then the rest
 
 
@@ -239,7 +240,7 @@ def select_lookahead(c: Candidates, targets: np.ndarray, geometry: Geometry, cos
     else:
         picked, light_take = _arrived_layer(c, excess, must, free, light, quota,
                                             used, room, slots, slot_tokens, light_tokens,
-                                            force_age)
+                                            force_age, FORCED_RIDE and geometry.pipelined)
         taken[picked] = True
     taken |= light_take
     selected = np.flatnonzero(taken)
@@ -361,8 +362,8 @@ def _arrived(c: Candidates, candidates: np.ndarray, first_left: np.ndarray) -> n
 
 def _arrived_layer(c: Candidates, excess: np.ndarray, must: np.ndarray, free: np.ndarray,
                    light: np.ndarray, quota: np.ndarray, used: np.ndarray, room: float,
-                   slots: int, slot_tokens: int, light_tokens: np.ndarray, force_age: int
-                   ) -> tuple[np.ndarray, np.ndarray]:
+                   slots: int, slot_tokens: int, light_tokens: np.ndarray, force_age: int,
+                   forced_ride: bool = False) -> tuple[np.ndarray, np.ndarray]:
     """The heavy layer out of the heavy documents that have *arrived* (`HOLD_ARRIVED`), and
     the light take around it. Returns (picked heavy indices, light take mask). `must`, `free`:
     the forced and the free heavy items (indices, ascending); `light_tokens`: the light
@@ -383,7 +384,7 @@ def _arrived_layer(c: Candidates, excess: np.ndarray, must: np.ndarray, free: np
     for _ in range(ARRIVAL_ROUNDS):
         candidates = _arrived(c, candidates, take[2])
         picked = heavy_layer(excess, must, candidates, age, length, slots, slot_tokens, room,
-                             ride_age)
+                             ride_age, forced_ride)
         if picked.size == 0:   # no layer: the light take is the whole room's
             return picked, light_take.mask(whole_room)
         take = light_take(quota, used.copy(), room - float(length[picked].sum()))
@@ -461,7 +462,7 @@ def straggler_limit(attention: np.ndarray, length: np.ndarray, pool: np.ndarray,
 
 def heavy_layer(excess: np.ndarray, must: np.ndarray, free: np.ndarray, age: np.ndarray,
                 length: np.ndarray, slots: int, slot_tokens: int, room: float,
-                ride_age: int | None = None) -> np.ndarray:
+                ride_age: int | None = None, forced_ride: bool = False) -> np.ndarray:
     """Which heavy documents (`free`, candidate indices) join this step, besides the forced
     ones (`must`), so that every one of the step's `slots` (of `slot_tokens` tokens) carries
     the same excess cost.
@@ -477,7 +478,7 @@ def heavy_layer(excess: np.ndarray, must: np.ndarray, free: np.ndarray, age: np.
     oldest first (then heaviest), while their excess stays within slots·e, their tokens within
     `room`, and those of more than half a slot within one per slot (`ONE_PER_SLOT`) (with a
     forced item, every item no heavier than e is fit; where those cannot even the step out,
-    the forced items ride the heavier layer the free ones give, `FORCED_RIDE`).
+    the forced items ride the heavier layer the free ones give with `forced_ride`).
     Without a level (too little heavy work in the window to even out a step) none joins.
     """
     def fit(level, dense):
@@ -511,7 +512,7 @@ def heavy_layer(excess: np.ndarray, must: np.ndarray, free: np.ndarray, age: np.
         # Forced items the window cannot even out at their own level ride a heavier layer
         # the window can give, while their shortfall stays within RIDE_SHARE of it.
         below = excess[free][excess[free] <= level * (1 + 1e-9)]
-        if FORCED_RIDE and ride_age is not None and \
+        if forced_ride and ride_age is not None and \
                 must_excess + float(below.sum()) < slots * level:
             higher = layer_level()
             if higher is not None and higher > level and \
