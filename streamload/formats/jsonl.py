@@ -46,6 +46,8 @@ def _newlines(data, start: int, end: int) -> int:
         found += 1
         at = data.find(b"\n", at + 1, end)
     return found
+
+
 _STEMS = (".jsonl", ".ndjson")
 _NAMED_STEMS = _STEMS + (".json",)   # `.json` only when the format is named explicitly
 _COMPRESSIONS = {"": None, ".gz": "gzip", ".zst": "zstd", ".zstd": "zstd"}
@@ -143,7 +145,8 @@ def _fields_present(line: bytes, text_field: str) -> str:
 class JsonlStream(PlannedStream):
     """State for reading one JSONL shard: the decompressor, the partial line, the line number.
     Its ranges are fixed-size slices of the file (`ranges`). A range's chunk may be `bytes` or
-    a buffer a store filled (`takes_buffers`): nothing of it is kept once it is decoded."""
+    a buffer a store filled (`takes_buffers`); a chunk is kept only while a line that begins in
+    it is unfinished, and what is decoded from it is copied out."""
 
     # The fetcher may read this stream's ranges into mapped buffers (`storage.buffers`): the
     # decoder only finds, slices and views a chunk, and copies what it keeps.

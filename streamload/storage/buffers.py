@@ -2,9 +2,9 @@
 
 A ranged read's body (1 MiB by default) lives from its GET until its range is decoded, a few
 hundred milliseconds later, on another thread. As `bytes` it comes from glibc's malloc, and once
-glibc has raised its dynamic mmap threshold (it does so as soon as a freed mmapped block was
-bigger: the S3 client's service model, read at start, takes it to ~2.8 MB), blocks of that size
-come from the threads' arenas, which keep the memory after it is freed. A buffer from
+glibc has raised its dynamic mmap threshold (it does so whenever a freed mmapped block was
+bigger: botocore's JSON models, read when the S3 client is made, take it to ~2.8 MB), blocks of
+that size come from the threads' arenas, which keep the memory after it is freed. A buffer from
 `mapped_buffer` is an `mmap` of its own: unmapped, so back to the system, when its last
 reference goes, whatever the process's allocator settings (docs/benchmarks.md, rss9).
 
