@@ -70,6 +70,21 @@ def record(config: str, ranks: int, path: str, steps: int, seed: int) -> dict:
             **{k: result[k] for k in ("efficiency", "fill_but_last", "plan_ms_mean")}}
 
 
+def _as_offered(quota):
+    """The recorded step as this tree's dry run would offer it: where `Candidates.from_windows`
+    already knows the windows' layout (`Candidates.known_windows`), the replay's candidates
+    know it too (worked out here, outside the timing, from the recorded layout)."""
+    from streamload.plan.types import Candidates
+    probe = Candidates.from_windows([[np.array([1])]])
+    c = quota.candidates
+    if "dense_positions" in vars(probe) and len(c) and c.window_bounds is not None \
+            and c.dense_positions:
+        sizes = np.diff(c.window_bounds).reshape(c.num_sources, c.num_ranks).T
+        _uncached(c)
+        c.known_windows(sizes)
+    return quota
+
+
 def replay(path: str, runs: int) -> dict:
     with open(path, "rb") as f:
         steps = pickle.load(f)
@@ -80,6 +95,7 @@ def replay(path: str, runs: int) -> dict:
         best = None
         for _ in range(runs):
             planner, quota, index = pickle.loads(blob)
+            quota = _as_offered(quota)
             gc.collect()
             started = time.process_time()
             assignment = planner.assign_quota(quota, index)

@@ -658,6 +658,8 @@ def _arrival_windows(c: Candidates, selected: np.ndarray):
     candidates' own order, as windows lay them out)."""
     window = c.source[selected].astype(np.int64) * c.num_ranks + c.rank[selected]
     position = c.position[selected].astype(np.int64)
+    if c.dense_positions:   # laid out by (window, position): ascending indices are in order
+        return window, position, None, c.num_ranks * c.num_sources
     key = window * (int(position.max(initial=0)) + 1) + position
     order = np.argsort(key, kind="stable") if (key[1:] < key[:-1]).any() else None
     return window, position, order, c.num_ranks * c.num_sources

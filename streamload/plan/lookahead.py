@@ -180,7 +180,8 @@ def select_lookahead(c: Candidates, targets: np.ndarray, geometry: Geometry, cos
     slot_tokens = geometry.capacity if slots == geometry.rows else \
         geometry.micro_batches * geometry.capacity
     # Heavy: what a step of light documents cannot even out (`straggler_limit`).
-    attention = weight - linear_part     # b·L as `item_costs` made it: the same floats
+    # b·L as `item_costs` made it: the same floats (in its buffer, read nowhere else)
+    attention = np.subtract(weight, linear_part, out=linear_part)
     np.maximum(attention, 0.0, out=attention)
     linear = float(cost.b) * slot_tokens if cost.b > 0 else float(cost.a) * slot_tokens ** 2
     # Only items above the limit's floor can pass it: the heavy ones are looked up among them.
@@ -191,8 +192,10 @@ def select_lookahead(c: Candidates, targets: np.ndarray, geometry: Geometry, cos
     # carries more than a slot of light documents of the same tokens.
     light_pool = pool.copy()
     light_pool[heavy_items] = False
-    density = float(weight[light_pool].sum()) / float(length.sum(where=light_pool)) \
-        if light_pool.any() else float(cost.b)
+    # The light pool's tokens: the pool's less the heavy items' (whole numbers: exact).
+    light_pool_tokens = pool_tokens - float(length[heavy_items].sum())
+    density = float(weight[light_pool].sum()) / light_pool_tokens \
+        if light_pool_tokens > 0 else float(cost.b)
     excess = np.zeros(len(c))                      # read for heavy items only
     excess[heavy_items] = np.maximum(weight[heavy_items] - density * length[heavy_items], 0.0)
 

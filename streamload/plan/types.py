@@ -85,21 +85,24 @@ class Candidates:
         flags / images / patches alike, optional)."""
         num_ranks = len(windows)
         num_sources = len(windows[0]) if windows else 0
-        source, rank, position = window_columns(
-            np.array([[len(w) for w in per_rank] for per_rank in windows],
-                     np.int64).reshape(num_ranks, num_sources))
+        sizes = np.array([[len(w) for w in per_rank] for per_rank in windows],
+                         np.int64).reshape(num_ranks, num_sources)
+        source, rank, position = window_columns(sizes)
 
         def field(per_window, dtype, fill=0):
             if per_window is None:
                 return np.full(source.shape[0], fill, dtype=dtype)
             return flatten_windows(per_window, dtype)
 
-        return Candidates(
+        c = Candidates(
             flatten_windows(windows, np.int64), source, rank, position,
             field(ages, np.int32), field(extra_costs, np.float64), num_sources, num_ranks,
             field(divisible, bool, False),
             None if images is None else field(images, np.int64),
             None if patches is None else field(patches, np.int64))
+        # Laid out by `window_columns(sizes)`: its windows are known, as `decode_summaries`
+        # knows them (the dry run's candidates then skip the scans for them, as the loader's do).
+        return c.known_windows(sizes) if num_ranks and num_sources else c
 
     @cached_property
     def _source_bounds(self) -> np.ndarray | None:
