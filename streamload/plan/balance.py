@@ -240,6 +240,7 @@ def _lpt(bins: _Bins, queue: np.ndarray, *, cap: float | None, home_first: bool 
     slot_of_bin = np.full(bins.num_bins + 1, -1, dtype=np.int64)
     projected = bins.projected()
     top = float(bins.load.max(initial=0.0))           # loads only grow here
+    flat_fill = bins.fill.reshape(-1)                  # a view (one row per bin: `place`)
     front, at = queue[:0], 0
     while front.size or at < queue.size:
         head = int(front[0]) if front.size else int(queue[at])
@@ -249,8 +250,10 @@ def _lpt(bins: _Bins, queue: np.ndarray, *, cap: float | None, home_first: bool 
         usable = bins.maxroom >= length[head]
         if limit is not None:
             usable &= bins.load + w[head] <= limit
-        open_bins = np.flatnonzero(usable)
-        if open_bins.size == 0:
+        # The open bins' projected loads (the others: infinite), and the least of them.
+        open_keys = np.where(usable, projected, np.inf)
+        least = open_keys.min()
+        if least == np.inf:
             # The head fits nowhere: drop every queued item that fits nowhere either.
             rest = np.concatenate([front, queue[at:]])
             least = float(bins.load.min())
@@ -260,9 +263,8 @@ def _lpt(bins: _Bins, queue: np.ndarray, *, cap: float | None, home_first: bool 
             fits[0] = False
             queue, front, at = rest[fits], queue[:0], 0
             continue
-        keys = projected[open_bins]
-        near = keys < keys.min() + max(w[head], _EPS)
-        eligible, keys = open_bins[near], keys[near]
+        eligible = np.flatnonzero(open_keys < least + max(w[head], _EPS))
+        keys = projected[eligible]
         if eligible.size > 1:
             order = np.argsort(keys, kind="stable")
             eligible, keys = eligible[order], keys[order]
@@ -270,18 +272,38 @@ def _lpt(bins: _Bins, queue: np.ndarray, *, cap: float | None, home_first: bool 
             chunk, front = front[:eligible.size], front[eligible.size:]
         else:
             take = min(eligible.size - front.size, queue.size - at)
-            chunk, front, at = np.concatenate([front, queue[at:at + take]]), front[:0], at + take
+            chunk = np.concatenate([front, queue[at:at + take]]) if front.size else \
+                queue[at:at + take]
+            front, at = front[:0], at + take
         # One bin in the round: the item goes there, home or not (what `_pair_home` gives).
         targets = (_pair_home(chunk, eligible, keys, w, bins.home_bin, slot_of_bin, home_slack)
                    if home_first and eligible.size > 1 else eligible[:chunk.size])
+        new_load = bins.load[targets] + w[chunk]
         if limit is not None:
-            allowed = bins.load[targets] + w[chunk] <= limit
+            allowed = new_load <= limit
             if forced is not None:
                 allowed |= forced[chunk]
             if not allowed.all():
                 front = np.concatenate([chunk[~allowed], front])   # their turn comes again
-                chunk, targets = chunk[allowed], targets[allowed]
+                chunk, targets, new_load = chunk[allowed], targets[allowed], new_load[allowed]
             if chunk.size == 0:
+                continue
+        if bins.rows == 1:
+            # One row per bin, and every item fits its bin (the usual round): `place` and the
+            # projected loads at once, from the new loads (the same sums, fewer passes).
+            lengths = length[chunk]
+            new_fill = flat_fill[targets] + lengths
+            if (new_fill <= bins.capacity).all():
+                new_tokens = bins.tokens[targets] + lengths
+                flat_fill[targets] = new_fill
+                bins.load[targets] = new_load
+                bins.tokens[targets] = new_tokens
+                bins.maxroom[targets] = bins.capacity - new_fill
+                bins.bin[chunk] = targets
+                bins.row[chunk] = 0
+                projected[targets] = new_load + bins.light_density * \
+                    np.maximum(bins.target_tokens - new_tokens, 0.0)
+                top = max(top, float(new_load.max()))
                 continue
         ok = bins.place(chunk, targets)
         touched = targets if ok.all() else targets[ok]

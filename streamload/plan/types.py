@@ -128,6 +128,23 @@ class Candidates:
         return self.by_source(np.arange(self.num_sources, dtype=np.int64) * span) + self.position
 
     @cached_property
+    def arrival_tokens(self) -> np.ndarray:
+        """float64 [num_sources · (largest position + 1)]: every candidate's tokens per
+        (source, position), by `arrival_key` (read-only: a histogram of a subset is this one
+        less that of the rest, sums of whole numbers, so exact). Worked out once per step."""
+        span = int(self.position.max(initial=-1)) + 1
+        out = np.bincount(self.arrival_key, weights=self.float_length,
+                          minlength=self.num_sources * span)
+        out.flags.writeable = False
+        return out
+
+    def arrival_tokens_less(self, out: np.ndarray) -> np.ndarray:
+        """`arrival_tokens` of every candidate but those in `out` (indices): a new array."""
+        return self.arrival_tokens - np.bincount(self.arrival_key[out],
+                                                 weights=self.float_length[out],
+                                                 minlength=self.arrival_tokens.size)
+
+    @cached_property
     def has_extra_cost(self) -> bool:
         """Whether any item has a cost of its own (`extra_cost` not all zero)."""
         return bool(self.extra_cost.any())
