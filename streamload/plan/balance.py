@@ -78,7 +78,12 @@ def item_costs(c: Candidates, idx: np.ndarray | None, cost: CostModel, *,
         weight, linear = cost.split_cost(c.float_length)
         if c.has_extra_cost:
             weight += c.extra_cost
+        weight.flags.writeable = False
+        c.costs[cost] = weight    # the same floats as below: (a·L·L + b·L) + extra, elementwise
         return (weight, linear) if with_linear else weight
+    known = c.costs.get(cost)
+    if known is not None:
+        return known[idx]
     return cost.doc_cost(c.length[idx]) + c.extra_cost[idx]
 
 
@@ -688,14 +693,19 @@ def _arrival_windows(c: Candidates, selected: np.ndarray):
 
 
 def _window_fronts(length: np.ndarray, window: np.ndarray,
-                   order: np.ndarray | None) -> np.ndarray:
+                   order: np.ndarray | None, bounds: np.ndarray | None = None) -> np.ndarray:
     """bool per selected item: the first items of each (rank, source) window, as long as they
     hold at most `FRONT_SHARE` of the window's selected tokens (`window`, `order`:
     `_arrival_windows`). The light fill places them before the other light items
     (`_fill_light`). An item an over-full step left out stands at the front of its window at
     the next step; placed largest first with the rest, the shortest were left out again (at
     128k, P = 4, R = 4, a third of the items left out were left out the next step too), and
-    every step a later item of their window went ahead counts in their delay."""
+    every step a later item of their window went ahead counts in their delay.
+
+    `bounds` (order None only): where each window starts in the selection, and the end
+    (`_selected_windows`); then the fronts are found per window (`_fronts_within`)."""
+    if bounds is not None and order is None:
+        return _fronts_within(length, bounds)
     lengths = (length if order is None else length[order]).astype(np.float64)
     w = window if order is None else window[order]
     if lengths.size == 0:
@@ -711,6 +721,33 @@ def _window_fronts(length: np.ndarray, window: np.ndarray,
     out = np.zeros(length.size, dtype=bool)
     out[order] = front
     return out
+
+
+def _selected_windows(c: Candidates, selected: np.ndarray) -> np.ndarray | None:
+    """Where each window (source · num_ranks + rank) starts among `selected` (ascending), and
+    the end; None when the candidates are not laid out by window (`window_bounds`)."""
+    bounds = c.window_bounds
+    return None if bounds is None else np.searchsorted(selected, bounds)
+
+
+def _fronts_within(length: np.ndarray, bounds: np.ndarray) -> np.ndarray:
+    """`_window_fronts` for windows that are runs of the selection at `bounds`: the same
+    items, found per window by a search over the running tokens (one pass over the items, not
+    ten). Token counts are whole numbers, so `upto <= FRONT_SHARE · total` (upto: the tokens
+    of a window's items up to and including this one) holds exactly when upto is at most
+    the floor of that bound."""
+    front = np.zeros(length.size, dtype=bool)
+    some = bounds[:-1] < bounds[1:]
+    start, end = bounds[:-1][some], bounds[1:][some]
+    if start.size == 0:
+        return front
+    total = np.cumsum(length)
+    base = total[start] - length[start]                  # tokens before each window
+    allowed = np.floor(FRONT_SHARE * (total[end - 1] - base).astype(np.float64))
+    count = np.searchsorted(total, base + allowed.astype(np.int64), side="right") - start
+    first = np.cumsum(count) - count
+    front[np.repeat(start - first, count) + np.arange(int(count.sum()))] = True
+    return front
 
 
 def _arrival_swaps(bins: _Bins, eligible: np.ndarray, window: np.ndarray,
@@ -1012,7 +1049,7 @@ def assign_balanced(c: Candidates, selected: np.ndarray, geometry: Geometry, cos
     arrival = _arrival_windows(c, selected) if tight and ARRIVAL_SWAPS else None
     # Over-full steps with rows as bins: each window's first items go first in the light fill.
     # (With a rank's rows as one bin it bought no delay in the dry runs: left alone there.)
-    early = _window_fronts(length, arrival[0], arrival[2]) \
+    early = _window_fronts(length, arrival[0], arrival[2], _selected_windows(c, selected)) \
         if rows_are_bins and arrival is not None and FRONT_SHARE > 0 else None
 
     def largest_first(items):

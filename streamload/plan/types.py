@@ -145,6 +145,13 @@ class Candidates:
                                                  minlength=self.arrival_tokens.size)
 
     @cached_property
+    def costs(self) -> dict:
+        """Every candidate's cost by cost model, once worked out this step
+        (`balance.item_costs`): the lookahead's selection works them out for all candidates,
+        and the balancer then reads those of the selected ones (read-only arrays)."""
+        return {}
+
+    @cached_property
     def has_extra_cost(self) -> bool:
         """Whether any item has a cost of its own (`extra_cost` not all zero)."""
         return bool(self.extra_cost.any())
