@@ -378,24 +378,28 @@ def _sorted_by(*keys: tuple[np.ndarray, int]) -> np.ndarray:
     return np.argsort(packed, kind="stable")
 
 
-def _longest_first(items: np.ndarray, length: np.ndarray) -> np.ndarray:
+def _longest_first(items: np.ndarray, length: np.ndarray,
+                   lengths: np.ndarray | None = None) -> np.ndarray:
     """`items` by length, longest first, ties in their current order. The key counts down
     from the longest item present (not from C), so it fits 16 bits, a radix sort, whenever the
-    items are shorter than 65,536 tokens (light items always are at any C in use)."""
-    lengths = length[items]
+    items are shorter than 65,536 tokens (light items always are at any C in use).
+    `lengths`: `length[items]`, when already known."""
+    if lengths is None:
+        lengths = length[items]
     longest = int(lengths.max(initial=0))
     return items[_sorted_by((longest - lengths, longest + 1))]
 
 
 def _put_many(bins: _Bins, items: np.ndarray, cells: np.ndarray, gaps: np.ndarray, *,
-              one_per_row: bool = False) -> None:
+              one_per_row: bool = False, lengths: np.ndarray | None = None) -> None:
     """Place items into flat row indices (several per row allowed); shrink `gaps` to match.
 
     With `one_per_row` (no row twice, as in a wave) the rows are updated in place, not through
     counts over every row: the same sums (one item per row, and per bin unless a bin has
     several rows, where the bins' loads are still summed by `np.bincount`)."""
     M, B = bins.rows, bins.num_bins
-    lengths = bins.length[items]
+    if lengths is None:          # else the caller's `bins.length[items]`
+        lengths = bins.length[items]
     b, r = (cells, 0) if M == 1 else (cells // M, cells % M)   # one row per bin: the cell
     if one_per_row:
         bins.fill[b, r] += lengths
@@ -441,14 +445,17 @@ def _keep_home(bins: _Bins, items: np.ndarray, gaps: np.ndarray) -> np.ndarray:
     per_bin = np.bincount(own_home, weights=lengths, minlength=B)
     within = np.cumsum(lengths) - (np.cumsum(per_bin) - per_bin)[own_home]
     span = float(M * C + 1)
-    end = own_home * span + within
+    base = own_home * span
+    end = base + within
     if M == 1:
         # One row per bin: the row is the home's (or none), found without a search. The same
         # sums as below: the search would land on the home exactly when end - 0.5 <= its end.
+        # Below's start test (end - lengths >= cell_end - gap - 0.5) always holds here: the
+        # start, base + (within - length), is a whole number at least `base`, while cell_end -
+        # gap is `base` within a rounding error far under 0.5 (B·span < 2^50), so it is left out.
         slot = own_home
-        cell_end = gaps[slot] + own_home * span
-        ok = ((end - 0.5 <= cell_end) | (slot == B - 1)) & \
-            (end - lengths >= cell_end - gaps[slot] - 0.5) & (end <= cell_end + 0.5)
+        cell_end = gaps[slot] + base
+        ok = ((end - 0.5 <= cell_end) | (slot == B - 1)) & (end <= cell_end + 0.5)
     else:
         cell_end = (np.cumsum(gaps.reshape(B, M), axis=1) +
                     (np.arange(B) * span)[:, None]).ravel()
@@ -459,7 +466,7 @@ def _keep_home(bins: _Bins, items: np.ndarray, gaps: np.ndarray) -> np.ndarray:
         # bin's own items there (a row went 9k tokens over C at 128k once windows were 8 steps
         # deep).
         ok &= slot // M == own_home
-    _put_many(bins, own_items[ok], slot[ok], gaps)
+    _put_many(bins, own_items[ok], slot[ok], gaps, lengths=lengths[ok])
     rest = np.ones(items.size, dtype=bool)
     rest[own[ok]] = False
     return items[rest]
@@ -499,7 +506,7 @@ def _runs(bins: _Bins, items: np.ndarray, gaps: np.ndarray) -> np.ndarray:
     end = np.cumsum(lengths).astype(np.float64)
     slot = np.minimum(np.searchsorted(cell_end, end - 0.5, side="left"), open_cells.size - 1)
     ok = (end - lengths >= cell_end[slot] - budget[slot] - 0.5) & (end <= cell_end[slot] + 0.5)
-    _put_many(bins, head[ok], open_cells[slot[ok]], gaps)
+    _put_many(bins, head[ok], open_cells[slot[ok]], gaps, lengths=lengths[ok])
     return np.concatenate([_longest_first(head[~ok], length), tail])
 
 
@@ -568,14 +575,16 @@ def _fill_light(bins: _Bins, items: np.ndarray, *, cap: float | None, home_first
         return items
     C = bins.capacity
     length = bins.length
+    lengths = length[items]
+    tokens = float(lengths.sum())
     free = (C - bins.fill).astype(np.float64)
-    free[free < length[items].min()] = 0.0
+    free[free < lengths.min()] = 0.0
     room = free.sum(axis=1)
-    density = max(float(bins.weight[items].sum()) / float(length[items].sum()), _EPS)
+    density = max(float(bins.weight[items].sum()) / tokens, _EPS)
     limit = None if cap is None else max(cap, float(bins.load.max()))
-    allowance = _level(bins.load, room, density, float(length[items].sum()), limit)
+    allowance = _level(bins.load, room, density, tokens, limit)
     gaps = (free * (allowance / np.maximum(room, 1.0))[:, None]).ravel()
-    items = _longest_first(items, length)
+    items = _longest_first(items, length, lengths)
 
     left = []
     must = forced[items] if forced is not None else np.zeros(items.size, dtype=bool)
