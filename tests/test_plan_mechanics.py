@@ -301,3 +301,14 @@ def test_window_fronts_found_per_window_are_the_running_sums_rule(seed, share, m
     expected = balance._window_fronts(length, window, None)
     got = balance._window_fronts(length, window, None, balance._selected_windows(c, selected))
     assert np.array_equal(got, expected)
+
+
+@pytest.mark.parametrize("seed", range(10))
+def test_within_is_isin_for_ascending_indices(seed):
+    """`lookahead._within(items, among)`: np.isin for `among` ascending, items in any order,
+    `among` empty or not."""
+    from streamload.plan.lookahead import _within
+    rng = np.random.default_rng(seed)
+    among = np.flatnonzero(rng.random(200) < (0.0 if seed == 0 else 0.3))
+    items = rng.permutation(rng.integers(0, 220, int(rng.integers(0, 50))))
+    assert np.array_equal(_within(items, among), np.isin(items, among))
