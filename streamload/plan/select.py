@@ -48,6 +48,8 @@ def _ranks_in_order(c: Candidates) -> bool:
     position) already come by rank."""
     if len(c) < 2:
         return True
+    if "window_bounds" in vars(c):   # known (or found) already: None exactly when it decreases
+        return c.window_bounds is not None
     window = c.source.astype(np.int64) * max(c.num_ranks, int(c.rank.max()) + 1) + c.rank
     return bool((window[1:] >= window[:-1]).all())
 
