@@ -444,25 +444,34 @@ def _keep_home(bins: _Bins, items: np.ndarray, gaps: np.ndarray) -> np.ndarray:
     home = bins.home_bin[items]
     if home.size and int(home.min()) >= 0:   # every item has a home (rows under 1F1B)
         own = _sorted_by((home, B))
+        count = np.bincount(home, minlength=B)
     else:
         own = np.flatnonzero(home >= 0)
+        count = np.bincount(home[own], minlength=B)
         own = own[_sorted_by((home[own], B))]
-    own_items, own_home = items[own], home[own]
+    # By home, so each bin's items are a run: per-bin values are repeated over the runs
+    # (sequential writes), not gathered per item.
+    bin_ids = np.arange(B)
+    own_items, own_home = items[own], np.repeat(bin_ids, count)
     lengths = length[own_items]
-    # Tokens before each item in its bin: whole numbers, so the float sums are exact.
-    per_bin = np.bincount(own_home, weights=lengths, minlength=B)
-    within = np.cumsum(lengths) - (np.cumsum(per_bin) - per_bin)[own_home]
+    # Tokens before each item in its bin, and up to it: whole numbers (the sums are exact).
+    running = np.cumsum(lengths)
+    first = np.cumsum(count) - count                  # each bin's first item in the runs
+    before_bin = np.where(first > 0, running[np.maximum(first - 1, 0)], 0) if running.size \
+        else np.zeros(B, dtype=np.int64)
+    within = running - np.repeat(before_bin, count)
     span = float(M * C + 1)
-    base = own_home * span
-    end = base + within
+    base_of = bin_ids * span
+    end = np.repeat(base_of, count) + within
     if M == 1:
         # One row per bin: the row is the home's (or none), found without a search. The same
         # sums as below: the search would land on the home exactly when end - 0.5 <= its end.
         # Below's start test (end - lengths >= cell_end - gap - 0.5) always holds here: the
-        # start, base + (within - length), is a whole number at least `base`, while cell_end -
-        # gap is `base` within a rounding error far under 0.5 (B·span < 2^50), so it is left out.
+        # start, base + (within - length), is a whole number at least the base, while
+        # cell_end - gap is the base within a rounding error far under 0.5 (B·span < 2^50),
+        # so it is left out.
         slot = own_home
-        cell_end = gaps[slot] + base
+        cell_end = np.repeat(gaps + base_of, count)
         ok = ((end - 0.5 <= cell_end) | (slot == B - 1)) & (end <= cell_end + 0.5)
     else:
         cell_end = (np.cumsum(gaps.reshape(B, M), axis=1) +
