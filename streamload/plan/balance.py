@@ -708,14 +708,17 @@ def _trim(bins: _Bins, droppable: np.ndarray, geometry: Geometry, overhead: floa
 def _arrival_windows(c: Candidates, selected: np.ndarray):
     """For `_arrival_swaps`: each selected item's window (source · ranks + rank), its position,
     and the order that sorts them by (window, position): None when they already are (the
-    candidates' own order, as windows lay them out)."""
-    window = c.source[selected].astype(np.int64) * c.num_ranks + c.rank[selected]
+    candidates' own order, as windows lay them out). `selected` ascending."""
+    num_windows = c.num_ranks * c.num_sources
     position = c.position[selected].astype(np.int64)
-    if c.dense_positions:   # laid out by (window, position): ascending indices are in order
-        return window, position, None, c.num_ranks * c.num_sources
+    if c.dense_positions:   # laid out by (window, position): ascending indices are in order,
+        # and each window's items a run of the selection (`_selected_windows`)
+        window = np.repeat(np.arange(num_windows), np.diff(_selected_windows(c, selected)))
+        return window, position, None, num_windows
+    window = c.source[selected].astype(np.int64) * c.num_ranks + c.rank[selected]
     key = window * (int(position.max(initial=0)) + 1) + position
     order = np.argsort(key, kind="stable") if (key[1:] < key[:-1]).any() else None
-    return window, position, order, c.num_ranks * c.num_sources
+    return window, position, order, num_windows
 
 
 def _window_fronts(length: np.ndarray, window: np.ndarray,
