@@ -11,7 +11,9 @@ each step's smallest CPU time (`time.process_time`) and checks the plan's digest
 recording. The dry run times the planner between steps of a moving corpus; a replay times the
 same inputs in two trees, so run them alternately: on a shared machine the times move by ±10%
 between rounds, the digests do not (a change meant to keep the plans must keep them all).
-The last line is the JSON.
+A replay's candidates know their windows' layout where the tree's dry run hands it to the
+planner (`Candidates.from_windows` knows it, `Candidates.keep_layout` passes it through the
+quota), so each tree pays for what its own dry run pays. The last line is the JSON.
 """
 from __future__ import annotations
 
@@ -77,8 +79,10 @@ def _as_offered(quota):
     from streamload.plan.types import Candidates
     probe = Candidates.from_windows([[np.array([1])]])
     c = quota.candidates
-    if "dense_positions" in vars(probe) and len(c) and c.window_bounds is not None \
-            and c.dense_positions:
+    # The planner sees the quota's relabelled candidates: they know the layout where the
+    # quota passes it on (`Candidates.keep_layout`) and `from_windows` knows it.
+    if "dense_positions" in vars(probe) and hasattr(Candidates, "keep_layout") and len(c) \
+            and c.window_bounds is not None and c.dense_positions:
         sizes = np.diff(c.window_bounds).reshape(c.num_sources, c.num_ranks).T
         _uncached(c)
         c.known_windows(sizes)

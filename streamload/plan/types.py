@@ -229,6 +229,15 @@ class Candidates:
         self.__dict__["dense_positions"] = True
         return self
 
+    def keep_layout(self, other: "Candidates") -> "Candidates":
+        """What `other`, the same items by the same sources (relabelled by no length bucket),
+        knows of its layout (`known_windows`, or found): the window and source bounds and the
+        dense flag hold for these too. Returns self."""
+        for name in ("window_bounds", "_source_bounds", "dense_positions"):
+            if name in vars(other):
+                self.__dict__[name] = vars(other)[name]
+        return self
+
     def windows(self):
         """((source, rank), slice) of every non-empty window, in candidate order (items laid
         out by window)."""
