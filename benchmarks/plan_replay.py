@@ -11,7 +11,9 @@ each step's smallest CPU time (`time.process_time`) and checks the plan's digest
 recording. The dry run times the planner between steps of a moving corpus; a replay times the
 same inputs in two trees, so run them alternately: on a shared machine the times move by ±10%
 between rounds, the digests do not (a change meant to keep the plans must keep them all).
-The last line is the JSON.
+A replay's candidates know their windows' layout where the tree's dry run hands it to the
+planner (`Candidates.from_windows` knows it, `Candidates.keep_layout` passes it through the
+quota), so each tree pays for what its own dry run pays. The last line is the JSON.
 """
 from __future__ import annotations
 
@@ -70,6 +72,23 @@ def record(config: str, ranks: int, path: str, steps: int, seed: int) -> dict:
             **{k: result[k] for k in ("efficiency", "fill_but_last", "plan_ms_mean")}}
 
 
+def _as_offered(quota):
+    """The recorded step as this tree's dry run would offer it: where `Candidates.from_windows`
+    already knows the windows' layout (`Candidates.known_windows`), the replay's candidates
+    know it too (worked out here, outside the timing, from the recorded layout)."""
+    from streamload.plan.types import Candidates
+    probe = Candidates.from_windows([[np.array([1])]])
+    c = quota.candidates
+    # The planner sees the quota's relabelled candidates: they know the layout where the
+    # quota passes it on (`Candidates.keep_layout`) and `from_windows` knows it.
+    if "dense_positions" in vars(probe) and hasattr(Candidates, "keep_layout") and len(c) \
+            and c.window_bounds is not None and c.dense_positions:
+        sizes = np.diff(c.window_bounds).reshape(c.num_sources, c.num_ranks).T
+        _uncached(c)
+        c.known_windows(sizes)
+    return quota
+
+
 def replay(path: str, runs: int) -> dict:
     with open(path, "rb") as f:
         steps = pickle.load(f)
@@ -80,6 +99,7 @@ def replay(path: str, runs: int) -> dict:
         best = None
         for _ in range(runs):
             planner, quota, index = pickle.loads(blob)
+            quota = _as_offered(quota)
             gc.collect()
             started = time.process_time()
             assignment = planner.assign_quota(quota, index)

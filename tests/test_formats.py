@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import gzip
 import json
+import mmap
+import sys
 import zlib
 from pathlib import Path
 
@@ -17,6 +19,7 @@ from streamload.errors import ConfigError, DataError
 from streamload.formats import (FORMATS, JsonlFormat, RawRecord, TokensFormat, format_for,
                                 write_jsonl, write_token_shard)
 from streamload import pieces
+from streamload.formats.jsonl import JsonlStream
 from streamload.formats.tokens import plan_groups
 from streamload.pieces import cut_documents
 from streamload.pipeline.transform import records_to_block, to_tokens
@@ -174,6 +177,38 @@ async def test_jsonl_columns_read_what_lines_read(tmp_path, seed):
         records = await read_shard(JsonlFormat(), path, chunk_bytes=chunk_bytes, skips=skips)
         assert records == expected
         assert [record for record, _ in skips.calls] == expected_skips
+
+
+@pytest.mark.parametrize("buffer", [bytearray, lambda size: mmap.mmap(-1, size)])
+@pytest.mark.parametrize("seed", range(6))
+async def test_jsonl_reads_ranges_in_buffers(tmp_path, seed, buffer):
+    """The fetcher reads a JSONL shard's ranges into buffers (`takes_buffers`; a bytearray, or
+    an mmap, which has neither `count` nor `startswith`): the records, their line numbers and
+    the skips are the ones read from bytes, and nothing keeps a buffer once the shard is read."""
+    rng = np.random.default_rng(seed)
+    lines = [JSONL_LINES[k] for k in rng.choice(len(JSONL_LINES), 80)]
+    path = tmp_path / "mixed.jsonl"
+    path.write_bytes((b"\xef\xbb\xbf" if seed % 2 else b"") + b"\n".join(lines))
+    assert JsonlStream.takes_buffers
+    for chunk_bytes in (5, 64, 700, 1 << 20):
+        expected_skips = Skips()
+        expected = await read_shard(JsonlFormat(), path, chunk_bytes=chunk_bytes,
+                                    skips=expected_skips)
+        skips, store = Skips(), FileStore()
+        stream = await JsonlFormat().open(store, info(path), problems=skips,
+                                          chunk_bytes=chunk_bytes)
+        records, chunks = [], []
+        for start, end in stream.ranges():
+            data = await store.read_range(str(path), start, end)
+            chunks.append(buffer(len(data)))
+            memoryview(chunks[-1])[:] = data
+            records += stream.decode(chunks[-1])
+        assert records + stream.finish() == expected
+        assert skips.calls == expected_skips.calls
+        assert all(isinstance(chunk, (bytearray, mmap.mmap)) for chunk in chunks)
+        # once the shard is read, only `chunks` holds them (with the comprehension's name and
+        # getrefcount's argument): a line that spans ranges holds its chunks until it ends
+        assert [sys.getrefcount(chunk) for chunk in chunks] == [3] * len(chunks)
 
 
 def shard_with_bad_line(tmp_path: Path, bad: bytes, suffix: str = ".jsonl") -> Path:

@@ -608,3 +608,26 @@ def test_bucket_targets_without_quotas_cap_each_source_as_water_fill_does():
         expect = np.concatenate([water_fill(targets[s:s + 1] - 0.0, available[s:s + 1])
                                  for s in range(5)])
         assert out.tobytes() == expect.tobytes()
+
+
+def test_the_quota_passes_the_candidates_layout_on_without_length_buckets():
+    """`QuotaMixer.quota` relabels the candidates by virtual source. Without length buckets
+    the labels are the sources themselves, and what the candidates know of their layout
+    (`Candidates.known_windows`, as `from_windows` and the decoded summaries know it) reaches
+    the planner with them; with buckets the labels change, and the layout is found again."""
+    from streamload.plan.types import Candidates
+    rng = np.random.default_rng(0)
+    windows = [[rng.integers(100, 3000, int(rng.integers(1, 20))) for _ in NAMES]
+               for _ in range(3)]
+    c = Candidates.from_windows(windows)
+    relabelled = make().quota(c, 4 * C, 0).candidates
+    assert np.array_equal(relabelled.source, c.source)
+    for name in ("window_bounds", "_source_bounds", "dense_positions"):
+        assert name in vars(relabelled)
+    searched = Candidates(c.length, c.source, c.rank, c.position, c.age, c.extra_cost,
+                          c.num_sources, c.num_ranks)
+    assert np.array_equal(relabelled.window_bounds, searched.window_bounds)
+    bucketed = make(Mixture(quotas=[LengthQuota(min_length=1536, fraction=0.25)])) \
+        .quota(Candidates.from_windows(windows), 4 * C, 0).candidates
+    assert "window_bounds" not in vars(bucketed)
+    assert bucketed.num_sources > len(NAMES)

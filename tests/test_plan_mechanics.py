@@ -218,3 +218,97 @@ def test_first_feasible_level_by_blocks_is_the_whole_matrix_rule(seed):
     feasible = sums >= slots * levels
     expected = float(levels[int(np.argmax(feasible))]) if feasible.any() else None
     assert _first_feasible(levels, xc, lc, slots, slot_tokens) == expected
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_from_windows_knows_the_windows_a_scan_finds(seed):
+    """`Candidates.from_windows` knows its layout (`known_windows`, as the loader's decoded
+    summaries do): the window and source bounds and the dense flag are what searches and
+    scans of the same columns find."""
+    c = _candidates(np.random.default_rng(seed), shuffled=False)
+    assert {"window_bounds", "_source_bounds", "dense_positions"} <= set(vars(c))
+    searched = Candidates(c.length, c.source, c.rank, c.position, c.age, c.extra_cost,
+                          c.num_sources, c.num_ranks)
+    assert np.array_equal(c.window_bounds, searched.window_bounds)
+    assert np.array_equal(c._source_bounds, searched._source_bounds)
+    assert c.dense_positions and searched.dense_positions
+
+
+@pytest.mark.parametrize("shuffled", [False, True])
+@pytest.mark.parametrize("seed", range(20))
+def test_arrival_tokens_less_some_items_is_the_histogram_of_the_rest(seed, shuffled):
+    """`Candidates.arrival_tokens_less(out)`: every candidate's tokens per (source, position)
+    less those of `out` are exactly the histogram of the others (the lookahead's unforced
+    items, the top-up's members), whatever the layout."""
+    from streamload.plan.lookahead import _arrival_tokens
+    rng = np.random.default_rng(seed)
+    c = _candidates(rng, shuffled)
+    if len(c) == 0:
+        return
+    out = rng.random(len(c)) < (0.3 if seed % 2 else 0.9)
+    key = c.arrival_key
+    assert np.array_equal(c.arrival_tokens_less(np.flatnonzero(out)),
+                          _arrival_tokens(c, ~out, key).ravel())
+    assert np.array_equal(c.arrival_tokens,
+                          _arrival_tokens(c, np.ones(len(c), dtype=bool), key).ravel())
+    assert not c.arrival_tokens.flags.writeable
+
+
+@pytest.mark.parametrize("extra", [False, True])
+@pytest.mark.parametrize("seed", range(6))
+def test_costs_of_the_selected_are_the_floats_worked_out_for_them(seed, extra):
+    """The balancer reads the selected items' costs from those the lookahead worked out for
+    every candidate (`Candidates.costs`): bit for bit what it works out for them alone, with
+    a cost hook's extra cost or without; another cost model is not mixed up with it."""
+    from streamload.plan.balance import item_costs
+    from streamload.plan.cost import CostModel
+    rng = np.random.default_rng(seed)
+    c = _candidates(rng, shuffled=False)
+    extra_cost = rng.uniform(0, 5e3, len(c)) * (rng.random(len(c)) < 0.5) if extra \
+        else np.zeros(len(c))
+
+    def fresh():
+        return Candidates(c.length, c.source, c.rank, c.position, c.age, extra_cost,
+                          c.num_sources, c.num_ranks)
+
+    cost, other = CostModel(1 / 49152, 1.0, True), CostModel(1 / 4096, 1.0, True)
+    idx = np.flatnonzero(rng.random(len(c)) < 0.5)
+    alone = item_costs(fresh(), idx, cost)
+    known = fresh()
+    item_costs(known, None, cost)
+    assert set(known.costs) == {cost}
+    assert np.array_equal(item_costs(known, idx, cost).view(np.int64), alone.view(np.int64))
+    assert np.array_equal(item_costs(known, idx, other).view(np.int64),
+                          item_costs(fresh(), idx, other).view(np.int64))
+
+
+@pytest.mark.parametrize("share", [0.01, 0.2, 0.5, 1.0])
+@pytest.mark.parametrize("seed", range(15))
+def test_window_fronts_found_per_window_are_the_running_sums_rule(seed, share, monkeypatch):
+    """`balance._fronts_within` (a search per window over running tokens) marks the same
+    items as `_window_fronts`' running sums per window, empty windows and ties with the
+    bound (a window of equal lengths) included."""
+    from streamload.plan import balance
+    monkeypatch.setattr(balance, "FRONT_SHARE", share)
+    rng = np.random.default_rng(seed)
+    c = _candidates(rng, shuffled=False)
+    if seed == 0:   # equal lengths: a front ends exactly at the bound
+        c = Candidates.from_windows([[np.full(10, 100), np.zeros(0, np.int64)],
+                                     [np.full(5, 7), np.array([3, 1, 1, 5])]])
+    selected = np.flatnonzero(rng.random(len(c)) < 0.7)
+    length = c.length[selected].astype(np.int64)
+    window = c.source[selected].astype(np.int64) * c.num_ranks + c.rank[selected]
+    expected = balance._window_fronts(length, window, None)
+    got = balance._window_fronts(length, window, None, balance._selected_windows(c, selected))
+    assert np.array_equal(got, expected)
+
+
+@pytest.mark.parametrize("seed", range(10))
+def test_within_is_isin_for_ascending_indices(seed):
+    """`lookahead._within(items, among)`: np.isin for `among` ascending, items in any order,
+    `among` empty or not."""
+    from streamload.plan.lookahead import _within
+    rng = np.random.default_rng(seed)
+    among = np.flatnonzero(rng.random(200) < (0.0 if seed == 0 else 0.3))
+    items = rng.permutation(rng.integers(0, 220, int(rng.integers(0, 50))))
+    assert np.array_equal(_within(items, among), np.isin(items, among))

@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import asyncio
 import errno
+import mmap
 import socket
 import time
 import uuid
+from types import SimpleNamespace
 
 import fsspec
 import pytest
@@ -21,6 +23,7 @@ from streamload.storage import (
     open_store,
     relative_name,
 )
+from streamload.storage.buffers import MAPPED_BYTES, mapped_buffer
 from streamload.storage.fs import FsspecStore, LocalStore
 from streamload.storage.listing import glob_regex
 from streamload.storage.retry import with_retries
@@ -190,6 +193,72 @@ async def test_s3_read_range_returns_exact_bytes(s3):
         assert await store.read_range(f"s3://{bucket}/obj.bin", start, end) == expected
         assert store.counters.bytes_read - before == len(expected)
     assert store.counters.retries == 0
+
+
+def test_mapped_buffer_is_a_mapping_from_its_threshold():
+    small, large = mapped_buffer(MAPPED_BYTES - 1), mapped_buffer(MAPPED_BYTES)
+    assert isinstance(small, bytearray) and len(small) == MAPPED_BYTES - 1
+    assert isinstance(large, mmap.mmap) and len(large) == MAPPED_BYTES
+    assert large.find(b"\x01") == -1 and not any(small)   # zeros, both
+
+
+# A body of 2 MAPPED_BYTES and a bit, and reads of it: whole, inside, small, past its end.
+BIG = bytes(range(256)) * (2 * MAPPED_BYTES // 256) + b"tail"
+READS_OF_BIG = [(0, len(BIG)), (3, len(BIG) - 5), (100, 300),
+                (len(BIG) - 10, len(BIG) + 100), (MAPPED_BYTES, len(BIG) + 1)]
+
+
+async def test_s3_read_range_into_a_buffer(s3):
+    """With `buffer`, the body's pieces are written into `buffer(length)` as they arrive and
+    that buffer comes back: the same bytes as without, the same counts."""
+    store, client, bucket = s3
+    client.put_object(Bucket=bucket, Key="big.bin", Body=BIG)
+    uri = f"s3://{bucket}/big.bin"
+    for start, end in READS_OF_BIG:
+        got = await store.read_range(uri, start, end, buffer=mapped_buffer)
+        assert bytes(got) == BIG[start:end] == await store.read_range(uri, start, end)
+        assert isinstance(got, mmap.mmap if end - start >= MAPPED_BYTES else bytearray)
+    assert await store.read_range(uri, len(BIG), len(BIG) + 6, buffer=mapped_buffer) == b""
+    assert store.counters.bytes_read == 2 * sum(len(BIG[a:b]) for a, b in READS_OF_BIG)
+    assert store.counters.retries == 0
+
+
+async def test_s3_short_body_into_a_buffer_is_retried(s3, monkeypatch):
+    """A body that ends before its Content-Range says (a dropped connection) is retried on the
+    buffer path too, and the retry's bytes are the ones returned."""
+    store, client, bucket = s3
+    client.put_object(Bucket=bucket, Key="big.bin", Body=BIG)
+    aio_client = await store._get_client()
+    real_get, faults = aio_client.get_object, ["short"]
+
+    class ShortContent:   # aiohttp's StreamReader, the body's last 3 bytes lost
+        def __init__(self, data: bytes):
+            self.pieces = [data[:1000], data[1000:-3]]
+
+        async def readchunk(self):
+            return (self.pieces.pop(0) if self.pieces else b"", False)
+
+    class ShortBody:
+        def __init__(self, data: bytes):
+            self.raw_stream = SimpleNamespace(content=ShortContent(data))
+
+        async def __aenter__(self):
+            return self
+
+        async def __aexit__(self, *exc_info):
+            return None
+
+    async def faulty_get(**kwargs):
+        resp = await real_get(**kwargs)
+        if faults:
+            faults.pop()
+            async with resp["Body"] as body:
+                resp["Body"] = ShortBody(await body.read())
+        return resp
+
+    monkeypatch.setattr(aio_client, "get_object", faulty_get)
+    got = await store.read_range(f"s3://{bucket}/big.bin", 7, len(BIG), buffer=mapped_buffer)
+    assert bytes(got) == BIG[7:] and store.counters.retries == 1
 
 
 async def test_s3_read_counts_requests_and_latency(s3):
@@ -421,6 +490,19 @@ async def test_local_read_range(local_tree):
     assert await store.read_range(f"file://{path}", 1000, 2000) == DATA[1000:]
     assert await store.read_range(str(path), 2000, 3000) == b""
     assert store.counters.bytes_read == 224 and store.counters.requests == 3
+
+
+async def test_local_read_range_into_a_buffer(local_tree):
+    """With `buffer`, the range is read into `buffer(length)` (the length the file holds) and
+    that buffer comes back: the same bytes, a mapping of its own from MAPPED_BYTES on."""
+    path = local_tree / "big.bin"
+    path.write_bytes(BIG)
+    store = LocalStore()
+    for start, end in READS_OF_BIG:
+        got = await store.read_range(str(path), start, end, buffer=mapped_buffer)
+        assert bytes(got) == BIG[start:end]
+        assert isinstance(got, mmap.mmap if end - start >= MAPPED_BYTES else (bytes, bytearray))
+    assert store.counters.bytes_read == sum(len(BIG[a:b]) for a, b in READS_OF_BIG)
 
 
 async def test_local_read_errors_name_the_file(local_tree):

@@ -78,7 +78,12 @@ def item_costs(c: Candidates, idx: np.ndarray | None, cost: CostModel, *,
         weight, linear = cost.split_cost(c.float_length)
         if c.has_extra_cost:
             weight += c.extra_cost
+        weight.flags.writeable = False
+        c.costs[cost] = weight    # the same floats as below: (a·L·L + b·L) + extra, elementwise
         return (weight, linear) if with_linear else weight
+    known = c.costs.get(cost)
+    if known is not None:
+        return known[idx]
     return cost.doc_cost(c.length[idx]) + c.extra_cost[idx]
 
 
@@ -240,6 +245,7 @@ def _lpt(bins: _Bins, queue: np.ndarray, *, cap: float | None, home_first: bool 
     slot_of_bin = np.full(bins.num_bins + 1, -1, dtype=np.int64)
     projected = bins.projected()
     top = float(bins.load.max(initial=0.0))           # loads only grow here
+    flat_fill = bins.fill.reshape(-1)                  # a view (one row per bin: `place`)
     front, at = queue[:0], 0
     while front.size or at < queue.size:
         head = int(front[0]) if front.size else int(queue[at])
@@ -249,8 +255,10 @@ def _lpt(bins: _Bins, queue: np.ndarray, *, cap: float | None, home_first: bool 
         usable = bins.maxroom >= length[head]
         if limit is not None:
             usable &= bins.load + w[head] <= limit
-        open_bins = np.flatnonzero(usable)
-        if open_bins.size == 0:
+        # The open bins' projected loads (the others: infinite), and the least of them.
+        open_keys = np.where(usable, projected, np.inf)
+        least = open_keys.min()
+        if least == np.inf:
             # The head fits nowhere: drop every queued item that fits nowhere either.
             rest = np.concatenate([front, queue[at:]])
             least = float(bins.load.min())
@@ -260,9 +268,8 @@ def _lpt(bins: _Bins, queue: np.ndarray, *, cap: float | None, home_first: bool 
             fits[0] = False
             queue, front, at = rest[fits], queue[:0], 0
             continue
-        keys = projected[open_bins]
-        near = keys < keys.min() + max(w[head], _EPS)
-        eligible, keys = open_bins[near], keys[near]
+        eligible = np.flatnonzero(open_keys < least + max(w[head], _EPS))
+        keys = projected[eligible]
         if eligible.size > 1:
             order = np.argsort(keys, kind="stable")
             eligible, keys = eligible[order], keys[order]
@@ -270,18 +277,38 @@ def _lpt(bins: _Bins, queue: np.ndarray, *, cap: float | None, home_first: bool 
             chunk, front = front[:eligible.size], front[eligible.size:]
         else:
             take = min(eligible.size - front.size, queue.size - at)
-            chunk, front, at = np.concatenate([front, queue[at:at + take]]), front[:0], at + take
+            chunk = np.concatenate([front, queue[at:at + take]]) if front.size else \
+                queue[at:at + take]
+            front, at = front[:0], at + take
         # One bin in the round: the item goes there, home or not (what `_pair_home` gives).
         targets = (_pair_home(chunk, eligible, keys, w, bins.home_bin, slot_of_bin, home_slack)
                    if home_first and eligible.size > 1 else eligible[:chunk.size])
+        new_load = bins.load[targets] + w[chunk]
         if limit is not None:
-            allowed = bins.load[targets] + w[chunk] <= limit
+            allowed = new_load <= limit
             if forced is not None:
                 allowed |= forced[chunk]
             if not allowed.all():
                 front = np.concatenate([chunk[~allowed], front])   # their turn comes again
-                chunk, targets = chunk[allowed], targets[allowed]
+                chunk, targets, new_load = chunk[allowed], targets[allowed], new_load[allowed]
             if chunk.size == 0:
+                continue
+        if bins.rows == 1:
+            # One row per bin, and every item fits its bin (the usual round): `place` and the
+            # projected loads at once, from the new loads (the same sums, fewer passes).
+            lengths = length[chunk]
+            new_fill = flat_fill[targets] + lengths
+            if (new_fill <= bins.capacity).all():
+                new_tokens = bins.tokens[targets] + lengths
+                flat_fill[targets] = new_fill
+                bins.load[targets] = new_load
+                bins.tokens[targets] = new_tokens
+                bins.maxroom[targets] = bins.capacity - new_fill
+                bins.bin[chunk] = targets
+                bins.row[chunk] = 0
+                projected[targets] = new_load + bins.light_density * \
+                    np.maximum(bins.target_tokens - new_tokens, 0.0)
+                top = max(top, float(new_load.max()))
                 continue
         ok = bins.place(chunk, targets)
         touched = targets if ok.all() else targets[ok]
@@ -311,6 +338,14 @@ def _level(load: np.ndarray, room: np.ndarray, density: float, tokens: float, li
         else:
             hi = mid
     return allowance(hi)
+
+
+def _remainder(values: np.ndarray, divisor: int) -> np.ndarray:
+    """`values % divisor` of non-negative integers; a mask where the divisor is a power of two
+    (M rows usually are: a sixth of the division's time over 10^6 items)."""
+    if divisor > 0 and divisor & (divisor - 1) == 0:
+        return values & (divisor - 1)
+    return values % divisor
 
 
 def _group_starts(keys: np.ndarray) -> np.ndarray:
@@ -351,24 +386,28 @@ def _sorted_by(*keys: tuple[np.ndarray, int]) -> np.ndarray:
     return np.argsort(packed, kind="stable")
 
 
-def _longest_first(items: np.ndarray, length: np.ndarray) -> np.ndarray:
+def _longest_first(items: np.ndarray, length: np.ndarray,
+                   lengths: np.ndarray | None = None) -> np.ndarray:
     """`items` by length, longest first, ties in their current order. The key counts down
     from the longest item present (not from C), so it fits 16 bits, a radix sort, whenever the
-    items are shorter than 65,536 tokens (light items always are at any C in use)."""
-    lengths = length[items]
+    items are shorter than 65,536 tokens (light items always are at any C in use).
+    `lengths`: `length[items]`, when already known."""
+    if lengths is None:
+        lengths = length[items]
     longest = int(lengths.max(initial=0))
     return items[_sorted_by((longest - lengths, longest + 1))]
 
 
 def _put_many(bins: _Bins, items: np.ndarray, cells: np.ndarray, gaps: np.ndarray, *,
-              one_per_row: bool = False) -> None:
+              one_per_row: bool = False, lengths: np.ndarray | None = None) -> None:
     """Place items into flat row indices (several per row allowed); shrink `gaps` to match.
 
     With `one_per_row` (no row twice, as in a wave) the rows are updated in place, not through
     counts over every row: the same sums (one item per row, and per bin unless a bin has
     several rows, where the bins' loads are still summed by `np.bincount`)."""
     M, B = bins.rows, bins.num_bins
-    lengths = bins.length[items]
+    if lengths is None:          # else the caller's `bins.length[items]`
+        lengths = bins.length[items]
     b, r = (cells, 0) if M == 1 else (cells // M, cells % M)   # one row per bin: the cell
     if one_per_row:
         bins.fill[b, r] += lengths
@@ -405,23 +444,35 @@ def _keep_home(bins: _Bins, items: np.ndarray, gaps: np.ndarray) -> np.ndarray:
     home = bins.home_bin[items]
     if home.size and int(home.min()) >= 0:   # every item has a home (rows under 1F1B)
         own = _sorted_by((home, B))
+        count = np.bincount(home, minlength=B)
     else:
         own = np.flatnonzero(home >= 0)
+        count = np.bincount(home[own], minlength=B)
         own = own[_sorted_by((home[own], B))]
-    own_items, own_home = items[own], home[own]
+    # By home, so each bin's items are a run: per-bin values are repeated over the runs
+    # (sequential writes), not gathered per item.
+    bin_ids = np.arange(B)
+    own_items, own_home = items[own], np.repeat(bin_ids, count)
     lengths = length[own_items]
-    # Tokens before each item in its bin: whole numbers, so the float sums are exact.
-    per_bin = np.bincount(own_home, weights=lengths, minlength=B)
-    within = np.cumsum(lengths) - (np.cumsum(per_bin) - per_bin)[own_home]
+    # Tokens before each item in its bin, and up to it: whole numbers (the sums are exact).
+    running = np.cumsum(lengths)
+    first = np.cumsum(count) - count                  # each bin's first item in the runs
+    before_bin = np.where(first > 0, running[np.maximum(first - 1, 0)], 0) if running.size \
+        else np.zeros(B, dtype=np.int64)
+    within = running - np.repeat(before_bin, count)
     span = float(M * C + 1)
-    end = own_home * span + within
+    base_of = bin_ids * span
+    end = np.repeat(base_of, count) + within
     if M == 1:
         # One row per bin: the row is the home's (or none), found without a search. The same
         # sums as below: the search would land on the home exactly when end - 0.5 <= its end.
+        # Below's start test (end - lengths >= cell_end - gap - 0.5) always holds here: the
+        # start, base + (within - length), is a whole number at least the base, while
+        # cell_end - gap is the base within a rounding error far under 0.5 (B·span < 2^50),
+        # so it is left out.
         slot = own_home
-        cell_end = gaps[slot] + own_home * span
-        ok = ((end - 0.5 <= cell_end) | (slot == B - 1)) & \
-            (end - lengths >= cell_end - gaps[slot] - 0.5) & (end <= cell_end + 0.5)
+        cell_end = np.repeat(gaps + base_of, count)
+        ok = ((end - 0.5 <= cell_end) | (slot == B - 1)) & (end <= cell_end + 0.5)
     else:
         cell_end = (np.cumsum(gaps.reshape(B, M), axis=1) +
                     (np.arange(B) * span)[:, None]).ravel()
@@ -432,7 +483,7 @@ def _keep_home(bins: _Bins, items: np.ndarray, gaps: np.ndarray) -> np.ndarray:
         # bin's own items there (a row went 9k tokens over C at 128k once windows were 8 steps
         # deep).
         ok &= slot // M == own_home
-    _put_many(bins, own_items[ok], slot[ok], gaps)
+    _put_many(bins, own_items[ok], slot[ok], gaps, lengths=lengths[ok])
     rest = np.ones(items.size, dtype=bool)
     rest[own[ok]] = False
     return items[rest]
@@ -472,7 +523,7 @@ def _runs(bins: _Bins, items: np.ndarray, gaps: np.ndarray) -> np.ndarray:
     end = np.cumsum(lengths).astype(np.float64)
     slot = np.minimum(np.searchsorted(cell_end, end - 0.5, side="left"), open_cells.size - 1)
     ok = (end - lengths >= cell_end[slot] - budget[slot] - 0.5) & (end <= cell_end[slot] + 0.5)
-    _put_many(bins, head[ok], open_cells[slot[ok]], gaps)
+    _put_many(bins, head[ok], open_cells[slot[ok]], gaps, lengths=lengths[ok])
     return np.concatenate([_longest_first(head[~ok], length), tail])
 
 
@@ -541,14 +592,16 @@ def _fill_light(bins: _Bins, items: np.ndarray, *, cap: float | None, home_first
         return items
     C = bins.capacity
     length = bins.length
+    lengths = length[items]
+    tokens = float(lengths.sum())
     free = (C - bins.fill).astype(np.float64)
-    free[free < length[items].min()] = 0.0
+    free[free < lengths.min()] = 0.0
     room = free.sum(axis=1)
-    density = max(float(bins.weight[items].sum()) / float(length[items].sum()), _EPS)
+    density = max(float(bins.weight[items].sum()) / tokens, _EPS)
     limit = None if cap is None else max(cap, float(bins.load.max()))
-    allowance = _level(bins.load, room, density, float(length[items].sum()), limit)
+    allowance = _level(bins.load, room, density, tokens, limit)
     gaps = (free * (allowance / np.maximum(room, 1.0))[:, None]).ravel()
-    items = _longest_first(items, length)
+    items = _longest_first(items, length, lengths)
 
     left = []
     must = forced[items] if forced is not None else np.zeros(items.size, dtype=bool)
@@ -655,23 +708,33 @@ def _trim(bins: _Bins, droppable: np.ndarray, geometry: Geometry, overhead: floa
 def _arrival_windows(c: Candidates, selected: np.ndarray):
     """For `_arrival_swaps`: each selected item's window (source · ranks + rank), its position,
     and the order that sorts them by (window, position): None when they already are (the
-    candidates' own order, as windows lay them out)."""
-    window = c.source[selected].astype(np.int64) * c.num_ranks + c.rank[selected]
+    candidates' own order, as windows lay them out). `selected` ascending."""
+    num_windows = c.num_ranks * c.num_sources
     position = c.position[selected].astype(np.int64)
+    if c.dense_positions:   # laid out by (window, position): ascending indices are in order,
+        # and each window's items a run of the selection (`_selected_windows`)
+        window = np.repeat(np.arange(num_windows), np.diff(_selected_windows(c, selected)))
+        return window, position, None, num_windows
+    window = c.source[selected].astype(np.int64) * c.num_ranks + c.rank[selected]
     key = window * (int(position.max(initial=0)) + 1) + position
     order = np.argsort(key, kind="stable") if (key[1:] < key[:-1]).any() else None
-    return window, position, order, c.num_ranks * c.num_sources
+    return window, position, order, num_windows
 
 
 def _window_fronts(length: np.ndarray, window: np.ndarray,
-                   order: np.ndarray | None) -> np.ndarray:
+                   order: np.ndarray | None, bounds: np.ndarray | None = None) -> np.ndarray:
     """bool per selected item: the first items of each (rank, source) window, as long as they
     hold at most `FRONT_SHARE` of the window's selected tokens (`window`, `order`:
     `_arrival_windows`). The light fill places them before the other light items
     (`_fill_light`). An item an over-full step left out stands at the front of its window at
     the next step; placed largest first with the rest, the shortest were left out again (at
     128k, P = 4, R = 4, a third of the items left out were left out the next step too), and
-    every step a later item of their window went ahead counts in their delay."""
+    every step a later item of their window went ahead counts in their delay.
+
+    `bounds` (order None only): where each window starts in the selection, and the end
+    (`_selected_windows`); then the fronts are found per window (`_fronts_within`)."""
+    if bounds is not None and order is None:
+        return _fronts_within(length, bounds)
     lengths = (length if order is None else length[order]).astype(np.float64)
     w = window if order is None else window[order]
     if lengths.size == 0:
@@ -687,6 +750,33 @@ def _window_fronts(length: np.ndarray, window: np.ndarray,
     out = np.zeros(length.size, dtype=bool)
     out[order] = front
     return out
+
+
+def _selected_windows(c: Candidates, selected: np.ndarray) -> np.ndarray | None:
+    """Where each window (source · num_ranks + rank) starts among `selected` (ascending), and
+    the end; None when the candidates are not laid out by window (`window_bounds`)."""
+    bounds = c.window_bounds
+    return None if bounds is None else np.searchsorted(selected, bounds)
+
+
+def _fronts_within(length: np.ndarray, bounds: np.ndarray) -> np.ndarray:
+    """`_window_fronts` for windows that are runs of the selection at `bounds`: the same
+    items, found per window by a search over the running tokens (one pass over the items, not
+    ten). Token counts are whole numbers, so `upto <= FRONT_SHARE · total` (upto: the tokens
+    of a window's items up to and including this one) holds exactly when upto is at most
+    the floor of that bound."""
+    front = np.zeros(length.size, dtype=bool)
+    some = bounds[:-1] < bounds[1:]
+    start, end = bounds[:-1][some], bounds[1:][some]
+    if start.size == 0:
+        return front
+    total = np.cumsum(length)
+    base = total[start] - length[start]                  # tokens before each window
+    allowed = np.floor(FRONT_SHARE * (total[end - 1] - base).astype(np.float64))
+    count = np.searchsorted(total, base + allowed.astype(np.int64), side="right") - start
+    first = np.cumsum(count) - count
+    front[np.repeat(start - first, count) + np.arange(int(count.sum()))] = True
+    return front
 
 
 def _arrival_swaps(bins: _Bins, eligible: np.ndarray, window: np.ndarray,
@@ -951,7 +1041,9 @@ def assign_balanced(c: Candidates, selected: np.ndarray, geometry: Geometry, cos
         usable_weight = float(of_usable(weight).sum())
         target_tokens = min(float(C), usable_tokens / (R * M))
         # An item's home is a row of the rank that holds it (spread by position).
-        home = c.rank[selected].astype(np.int64) * M + c.position[selected] % M
+        home = c.rank[selected].astype(np.int64)
+        home *= M
+        home += _remainder(c.position[selected], M)
         bins = _Bins(R * M, 1, C, weight, length, home, float(cost.b), target_tokens)
         light = usable & ~forced & (weight < light_share * usable_weight / (R * M))
         if light.any():
@@ -988,7 +1080,7 @@ def assign_balanced(c: Candidates, selected: np.ndarray, geometry: Geometry, cos
     arrival = _arrival_windows(c, selected) if tight and ARRIVAL_SWAPS else None
     # Over-full steps with rows as bins: each window's first items go first in the light fill.
     # (With a rank's rows as one bin it bought no delay in the dry runs: left alone there.)
-    early = _window_fronts(length, arrival[0], arrival[2]) \
+    early = _window_fronts(length, arrival[0], arrival[2], _selected_windows(c, selected)) \
         if rows_are_bins and arrival is not None and FRONT_SHARE > 0 else None
 
     def largest_first(items):
@@ -1053,4 +1145,9 @@ def assign_balanced(c: Candidates, selected: np.ndarray, geometry: Geometry, cos
         cell = bins.bin[placed]
     out = _sorted_by((cell, R * M))
     cell = cell[out]
-    return selected[placed[out]], (cell // M).astype(np.int32), (cell % M).astype(np.int32)
+    # (rank, row) from the cells, in int32 where they fit: a fifth of int64 divisions' time
+    if R * M < 2 ** 31:
+        rank, row = np.divmod(cell.astype(np.int32), np.int32(M))
+    else:
+        rank, row = (cell // M).astype(np.int32), (cell % M).astype(np.int32)
+    return selected[placed[out]], rank, row

@@ -182,7 +182,7 @@ def select_lookahead(c: Candidates, targets: np.ndarray, geometry: Geometry, cos
     # Token sums below are whole numbers, so exact: they are made from this histogram of the
     # items not forced, by adding and taking away items, not by more passes over every item.
     unforced = ~forced
-    unforced_tokens = _arrival_tokens(c, unforced, key)
+    unforced_tokens = c.arrival_tokens_less(overdue).reshape(S, -1)   # as `_arrival_tokens`
     window_quota = step_quotas(targets * window, unforced_tokens.sum(axis=1) + forced_tokens)
     # The pool's tokens per source: the forced ones and what the arrival fill takes (which it
     # counts into `pool_by_source`).
@@ -198,19 +198,22 @@ def select_lookahead(c: Candidates, targets: np.ndarray, geometry: Geometry, cos
     slot_tokens = geometry.capacity if slots == geometry.rows else \
         geometry.micro_batches * geometry.capacity
     # Heavy: what a step of light documents cannot even out (`straggler_limit`).
-    attention = weight - linear_part     # b·L as `item_costs` made it: the same floats
+    # b·L as `item_costs` made it: the same floats (in its buffer, read nowhere else)
+    attention = np.subtract(weight, linear_part, out=linear_part)
     np.maximum(attention, 0.0, out=attention)
     linear = float(cost.b) * slot_tokens if cost.b > 0 else float(cost.a) * slot_tokens ** 2
     # Only items above the limit's floor can pass it: the heavy ones are looked up among them.
     high = above_floor(attention, pool, linear)
-    limit = straggler_limit(attention, length, pool, slot_tokens, linear, high)
+    limit = straggler_limit(attention, length, pool, slot_tokens, linear, high, pool_tokens)
     heavy_items = high[(attention[high] > limit) & (length[high] <= geometry.capacity)]
     # What a heavy item costs above the light documents' rate per token: what its slot
     # carries more than a slot of light documents of the same tokens.
     light_pool = pool.copy()
     light_pool[heavy_items] = False
-    density = float(weight[light_pool].sum()) / float(length.sum(where=light_pool)) \
-        if light_pool.any() else float(cost.b)
+    # The light pool's tokens: the pool's less the heavy items' (whole numbers: exact).
+    light_pool_tokens = pool_tokens - float(length[heavy_items].sum())
+    density = float(weight[light_pool].sum()) / light_pool_tokens \
+        if light_pool_tokens > 0 else float(cost.b)
     excess = np.zeros(len(c))                      # read for heavy items only
     excess[heavy_items] = np.maximum(weight[heavy_items] - density * length[heavy_items], 0.0)
 
@@ -388,10 +391,19 @@ def _arrived_layer(c: Candidates, excess: np.ndarray, must: np.ndarray, free: np
         if picked.size == 0:   # no layer: the light take is the whole room's
             return picked, light_take.mask(whole_room)
         take = light_take(quota, used.copy(), room - float(length[picked].sum()))
-        arrived = np.isin(picked, _arrived(c, free, take[2]))
+        arrived = _within(picked, _arrived(c, free, take[2]))
         if arrived.all():
             break
     return picked[arrived], light_take.mask(take)
+
+
+def _within(items: np.ndarray, among: np.ndarray) -> np.ndarray:
+    """`np.isin(items, among)` for `among` ascending (indices): searched, not a table over
+    every candidate index (np.isin's choice for integers: 6·10^6 entries at R = 4096)."""
+    if among.size == 0:
+        return np.zeros(items.size, dtype=bool)
+    at = np.minimum(np.searchsorted(among, items), among.size - 1)
+    return among[at] == items
 
 
 def bounded_forced(c: Candidates, force_age: int, limit: int) -> np.ndarray:
@@ -430,7 +442,8 @@ def above_floor(attention: np.ndarray, pool: np.ndarray, linear: float) -> np.nd
 
 
 def straggler_limit(attention: np.ndarray, length: np.ndarray, pool: np.ndarray,
-                    slot_tokens: int, linear: float, high: np.ndarray | None = None) -> float:
+                    slot_tokens: int, linear: float, high: np.ndarray | None = None,
+                    pool_tokens: float | None = None) -> float:
     """The most attention work a light document may have: a step of light documents gives
     every slot (of `slot_tokens` tokens, `linear` of linear cost when full) about X = T x their
     attention per token, and the balancer evens that out only when no document alone passes X
@@ -439,14 +452,16 @@ def straggler_limit(attention: np.ndarray, length: np.ndarray, pool: np.ndarray,
 
     A fixed share of a slot's cost (the rule before) left documents just under it as the lone
     stragglers of light steps: at C = 128k over CP, R = 64, such steps ran at 0.90-0.93.
-    `high`: `above_floor(attention, pool, linear)`, when already known."""
+    `high`: `above_floor(attention, pool, linear)`, `pool_tokens`: the pool's tokens, when
+    already known."""
     x = attention if pool.all() else attention[pool]
     limit = float(x.max(initial=0.0))
     # Every item is light in the first round; later rounds only drop items above the limit,
     # never below LIGHT_TOLERANCE · linear (the mean is not negative). So the sums are the
     # first round's less those of the few items above the limit, found among the items above
     # that floor (`above_floor`, looked up once). Token sums are whole numbers, so exact.
-    total_x, total_l = float(x.sum()), float(length.sum(where=pool))
+    total_x = float(x.sum())
+    total_l = float(length.sum(where=pool)) if pool_tokens is None else pool_tokens
     high = above_floor(attention, pool, linear) if high is None else high
     above, above_l = attention[high], length[high].astype(np.float64)
     for _ in range(LIGHT_ROUNDS):

@@ -194,7 +194,10 @@ class QuotaMixer:
         if step is not None:
             self.step = int(step)
         b = self.buckets
-        virtual = b.classify(c.source, c.length)
+        # Without length buckets every item's virtual source is its own: the same labels, and
+        # what the candidates know of their layout holds for the relabelled ones (below).
+        same = b.num_virtual == S and c.source.dtype == np.int32
+        virtual = c.source if same else b.classify(c.source, c.length)
         units = c.length.astype(np.float64) if self.by_tokens else np.ones(len(c))
         available = np.bincount(virtual, weights=units, minlength=b.num_virtual)
         source_available = np.bincount(c.source, weights=units, minlength=S)
@@ -222,6 +225,8 @@ class QuotaMixer:
                                    virtual_targets)
         relabelled = Candidates(c.length, virtual, c.rank, c.position, c.age, c.extra_cost,
                                 b.num_virtual, c.num_ranks, c.divisible, c.images, c.patches)
+        if same:
+            relabelled.keep_layout(c)
         return StepQuota(self.step, relabelled, virtual_targets, tokens,
                          None if self.by_tokens else np.ones(len(c)), b.virtual_source,
                          b.virtual_quota, shares, active, targets, fractions, total)

@@ -48,6 +48,8 @@ def _ranks_in_order(c: Candidates) -> bool:
     position) already come by rank."""
     if len(c) < 2:
         return True
+    if "window_bounds" in vars(c):   # known (or found) already: None exactly when it decreases
+        return c.window_bounds is not None
     window = c.source.astype(np.int64) * max(c.num_ranks, int(c.rank.max()) + 1) + c.rank
     return bool((window[1:] >= window[:-1]).all())
 
@@ -126,9 +128,12 @@ def interleaved_head(c: Candidates, member: np.ndarray, longest: int,
     S = c.num_sources
     span = int(c.position.max()) + 1
     key = c.arrival_key
-    short = member & (c.length <= longest)
-    tok = np.bincount(key, weights=np.where(member, c.float_length, 0.0), minlength=S * span)
-    short_tok = np.bincount(key, weights=np.where(short, c.float_length, 0.0), minlength=S * span)
+    # The members' tokens, and the short members': all candidates' less the others' (whole
+    # numbers: exact; the members are most of the candidates, the others few).
+    tok = c.arrival_tokens_less(np.flatnonzero(~member))
+    long_members = np.flatnonzero(member & (c.length > longest))
+    short_tok = tok - np.bincount(key[long_members], weights=c.float_length[long_members],
+                                  minlength=S * span)
     through = np.cumsum(tok.reshape(S, span), axis=1)
     totals = through[:, -1]
     if float(short_tok.sum()) <= tokens:

@@ -85,21 +85,24 @@ class Candidates:
         flags / images / patches alike, optional)."""
         num_ranks = len(windows)
         num_sources = len(windows[0]) if windows else 0
-        source, rank, position = window_columns(
-            np.array([[len(w) for w in per_rank] for per_rank in windows],
-                     np.int64).reshape(num_ranks, num_sources))
+        sizes = np.array([[len(w) for w in per_rank] for per_rank in windows],
+                         np.int64).reshape(num_ranks, num_sources)
+        source, rank, position = window_columns(sizes)
 
         def field(per_window, dtype, fill=0):
             if per_window is None:
                 return np.full(source.shape[0], fill, dtype=dtype)
             return flatten_windows(per_window, dtype)
 
-        return Candidates(
+        c = Candidates(
             flatten_windows(windows, np.int64), source, rank, position,
             field(ages, np.int32), field(extra_costs, np.float64), num_sources, num_ranks,
             field(divisible, bool, False),
             None if images is None else field(images, np.int64),
             None if patches is None else field(patches, np.int64))
+        # Laid out by `window_columns(sizes)`: its windows are known, as `decode_summaries`
+        # knows them (the dry run's candidates then skip the scans for them, as the loader's do).
+        return c.known_windows(sizes) if num_ranks and num_sources else c
 
     @cached_property
     def _source_bounds(self) -> np.ndarray | None:
@@ -123,6 +126,30 @@ class Candidates:
         Worked out once per step, whoever asks first."""
         span = int(self.position.max(initial=-1)) + 1
         return self.by_source(np.arange(self.num_sources, dtype=np.int64) * span) + self.position
+
+    @cached_property
+    def arrival_tokens(self) -> np.ndarray:
+        """float64 [num_sources · (largest position + 1)]: every candidate's tokens per
+        (source, position), by `arrival_key` (read-only: a histogram of a subset is this one
+        less that of the rest, sums of whole numbers, so exact). Worked out once per step."""
+        span = int(self.position.max(initial=-1)) + 1
+        out = np.bincount(self.arrival_key, weights=self.float_length,
+                          minlength=self.num_sources * span)
+        out.flags.writeable = False
+        return out
+
+    def arrival_tokens_less(self, out: np.ndarray) -> np.ndarray:
+        """`arrival_tokens` of every candidate but those in `out` (indices): a new array."""
+        return self.arrival_tokens - np.bincount(self.arrival_key[out],
+                                                 weights=self.float_length[out],
+                                                 minlength=self.arrival_tokens.size)
+
+    @cached_property
+    def costs(self) -> dict:
+        """Every candidate's cost by cost model, once worked out this step
+        (`balance.item_costs`): the lookahead's selection works them out for all candidates,
+        and the balancer then reads those of the selected ones (read-only arrays)."""
+        return {}
 
     @cached_property
     def has_extra_cost(self) -> bool:
@@ -200,6 +227,15 @@ class Candidates:
         self.__dict__["window_bounds"] = bounds
         self.__dict__["_source_bounds"] = bounds[::self.num_ranks]
         self.__dict__["dense_positions"] = True
+        return self
+
+    def keep_layout(self, other: "Candidates") -> "Candidates":
+        """What `other`, the same items by the same sources (relabelled by no length bucket),
+        knows of its layout (`known_windows`, or found): the window and source bounds and the
+        dense flag hold for these too. Returns self."""
+        for name in ("window_bounds", "_source_bounds", "dense_positions"):
+            if name in vars(other):
+                self.__dict__[name] = vars(other)[name]
         return self
 
     def windows(self):

@@ -1,8 +1,9 @@
 """The ObjectStore protocol: list objects under a URI, read byte ranges. Async only."""
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Protocol, runtime_checkable
+from typing import Any, Protocol, runtime_checkable
 
 
 @dataclass(frozen=True, order=True)
@@ -34,11 +35,15 @@ class ObjectStore(Protocol):
         Raises StorageError naming the URI when the bucket or path does not exist."""
 
     async def read_range(self, uri: str, start: int, end: int, *,
-                         counters: "StoreCounters | None" = None) -> bytes:
+                         counters: "StoreCounters | None" = None,
+                         buffer: "Callable[[int], Any] | None" = None) -> Any:
         """Bytes [start, end) of one object, retried per the store's RetryPolicy.
         Raises StorageError naming the object when retries are exhausted. `counters` (default:
         the store's own) receives the request, retries, latency and bytes, so sources that
-        share a store can be counted apart."""
+        share a store can be counted apart. `bytes`, unless `buffer` is given: a function of
+        the range's length giving a writable buffer (`buffers.mapped_buffer`), which a store
+        that reads in pieces (S3, local files) fills and returns instead; a store may still
+        return bytes, so a caller that passes it takes either."""
 
     async def aclose(self) -> None:
         """Release pooled connections."""
@@ -55,8 +60,12 @@ class CountedStore:
         return await self.store.list(uri)
 
     async def read_range(self, uri: str, start: int, end: int, *,
-                         counters: StoreCounters | None = None) -> bytes:
-        return await self.store.read_range(uri, start, end, counters=counters or self.counters)
+                         counters: StoreCounters | None = None,
+                         buffer: Callable[[int], Any] | None = None) -> Any:
+        counters = counters or self.counters
+        if buffer is None:   # stores that do not know `buffer` (a test's) still serve the rest
+            return await self.store.read_range(uri, start, end, counters=counters)
+        return await self.store.read_range(uri, start, end, counters=counters, buffer=buffer)
 
     async def aclose(self) -> None:
         """The shared store is closed by its owner."""

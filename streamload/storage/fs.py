@@ -60,7 +60,8 @@ class _ThreadedStore:
         self.max_concurrency = max_concurrency
         self._slots = asyncio.Semaphore(max_concurrency)
 
-    def _read(self, uri: str, start: int, end: int) -> bytes:
+    def _read(self, uri: str, start: int, end: int,
+              buffer: Callable[[int], Any] | None = None) -> Any:
         raise NotImplementedError
 
     def _list(self, uri: str) -> list[ObjectInfo]:
@@ -84,14 +85,15 @@ class _ThreadedStore:
                 raise _storage_error(exc, uri) from exc
 
     async def read_range(self, uri: str, start: int, end: int, *,
-                         counters: StoreCounters | None = None) -> bytes:
+                         counters: StoreCounters | None = None,
+                         buffer: Callable[[int], Any] | None = None) -> Any:
         if not 0 <= start <= end:
             raise ValueError(f"bad byte range [{start}, {end}) for {uri}")
         if start == end:
             return b""
         counters = counters or self.counters
         began = time.perf_counter()
-        data = await self._run(uri, self._read, uri, start, end, counters=counters)
+        data = await self._run(uri, self._read, uri, start, end, buffer, counters=counters)
         counters.record_latency(time.perf_counter() - began)
         counters.bytes_read += len(data)
         return data
@@ -109,10 +111,23 @@ class _ThreadedStore:
         await self.aclose()
 
 
-def _pread_all(path: str, start: int, end: int) -> bytes:
-    """Bytes [start, end) of a file; fewer at its end. pread may return short, so loop."""
+def _pread_all(path: str, start: int, end: int,
+               buffer: Callable[[int], Any] | None = None) -> Any:
+    """Bytes [start, end) of a file; fewer at its end. pread may return short, so loop.
+    With `buffer`: read into `buffer(length)` (the length the file holds), returned."""
     fd = os.open(path, os.O_RDONLY)
     try:
+        if buffer is not None:
+            out = buffer(max(0, min(end, os.fstat(fd).st_size) - start))
+            with memoryview(out) as view:
+                at = 0
+                while at < len(view):
+                    read = os.preadv(fd, [view[at:]], start + at)
+                    if not read:   # the file shrank under us: say so, as a short read would
+                        raise OSError(errno.EIO, f"{path} ended at byte {start + at}, "
+                                                 f"{len(view) - at} bytes short")
+                    at += read
+            return out
         parts, offset = [], start
         while offset < end:
             chunk = os.pread(fd, end - offset, offset)
@@ -155,8 +170,9 @@ class LocalStore(_ThreadedStore):
     def __init__(self, *, retry: RetryPolicy | None = None, max_concurrency: int = 16):
         super().__init__(retry=retry, max_concurrency=max_concurrency)
 
-    def _read(self, uri: str, start: int, end: int) -> bytes:
-        return _pread_all(local_path(uri), start, end)
+    def _read(self, uri: str, start: int, end: int,
+              buffer: Callable[[int], Any] | None = None) -> Any:
+        return _pread_all(local_path(uri), start, end, buffer)
 
     def _list(self, uri: str) -> list[ObjectInfo]:
         path = local_path(uri)
@@ -200,7 +216,9 @@ class FsspecStore(_ThreadedStore):
     def _uri(self, path: str) -> str:
         return f"{self.protocol}://{path}"
 
-    def _read(self, uri: str, start: int, end: int) -> bytes:
+    def _read(self, uri: str, start: int, end: int,
+              buffer: Callable[[int], Any] | None = None) -> bytes:
+        """Bytes, whatever `buffer` says: fsspec hands them over whole."""
         return self.fs.cat_file(self.fs._strip_protocol(uri), start, end)
 
     def _files(self, top: str, maxdepth: int | None = None) -> dict[str, dict[str, Any]]:

@@ -179,20 +179,56 @@ def _storage_error(exc: Exception, uri: str, bucket: str,
     return StorageError(message, uri=uri)
 
 
-def _body_range(resp: dict[str, Any], data: bytes, start: int, end: int) -> bytes:
-    """Bytes [start, end) out of a GetObject response, or _TruncatedBody if some are missing.
-    Ranges past the end of the object come back short, as from a file."""
+def _range_length(resp: dict[str, Any], start: int, end: int) -> int | None:
+    """How many bytes of [start, end) a ranged GetObject response carries (ranges past the end
+    of the object come back short, as from a file); None when the server ignored Range and
+    sent the whole object."""
     content_range = resp.get("ContentRange")  # "bytes 0-99/1000"
-    if content_range:
-        size = content_range.rsplit("/", 1)[-1]
-        total = int(size) if size.isdigit() else end  # "*": size unknown, expect the full range
-    else:  # the server ignored Range and sent the whole object
+    if not content_range:
+        return None
+    size = content_range.rsplit("/", 1)[-1]
+    total = int(size) if size.isdigit() else end  # "*": size unknown, expect the full range
+    return max(0, min(end, total) - start)
+
+
+def _body_range(resp: dict[str, Any], data: bytes, start: int, end: int) -> bytes:
+    """Bytes [start, end) out of a GetObject response, or _TruncatedBody if some are missing."""
+    expected = _range_length(resp, start, end)
+    if expected is None:   # the whole object
         total = int(resp.get("ContentLength", len(data)))
         data = data[start:end]
-    expected = max(0, min(end, total) - start)
+        expected = max(0, min(end, total) - start)
     if len(data) < expected:
         raise _TruncatedBody(f"received {len(data)} of {expected} bytes")
     return data[:expected]
+
+
+async def _body_into(resp: dict[str, Any], body: Any, start: int, end: int,
+                     buffer: Callable[[int], Any]) -> Any:
+    """The range's bytes written into `buffer(length)`, piece by piece as aiohttp received
+    them: no ~1 MiB `bytes` joined from the pieces (`StreamReader.read` does that)."""
+    expected = _range_length(resp, start, end)
+    content = getattr(body.raw_stream, "content", None)   # aiohttp's StreamReader
+    if expected is None or content is None:   # the whole object, or not aiohttp: copy it
+        data = _body_range(resp, await body.read(), start, end)
+        out = buffer(len(data))
+        memoryview(out)[:] = data
+        return out
+    out = buffer(expected)
+    at = 0
+    with memoryview(out) as view:
+        while at < expected:
+            piece, end_of_chunk = await content.readchunk()
+            if not piece:
+                if end_of_chunk:   # the end of an HTTP chunk (chunked encoding), not of the body
+                    continue
+                break
+            take = min(len(piece), expected - at)   # a longer body: the range is its start
+            view[at:at + take] = piece if take == len(piece) else piece[:take]
+            at += take
+    if at < expected:
+        raise _TruncatedBody(f"received {at} of {expected} bytes")
+    return out
 
 
 class S3Store:
@@ -314,7 +350,8 @@ class S3Store:
             raise _storage_error(exc, uri, bucket, access) from exc
 
     async def read_range(self, uri: str, start: int, end: int, *,
-                         counters: StoreCounters | None = None) -> bytes:
+                         counters: StoreCounters | None = None,
+                         buffer: Callable[[int], Any] | None = None) -> Any:
         if not 0 <= start <= end:
             raise ValueError(f"bad byte range [{start}, {end}) for {uri}")
         bucket, key = split_s3_uri(uri)
@@ -322,7 +359,7 @@ class S3Store:
             return b""
         counters = counters or self.counters
 
-        async def get(client: Any) -> bytes:
+        async def get(client: Any) -> Any:
             began = time.perf_counter()
             counters.requests += 1
             try:
@@ -333,7 +370,8 @@ class S3Store:
                     return b""
                 raise
             async with resp["Body"] as body:
-                data = _body_range(resp, await body.read(), start, end)
+                data = _body_range(resp, await body.read(), start, end) if buffer is None \
+                    else await _body_into(resp, body, start, end, buffer)
             counters.record_latency(time.perf_counter() - began)
             counters.bytes_read += len(data)
             return data
