@@ -60,7 +60,7 @@ from .mix_spec import Mixture, Schedule
 from .length_buckets import Buckets, bucket_targets, token_targets, water_fill
 from .types import Candidates
 
-CARRY_CLIP_STEPS = 1.0   # carries are clipped to this many steps' worth of units
+CARRY_CLIP_STEPS = 2.0   # carries are clipped to this many steps' worth of units
 
 
 class MixtureState(msgspec.Struct, frozen=True, kw_only=True):
