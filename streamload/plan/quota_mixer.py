@@ -26,7 +26,7 @@ How a step's targets are made (unit U = tokens, or samples when `by="samples"`):
   length the mix would give (from the windows).
 - target_s = max(p_s * T + carry_s, 0), made feasible against the windows (`length_buckets.py`).
 After the step, with N the realized total and r_s the realized part of source s:
-    carry_s += p_s * N - r_s        (clipped to CARRY_CLIP_STEPS steps' worth, 2T)
+    carry_s += p_s * N - r_s        (clipped to one step's worth, T)
 so carry_s is exactly the cumulative shortfall of source s against its share of what was
 delivered. A quota q with fraction f carries its deficit the same way, floored at 0 (a floor
 that the data exceeds owes nothing back).
@@ -60,10 +60,7 @@ from .mix_spec import Mixture, Schedule
 from .length_buckets import Buckets, bucket_targets, token_targets, water_fill
 from .types import Candidates
 
-CARRY_CLIP_STEPS = 2.0   # carries are clipped to this many steps' worth of units: the
-                         # lookahead may fill whole steps back to back from sources past their
-                         # quota (one heavy layer is the step at 32k DP R = 4); one step's
-                         # worth cut the others' deficit there and never repaid it (mix 0.017)
+CARRY_CLIP_STEPS = 1.0   # carries are clipped to this many steps' worth of units
 
 
 class MixtureState(msgspec.Struct, frozen=True, kw_only=True):
