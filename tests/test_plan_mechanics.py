@@ -30,6 +30,15 @@ def _candidates(rng, shuffled: bool) -> Candidates:
                       c.extra_cost[p], c.num_sources, c.num_ranks, c.divisible[p])
 
 
+def _arrival_tokens(c: Candidates, mask: np.ndarray) -> np.ndarray:
+    """[S, largest position + 1]: tokens of the items in `mask` per (source, position), counted
+    directly (what `Candidates.arrival_tokens` and the lookahead's takes lay out)."""
+    span = int(c.position.max()) + 1
+    return np.bincount(c.source.astype(np.int64) * span + c.position,
+                       weights=np.where(mask, c.length, 0).astype(np.float64),
+                       minlength=c.num_sources * span).reshape(c.num_sources, span)
+
+
 @pytest.mark.parametrize("shuffled", [False, True])
 @pytest.mark.parametrize("seed", range(20))
 def test_per_source_sums_and_values_match_counts_and_gathers(seed, shuffled):
@@ -118,25 +127,36 @@ def test_window_bounds_and_arrival_keys_match_the_per_item_keys(seed):
 
 @pytest.mark.parametrize("seed", range(20))
 def test_the_arrival_take_counts_what_it_took_by_source_and_position(seed):
-    """`lookahead._take_arrival(..., with_tokens=True)` reports the tokens it took per
-    (source, position) from the histogram it was given: the same as a histogram of the take
-    (the selection derives the pool's and the light items' sums from it), and the tokens it
-    adds to `used` are their sums per source."""
-    from streamload.plan.lookahead import _arrival_tokens, _take_arrival
+    """`lookahead._take_arrival` takes, per source in arrival order (position, then rank), the
+    items of the mask while the source's tokens stay below its quota (a loop over each source's
+    items finds the same), and reports the tokens it took per (source, position) from the
+    histogram it was given: the same as a histogram of the take (the selection derives the
+    pool's and the light items' sums from it), and the tokens it adds to `used` are their sums
+    per source."""
+    from streamload.plan.lookahead import _take_arrival
     rng = np.random.default_rng(seed)
     c = _candidates(rng, shuffled=False)
     if len(c) == 0:
         return
     mask = rng.random(len(c)) < 0.8
-    key = c.arrival_key
-    tokens = _arrival_tokens(c, mask, key)
+    tokens = _arrival_tokens(c, mask)
     quota = tokens.sum(axis=1) * rng.uniform(0, 1.2, c.num_sources)
     used = np.zeros(c.num_sources)
-    take, took = _take_arrival(c, mask, used, quota, key, tokens=tokens, with_tokens=True)
+    take, took = _take_arrival(c, mask, used, quota, tokens)
     assert not (take & ~mask).any()
-    assert np.array_equal(took, _arrival_tokens(c, take, key))
+    assert np.array_equal(took, _arrival_tokens(c, take))
     assert np.array_equal(used, took.sum(axis=1))
-    assert np.array_equal(take, _take_arrival(c, mask, np.zeros(c.num_sources), quota))
+    expected = np.zeros(len(c), dtype=bool)
+    for s in range(c.num_sources):
+        items = np.flatnonzero(mask & (c.source == s))
+        items = items[np.lexsort((c.rank[items], c.position[items]))]
+        before = 0
+        for i in items.tolist():
+            if before >= quota[s]:
+                break
+            expected[i] = True
+            before += int(c.length[i])
+    assert np.array_equal(take, expected)
 
 
 @pytest.mark.parametrize("shuffled", [False, True])
@@ -147,7 +167,7 @@ def test_light_take_by_window_cuts_matches_the_arrival_take_whatever_the_layout(
     tokens counted into `used`, and its first light item left per (source, rank) window is a
     loop's over that take. Laid out by window, and in any order (sources relabelled by
     length buckets)."""
-    from streamload.plan.lookahead import _LightTake, _arrival_tokens, _take_arrival, step_quotas
+    from streamload.plan.lookahead import _LightTake, _take_arrival, step_quotas
     rng = np.random.default_rng(seed)
     c = _candidates(rng, shuffled)
     if len(c) == 0:
@@ -159,7 +179,7 @@ def test_light_take_by_window_cuts_matches_the_arrival_take_whatever_the_layout(
         for _, part in c.windows()))
     # Mostly light, or mostly not (long runs of heavy items for `_LightTake._next_light`).
     light = rng.random(len(c)) < (0.7 if seed % 2 else 0.1)
-    tokens = _arrival_tokens(c, light, c.arrival_key)
+    tokens = _arrival_tokens(c, light)
     lights = _LightTake(c, light, tokens)
     quota = tokens.sum(axis=1) * rng.uniform(0, 1.2, c.num_sources)
     used = rng.integers(0, 3000, c.num_sources).astype(np.float64)
@@ -170,8 +190,7 @@ def test_light_take_by_window_cuts_matches_the_arrival_take_whatever_the_layout(
     remaining = np.maximum(quota - used, 0.0)
     remaining = step_quotas(remaining * (room / max(remaining.sum(), 1e-9)), tokens.sum(axis=1))
     expected_used = used.copy()
-    expected = _take_arrival(c, light, expected_used, used + remaining,
-                             through=np.cumsum(tokens, axis=1))
+    expected, _ = _take_arrival(c, light, expected_used, used + remaining, tokens)
     assert np.array_equal(lights.mask(take), expected)
     assert np.array_equal(got_used, expected_used)
     never = np.iinfo(c.position.dtype).max
@@ -240,17 +259,15 @@ def test_arrival_tokens_less_some_items_is_the_histogram_of_the_rest(seed, shuff
     """`Candidates.arrival_tokens_less(out)`: every candidate's tokens per (source, position)
     less those of `out` are exactly the histogram of the others (the lookahead's unforced
     items, the top-up's members), whatever the layout."""
-    from streamload.plan.lookahead import _arrival_tokens
     rng = np.random.default_rng(seed)
     c = _candidates(rng, shuffled)
     if len(c) == 0:
         return
     out = rng.random(len(c)) < (0.3 if seed % 2 else 0.9)
-    key = c.arrival_key
     assert np.array_equal(c.arrival_tokens_less(np.flatnonzero(out)),
-                          _arrival_tokens(c, ~out, key).ravel())
+                          _arrival_tokens(c, ~out).ravel())
     assert np.array_equal(c.arrival_tokens,
-                          _arrival_tokens(c, np.ones(len(c), dtype=bool), key).ravel())
+                          _arrival_tokens(c, np.ones(len(c), dtype=bool)).ravel())
     assert not c.arrival_tokens.flags.writeable
 
 

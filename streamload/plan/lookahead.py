@@ -84,35 +84,21 @@ LEVEL_BLOCKS = (2, 8)  # `_first_feasible` tries the top 2 levels, then to the 8
 step_quotas = water_fill
 
 
-def _arrival_tokens(c: Candidates, mask: np.ndarray, key: np.ndarray) -> np.ndarray:
-    """[S, P]: tokens of the items in `mask` per (source, position) (P: the largest position
-    + 1), for `_take_arrival`. `key`: `Candidates.arrival_key`. Sums of whole numbers, so
-    exact: a histogram made from another by adding and taking away items is the same."""
-    P = int(c.position.max()) + 1
-    return np.bincount(key, weights=np.where(mask, c.float_length, 0.0),
-                       minlength=c.num_sources * P).reshape(c.num_sources, P)
-
-
-def _take_arrival(c: Candidates, mask: np.ndarray, used: np.ndarray,
-                  quota: np.ndarray, key: np.ndarray | None = None,
-                  tokens: np.ndarray | None = None, through: np.ndarray | None = None,
-                  with_tokens: bool = False):
+def _take_arrival(c: Candidates, mask: np.ndarray, used: np.ndarray, quota: np.ndarray,
+                  tokens: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """Among candidates in `mask`, per source in arrival order (position, then rank), those
     taken while the source's tokens are below its quota (one item of overshoot, like `select`).
 
     Whole positions are taken while a source's quota lasts; only the one position where it runs
-    out is sorted by rank, so this is O(n). Updates `used`; returns a mask of what is taken,
-    and with `with_tokens` its tokens per (source, position) too (as `_arrival_tokens` gives
-    them). `key`: `Candidates.arrival_key`, when already known; `tokens`: `_arrival_tokens(c,
-    mask, key)` and `through`: their running sums over positions, when already known.
+    out is sorted by rank, so this is O(n). Updates `used`; returns a mask of what is taken and
+    its tokens per (source, position). `tokens`: the tokens of the items in `mask` per
+    (source, position), [S, largest position + 1] (as `Candidates.arrival_tokens` lays them
+    out).
     """
     take = np.zeros(len(c), dtype=bool)
-    if tokens is None and (through is None or with_tokens):
-        tokens = _arrival_tokens(c, mask, c.arrival_key if key is None else key)
     if not mask.any():
-        return (take, np.zeros_like(tokens)) if with_tokens else take
-    if through is None:
-        through = np.cumsum(tokens, axis=1)                     # up to and including p
+        return take, np.zeros_like(tokens)
+    through = np.cumsum(tokens, axis=1)                         # up to and including p
     remaining = quota - used
     # First position where a source reaches its quota (P when it never does), in the
     # positions' own dtype: the comparisons below then convert nothing.
@@ -126,8 +112,6 @@ def _take_arrival(c: Candidates, mask: np.ndarray, used: np.ndarray,
         taken, edge_tokens = _edge_take(c, edge, cutoff, through, remaining)
         take[edge[taken]] = True
     _count_take(used, cutoff, through, edge_tokens)
-    if not with_tokens:
-        return take
     # What was taken: the whole positions before each source's cutoff, and the edge items
     # taken at it.
     took = np.where(np.arange(tokens.shape[1]) < cutoff[:, None], tokens, 0.0)
@@ -182,13 +166,13 @@ def select_lookahead(c: Candidates, targets: np.ndarray, geometry: Geometry, cos
     # Token sums below are whole numbers, so exact: they are made from this histogram of the
     # items not forced, by adding and taking away items, not by more passes over every item.
     unforced = ~forced
-    unforced_tokens = c.arrival_tokens_less(overdue).reshape(S, -1)   # as `_arrival_tokens`
+    unforced_tokens = c.arrival_tokens_less(overdue).reshape(S, -1)   # [S, positions]
     window_quota = step_quotas(targets * window, unforced_tokens.sum(axis=1) + forced_tokens)
     # The pool's tokens per source: the forced ones and what the arrival fill takes (which it
     # counts into `pool_by_source`).
     pool_by_source = forced_tokens.copy()
     pool_take, pool_by_position = _take_arrival(c, unforced, pool_by_source, window_quota,
-                                                key, tokens=unforced_tokens, with_tokens=True)
+                                                unforced_tokens)
     pool = forced | pool_take
     weight, linear_part = item_costs(c, None, cost, with_linear=True)
     quota = step_quotas(targets, pool_by_source)
@@ -258,7 +242,7 @@ class _LightTake:
 
     The rounds of `_arrived_layer` take from the same light items in different rooms, and ask
     of each take only where it cuts each window: the first light item it leaves there. So the
-    light items' tokens per (source, position) (`tokens`, as `_arrival_tokens` gives them) are
+    light items' tokens per (source, position) (`tokens`, as `_take_arrival` takes them) are
     summed once, and a take (the same as `_take_arrival`'s) is a cut position per source,
     looked up per window (S·R lookups, `_first_light`), not a pass over every candidate; its
     mask is made only for the one take kept (`mask`)."""
@@ -370,7 +354,7 @@ def _arrived_layer(c: Candidates, excess: np.ndarray, must: np.ndarray, free: np
     """The heavy layer out of the heavy documents that have *arrived* (`HOLD_ARRIVED`), and
     the light take around it. Returns (picked heavy indices, light take mask). `must`, `free`:
     the forced and the free heavy items (indices, ascending); `light_tokens`: the light
-    items' tokens per (source, position) (`_arrival_tokens`).
+    items' tokens per (source, position) (as `_take_arrival` takes them).
 
     Light documents flow in arrival order at their quotas, so none of them is ever deferred;
     a heavy one may join a layer only when every light item before it in its window is taken
