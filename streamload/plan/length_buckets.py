@@ -102,8 +102,9 @@ def bucket_targets(buckets: Buckets, source_targets: np.ndarray, available: np.n
     first = buckets.first
     if buckets.num_virtual == S and len(quota_targets) == 0:
         # No quotas: each source is its rest bucket, and the loop below comes to each target
-        # capped at what is available (`water_fill` of one item), all at once
-        targets = np.maximum(np.asarray(source_targets, np.float64) - 0.0, 0.0)
+        # capped at what is available (`water_fill` of one item), all at once (the loop's
+        # `target - 0.0` is the target, bit for bit)
+        targets = np.maximum(np.asarray(source_targets, np.float64), 0.0)
         available = np.asarray(available, np.float64)
         return np.where(targets > available, available, targets)
     source_available = np.add.reduceat(available, first[:-1]) if available.size else np.zeros(S)
