@@ -89,14 +89,12 @@ def test_a_swap_never_takes_a_row_over_a_cap():
 
 @pytest.mark.core
 def test_the_pass_runs_where_ranks_are_the_bins_only():
-    image = image_candidates(0, 2, 8)
-    text = Candidates.from_windows([[np.array([100, 200])], [np.array([300, 400])]])
+    # image and text steps alike (`refine_swaps`: the round loop on images, `_shed` on text)
     flat = Geometry(ranks=2, micro_batches=2, capacity=4096)
-    assert applies(image, flat, COST)
-    assert applies(text, flat, COST)                                   # text: moves only (cp7)
-    assert not applies(image, Geometry(1, 2, 4096), COST)              # one rank
-    assert not applies(image, Geometry(2, 2, 4096, pipeline_stages=4), COST)   # 1F1B rows
-    assert not applies(image, flat, CostModel(a=1e-4, b=1.0, document_masking=False))
+    assert applies(flat, COST)
+    assert not applies(Geometry(1, 2, 4096), COST)                     # one rank
+    assert not applies(Geometry(2, 2, 4096, pipeline_stages=4), COST)  # 1F1B rows
+    assert not applies(flat, CostModel(a=1e-4, b=1.0, document_masking=False))
 
 
 @pytest.mark.core

@@ -38,7 +38,7 @@ import numpy as np
 
 from .balance import _Bins, _lpt, deal_rows
 from .caps import RowCaps
-from .cost import CostModel
+from .cost import CostModel, pipeline_time
 from .types import Candidates, Geometry
 
 MAX_ROWS = 256     # R * M at most (R = 64 at M = 4): beyond, rounds cost more than they gain
@@ -58,9 +58,17 @@ def applies(c: Candidates, geometry: Geometry, cost: CostModel, caps: RowCaps = 
             and geometry.rows <= MAX_ROWS and not (caps.active and c.images is not None))
 
 
-def rank_times(row_cost: np.ndarray, stages: int) -> np.ndarray:
-    """[..., M] -> each rank's 1F1B time (`cost.pipeline_time`, written for the moves)."""
-    return (row_cost.sum(axis=-1) + (stages - 1) * row_cost.max(axis=-1)) / stages
+def _even_time(work: float, geometry: Geometry) -> float:
+    """A rank's time were the step's `work` spread evenly over every row: no plan goes below."""
+    return work / geometry.ranks * geometry.work_time
+
+
+def _slowest_but(times: np.ndarray, top: int) -> np.ndarray:
+    """Per rank r: the slowest time of the ranks other than `top` and r (-inf where none)."""
+    others = np.where(np.arange(times.size) == top, -np.inf, times)
+    first = int(np.argmax(others))
+    second = float(np.max(np.where(np.arange(times.size) == first, -np.inf, others)))
+    return np.where(np.arange(times.size) == first, second, float(others[first]))
 
 
 def _moves(weight: np.ndarray, length: np.ndarray, cell: np.ndarray, geometry: Geometry,
@@ -73,10 +81,9 @@ def _moves(weight: np.ndarray, length: np.ndarray, cell: np.ndarray, geometry: G
     fill = np.bincount(cell, weights=length, minlength=R * M).astype(np.int64)
     own_rows = np.arange(M)
     every = np.arange(R * M)
-    # A rank's time were the step's work spread evenly over every row: no move goes below.
-    even = float(weight.sum()) / R * geometry.work_time
+    even = _even_time(float(weight.sum()), geometry)
     for _ in range(max_moves):
-        times = rank_times(row_cost, P)
+        times = pipeline_time(row_cost, P)
         top = int(np.argmax(times))
         now = float(times[top])
         if now <= even * (1 + TOLERANCE):
@@ -103,12 +110,10 @@ def _moves(weight: np.ndarray, length: np.ndarray, cell: np.ndarray, geometry: G
         # The top rank's rows once x leaves (one line per x), and its time then.
         left = np.repeat(row_cost[top][None, :], xs.size, axis=0)
         left[np.arange(xs.size), rx] -= wx
-        top_after = rank_times(left, P)
+        top_after = pipeline_time(left, P)
         # The slowest of the other ranks, the top one and q's rank left out.
-        others = np.where(np.arange(R) == top, -np.inf, times)
-        first = int(np.argmax(others))
-        second = float(np.max(np.where(np.arange(R) == first, -np.inf, others)))
-        rest = np.where(slot_rank == first, second, float(others[first]))
+        but = _slowest_but(times, top)
+        rest = but[slot_rank]
         # q's rank with x in row q: its sum and max grow.
         q_rows = row_cost[slot_rank]                                   # (slots, M)
         q_max_other = np.where(own_rows[None, :] == slot_row[:, None], -np.inf,
@@ -121,7 +126,7 @@ def _moves(weight: np.ndarray, length: np.ndarray, cell: np.ndarray, geometry: G
         mine = np.flatnonzero(slot_rank == top)
         inside = np.repeat(left[:, None, :], mine.size, axis=1)      # (nx, M, M)
         inside[:, np.arange(mine.size), slot_row[mine]] += wx[:, None]
-        new[:, mine] = np.maximum(rank_times(inside, P), float(others[first]))
+        new[:, mine] = np.maximum(pipeline_time(inside, P), float(but[top]))
         fits = room[slots][None, :] >= lx[:, None]
         new = np.where(fits & (slots[None, :] != cell[xs][:, None]), new, np.inf)
         k = int(np.argmin(new))                                        # ties: lowest index
@@ -149,10 +154,10 @@ def _row_swaps(weight: np.ndarray, cell: np.ndarray, geometry: Geometry,
     where = np.arange(R * M)                 # where each of the plan's rows is now
     mine_i, theirs_j = np.repeat(np.arange(M), M), np.tile(np.arange(M), M)
     for _ in range(max_swaps):
-        times = rank_times(row_cost, P)
+        times = pipeline_time(row_cost, P)
         top = int(np.argmax(times))
         now = float(times[top])
-        if now <= float(row_cost.sum()) / R * geometry.work_time * (1 + TOLERANCE):
+        if now <= _even_time(float(row_cost.sum()), geometry) * (1 + TOLERANCE):
             break
         others = np.flatnonzero(np.arange(R) != top)
         # Every (rank q, row i of the top rank, row j of q): both ranks' rows after the swap.
@@ -163,12 +168,8 @@ def _row_swaps(weight: np.ndarray, cell: np.ndarray, geometry: Geometry,
         a_new[:, pairs, mine_i] = b_rows[:, theirs_j]
         b_new = np.repeat(b_rows[:, None, :], M * M, axis=1)              # (R-1, M*M, M)
         b_new[:, pairs, theirs_j] = row_cost[top][mine_i][None, :]
-        rest_first = np.where(np.arange(R) == top, -np.inf, times)
-        first = int(np.argmax(rest_first))
-        second = float(np.max(np.where(np.arange(R) == first, -np.inf, rest_first),
-                              initial=-np.inf))
-        rest = np.where(others == first, second, float(rest_first[first]))[:, None]
-        new = np.maximum(np.maximum(rank_times(a_new, P), rank_times(b_new, P)), rest)
+        rest = _slowest_but(times, top)[others][:, None]
+        new = np.maximum(np.maximum(pipeline_time(a_new, P), pipeline_time(b_new, P)), rest)
         k = int(np.argmin(new))                                           # ties: lowest
         if not new.flat[k] < now * (1 - _RELATIVE):
             break
@@ -213,12 +214,12 @@ def pipeline_moves(c: Candidates, take: np.ndarray, rank: np.ndarray, row: np.nd
     cell = rank * M + row
 
     def step_time(cells: np.ndarray) -> float:
-        return float(rank_times(np.bincount(cells, weights=weight, minlength=geometry.rows)
+        return float(pipeline_time(np.bincount(cells, weights=weight, minlength=geometry.rows)
                                 .reshape(geometry.ranks, M), P).max())
 
     # The plan as made, or the largest-first repack where that is faster; then the moves.
     start, start_time = cell, step_time(cell)
-    if start_time <= float(weight.sum()) / geometry.ranks * geometry.work_time * (1 + TOLERANCE):
+    if start_time <= _even_time(float(weight.sum()), geometry) * (1 + TOLERANCE):
         return rank.astype(np.int32), row.astype(np.int32)   # even already
     packed = _largest_first(weight, length, geometry)
     if packed is not None and step_time(packed) < start_time * (1 - _RELATIVE):

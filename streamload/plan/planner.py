@@ -188,9 +188,10 @@ class Planner:
         # cap give up items (`caps.enforce`; a plan that obeys them is left as it is).
         take, rank, row, length = enforce(c, take, rank, row, length, self.geometry, self.caps,
                                           self.force_age, self.cost, eligible)
-        if method != "naive" and SWAPS and swaps_apply(c, self.geometry, self.cost):
-            # Ranks as bins: the top rank trades items with any rank (image steps) or moves
-            # them into any rank's row with room (text) (`swaps.py`); the same items.
+        if method != "naive" and SWAPS and swaps_apply(self.geometry, self.cost):
+            # Ranks as bins: the top rank trades items with any rank (image steps), or the
+            # most loaded ranks move and swap items with their partners (text, `swaps._shed`)
+            # (`swaps.py`); the same items.
             rank, row = refine_swaps(c, take, rank, row, length, self.geometry, self.cost,
                                      self.caps)
         if method != "naive" and PIPELINE_MOVES and \

@@ -97,7 +97,7 @@ SHORT = 1 / 16        # ... items of at most this share of C refill a row after 
                       # 1/32 and 1/8 gave less in the Loader at R = 4: swap9)
 
 
-def applies(c: Candidates, geometry: Geometry, cost: CostModel) -> bool:
+def applies(geometry: Geometry, cost: CostModel) -> bool:
     """Where the pass runs: ranks as the bins (document masking, no pipeline), R > 1, on image
     and text steps alike (`refine_swaps`: the round loop on image steps, `_shed` on text)."""
     return geometry.ranks > 1 and cost.document_masking and not geometry.pipelined
@@ -227,7 +227,7 @@ def _shed(weight: np.ndarray, length: np.ndarray, rank: np.ndarray, slot: np.nda
           R: int, M: int, C: int, max_rounds: int) -> None:
     """Text steps: the ranks above the mean shed cost, many a round (the module's text part);
     `rank` and `slot` change in place."""
-    bins = _Bins(weight, length, rank, slot, R, M, C)
+    bins = _TextSlots(weight, length, rank, slot, R, M, C)
     load = bins.load
     mean = float(load.mean())
     tops = [float(load.max())] * STALL
@@ -249,7 +249,7 @@ def _shed(weight: np.ndarray, length: np.ndarray, rank: np.ndarray, slot: np.nda
             break
 
 
-class _Bins:
+class _TextSlots:
     """A text step's (rank, row) slots as `_shed` trades them: every item's slot and rank
     (the caller's arrays, changed in place), each rank's load, each slot's tokens and its short
     items' tokens (what a refill can send back)."""
