@@ -86,15 +86,16 @@ def decode_summaries(gathered: list[np.ndarray], num_sources: int) -> Summaries:
             exhausted[r, s], visual[r, s] = flags & 1, flags & 2
         base += array.shape[0]
     source, rank, position = window_columns(sizes)
-    n_of = np.repeat(sizes.T.reshape(-1), sizes.T.reshape(-1))   # each item's window size
-    at = np.repeat(offsets.T.reshape(-1), sizes.T.reshape(-1)) + position
+    per_window = sizes.T.reshape(-1)   # the windows' sizes, in the candidates' order
+    n_of = np.repeat(per_window, per_window)   # each item's window size
+    at = np.repeat(offsets.T.reshape(-1), per_window) + position
     lengths, ages = flat[at], flat[at + n_of]
     # ids [n, 3] are row-major after the ages: item k's at lengths' start + 2n + 3k
     ids = flat[(at + 2 * n_of + 2 * position)[:, None] + np.arange(ID_FIELDS)]
     extra = flat[at + (2 + ID_FIELDS) * n_of].view(np.float64)
     images = patches = None
     if visual.any():   # a text window among image ones: no images, no patches
-        has = np.repeat(visual.T.reshape(-1), sizes.T.reshape(-1))
+        has = np.repeat(visual.T.reshape(-1), per_window)
         first = at + (3 + ID_FIELDS) * n_of
         images = np.where(has, flat[np.where(has, first, 0)], 0)
         patches = np.where(has, flat[np.where(has, first + n_of, 0)], 0)

@@ -37,15 +37,19 @@ def _blank(line: bytes) -> bool:
     return not line.strip(b" \t\r")
 
 
+_COUNT_BLOCK = 1 << 16   # bytes compared at a time by `_newlines`: a small temporary
+
+
 def _newlines(data, start: int, end: int) -> int:
-    """The newlines in data[start:end], found one by one: `mmap` (a range read into a mapped
-    buffer, `storage.buffers`) has no `count`, and on 1 MiB of JSONL (lines of kilobytes)
-    `find`'s memchr is several times faster than `bytes.count` anyway."""
-    found, at = 0, data.find(b"\n", start, end)
-    while at >= 0:
-        found += 1
-        at = data.find(b"\n", at + 1, end)
-    return found
+    """The newlines in data[start:end], counted by NumPy over a view, a block at a time:
+    `mmap` (a range read into a mapped buffer, `storage.buffers`) has no `count`. About
+    0.08 ms a MiB whatever the lines' length; `find` in a Python loop took 1.3 ms a MiB of
+    100-byte lines (0.04 ms of 4 KB ones), `bytes.count` 0.3 ms."""
+    if end <= start:
+        return 0
+    view = np.frombuffer(data, np.uint8, end - start, start)
+    return sum(int(np.count_nonzero(view[k:k + _COUNT_BLOCK] == 10))
+               for k in range(0, end - start, _COUNT_BLOCK))
 
 
 _STEMS = (".jsonl", ".ndjson")

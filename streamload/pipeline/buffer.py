@@ -325,18 +325,19 @@ class SourceBuffer:
                 lo = hi
                 continue
             local = positions[i:j] - lo
+            here = local.tolist()
             starts = block.start[local].tolist()
             lengths = block.length[local].tolist()
-            cuts = [(k, q) for k, q in enumerate(local.tolist()) if q + lo in cut]
+            cuts = [(k, q) for k, q in enumerate(here) if q + lo in cut]
             for k, q in cuts:   # the head of a cut item leaves; the rest stays
                 lengths[k] = cut[q + lo]
             tokens = block.tokens
             out.extend([tokens[s:s + n] for s, n in zip(starts, lengths)])
             if with_images:
                 refs = block.images
-                images.extend([refs[q] if refs is not None else () for q in local.tolist()])
+                images.extend([refs[q] if refs is not None else () for q in here])
             removed += sum(lengths)
-            gone = [q for q in local.tolist() if q + lo not in cut] if cuts else local.tolist()
+            gone = [q for q in here if q + lo not in cut] if cuts else here
             m = len(gone)
             if m and gone[-1] == m - 1:   # the block's first m items leave: views past them
                 rest = block.subset(slice(m, None))
