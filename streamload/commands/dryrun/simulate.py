@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Optional, Sequence, Union
 
 import numpy as np
@@ -48,17 +48,13 @@ class StepReport:
                                 # (`CostModel.cut_savings`): the same data uncut costs this more
     row_cost: Optional[np.ndarray] = None   # [R, M]: predicted cost of each (rank, micro-batch)
     step_time: float = 0.0      # the slowest rank's 1F1B time (`cost.pipeline_time`)
-    waited: int = 0             # taken items that had been deferred (a later item of their
-                                # window was taken before them) ...
-    waited_steps: int = 0       # ... and the steps since then, summed (their delays)
-    delay_max: int = 0          # the longest of those delays
-    waited_token_steps: int = 0  # their delays weighted by their tokens
-    delays: Optional[np.ndarray] = None   # int64 [2, waited]: each one's delay and tokens
+    # int64 [2, n]: the taken items that had been deferred (a later item of their window was
+    # taken before them): each one's delay (the steps since then) and its tokens
+    delays: np.ndarray = field(default_factory=lambda: np.zeros((2, 0), np.int64))
     plan_seconds: float = 0.0   # CPU time of the planner (`Stepper.assign`) for this step
     exchanged: int = 0          # tokens planned onto a rank other than the one holding them
     mix: Optional[StepMix] = None   # the configured target, the tail, run-outs (`mixreport`)
     # An image job: the vision encoder's part of each rank's cost [R] (the rest of rank_cost
-    # is the backbone's), and each row's images and patches [R, M, 2] (the caps per row)
     # is the backbone's), and each row's images and patches [R, M, 2] (the caps per row).
     # The encoder's part is measured whether the planner saw it (image_cost="hybrid") or not
     # ("backbone"): `backbone_cost` is the rest of the planned cost either way.
@@ -72,6 +68,25 @@ class StepReport:
         the step's work spread evenly over the slowest rank's: mean / max of the sums."""
         total = self.encoder_cost + self.backbone_cost
         return float(total.mean() / total.max()) if total.max() > 0 else 1.0
+
+    @property
+    def waited(self) -> int:
+        """Taken items that had been deferred."""
+        return int(self.delays.shape[1])
+
+    @property
+    def waited_steps(self) -> int:
+        """Their delays, summed."""
+        return int(self.delays[0].sum())
+
+    @property
+    def delay_max(self) -> int:
+        return int(self.delays[0].max(initial=0))
+
+    @property
+    def waited_token_steps(self) -> int:
+        """Their delays weighted by their tokens."""
+        return int((self.delays[0] * self.delays[1]).sum())
 
     @property
     def units(self) -> float:
@@ -294,11 +309,7 @@ def simulate(spec: LoaderSpec, lengths: Sequence[Union[SourceScan, np.ndarray]],
         reports[-1].plan_seconds = plan_seconds
         # Taken items leave their windows; the others age.
         delays, tokens = windows.commit(offer, take, assignment.length, step.index)
-        report = reports[-1]
-        report.waited, report.waited_steps = int(delays.size), int(delays.sum())
-        report.waited_token_steps = int((delays * tokens).sum())
-        report.delays = np.stack([delays, tokens])
-        report.delay_max = int(delays.max(initial=0))
+        reports[-1].delays = np.stack([delays, tokens]).astype(np.int64, copy=False)
     return reports
 
 
