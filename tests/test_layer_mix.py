@@ -7,7 +7,7 @@ import pytest
 
 from streamload.plan import lookahead
 from streamload.plan.cost import CostModel
-from streamload.plan.layer_mix import keeps_mix, within_overshoot
+from streamload.plan.layer_mix import bounds_overshoot, keeps_mix, within_overshoot
 from streamload.plan.lookahead import select_lookahead
 from streamload.plan.types import Candidates, Geometry
 
@@ -64,6 +64,12 @@ def test_a_source_gives_heavy_items_within_what_it_is_owed_plus_the_slack():
     assert kept.tolist() == [0, 1, 2, 4]      # the oldest within 350 (source 0) and 300
     kept = within_overshoot(items, source, length, age, owed=np.array([-500.0, 600.0]), slack=0)
     assert kept.tolist() == [4, 5]            # an overdrawn source counts as owed nothing
+
+
+def test_the_overshoot_bound_holds_where_a_slot_is_a_ranks_one_row():
+    assert bounds_overshoot(Geometry(4, 1, C))
+    assert not bounds_overshoot(Geometry(4, 2, C))                      # 128k, CP = 4
+    assert not bounds_overshoot(Geometry(64, 4, C, pipeline_stages=4))  # 128k, PP = 4
 
 
 def test_keeps_mix_judges_each_source_against_the_step_without_the_layer():

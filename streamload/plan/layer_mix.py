@@ -11,8 +11,13 @@ back to back, and the web source (40% of the mix) fell behind past the clip, by 
 worth, never repaid (96 steps: 0.0171 off its weight). So, with `slack` the most tokens a
 carry may hold after the step (`MIX_SLACK` steps' worth):
 
-- *Overshoot* (`within_overshoot`): a source gives free heavy items (not forced) of at most
-  what it is owed this step plus `slack` tokens, the oldest first.
+- *Overshoot* (`within_overshoot`): a source offers a layer free heavy items (not forced) of
+  at most what it is owed this step plus `slack` tokens, the oldest first; only where a slot
+  is a rank's one row (`bounds_overshoot`). With `slack` a step, a layer (at most a step)
+  never passes the bound itself: what the rule does is leave the layer fewer and older items
+  to choose its level from. That held the mix at 32k DP (R = 2, 4 and 64) and raised the
+  efficiency there, but cost 0.002-0.011 of it at 128k (PP = 4 at R = 64, CP = 4), where the
+  mix was within 0.006 without it: measured, not derived (docs/benchmarks.md, mix11).
 - *Shortfall* (`keeps_mix`): a layer of free items only (none forced) is left out when, with
   it, some source would end the step owed more than `slack`, and more than without it: the
   light take first repays what the layers before left owed. A source whose light items are
@@ -27,7 +32,15 @@ from __future__ import annotations
 
 import numpy as np
 
+from .types import Geometry
+
 MIX_SLACK = 1.0   # steps' worth: the most a layer may leave a source owed or overdrawn
+
+
+def bounds_overshoot(geometry: Geometry) -> bool:
+    """Whether the layer's candidates are held to the overshoot bound (`within_overshoot`):
+    where a slot is a rank's one row (one micro-batch per rank, so no pipeline either)."""
+    return geometry.micro_batches == 1
 
 
 def within_overshoot(items: np.ndarray, source: np.ndarray, length: np.ndarray,

@@ -59,7 +59,7 @@ import numpy as np
 
 from .balance import item_costs
 from .cost import CostModel
-from .layer_mix import MIX_SLACK, keeps_mix, within_overshoot
+from .layer_mix import MIX_SLACK, bounds_overshoot, keeps_mix, within_overshoot
 from .length_buckets import water_fill
 from .types import Candidates, Geometry
 
@@ -215,7 +215,7 @@ def select_lookahead(c: Candidates, targets: np.ndarray, geometry: Geometry, cos
     free = heavy_items[~heavy_forced & (quota > used)[source[heavy_items]]]
     # ... by at most what the carry takes back (`layer_mix`).
     slack = None if MIX_SLACK is None else MIX_SLACK * float(geometry.step_tokens)
-    if slack is not None:
+    if slack is not None and bounds_overshoot(geometry):
         free = within_overshoot(free, source, length, age, quota - used, slack)
     must = heavy_items[heavy_forced]
     light = pool_take.copy()                       # the pool less the forced and heavy items
