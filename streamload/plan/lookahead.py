@@ -44,10 +44,11 @@ windows that deep) and plans the step as the first of W:
 - **The mix over the window.** A source owed tokens this step may give its heavy documents
   past its step quota: the mixer's carried deficit takes the overshoot back over the next
   steps, so the mix is exact over windows of steps (not step by step). Only as far as the
-  carry takes back (`layer_mix`): a source gives at most `MIX_SLACK` steps' worth past what
-  it is owed, and a layer of free items waits where it would leave another source owed more.
-  Light documents then fill the quotas in arrival order, in the room the heavy ones left (a
-  source short of light ones hands its part to the others, as `step_quotas` does).
+  carry takes back (`layer_mix`): a layer of free items waits where it would leave another
+  source owed more than `MIX_SLACK` steps' worth (where a slot is a rank's one row, a source
+  offers the layer only what it is owed plus that much). Light documents then fill the
+  quotas in arrival order, in the room the heavy ones left (a source short of light ones
+  hands its part to the others, as `step_quotas` does).
 
 The step's items then go to `assign_balanced` with the forced ones marked. Only step 0 is ever
 committed: the next step plans again over its own window (a rolling horizon), so the later
