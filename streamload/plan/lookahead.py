@@ -43,9 +43,12 @@ windows that deep) and plans the step as the first of W:
   bound.
 - **The mix over the window.** A source owed tokens this step may give its heavy documents
   past its step quota: the mixer's carried deficit takes the overshoot back over the next
-  steps, so the mix is exact over windows of steps (not step by step). Light documents then
-  fill the quotas in arrival order, in the room the heavy ones left (a source short of light
-  ones hands its part to the others, as `step_quotas` does).
+  steps, so the mix is exact over windows of steps (not step by step). Only as far as the
+  carry takes back (`layer_mix`): a layer of free items waits where it would leave another
+  source owed more than `MIX_SLACK` steps' worth (where a slot is a rank's one row, a source
+  offers the layer only what it is owed plus that much). Light documents then fill the
+  quotas in arrival order, in the room the heavy ones left (a source short of light ones
+  hands its part to the others, as `step_quotas` does).
 
 The step's items then go to `assign_balanced` with the forced ones marked. Only step 0 is ever
 committed: the next step plans again over its own window (a rolling horizon), so the later
@@ -57,6 +60,7 @@ import numpy as np
 
 from .balance import item_costs
 from .cost import CostModel
+from .layer_mix import MIX_SLACK, bounds_overshoot, keeps_mix, within_overshoot
 from .length_buckets import water_fill
 from .types import Candidates, Geometry
 
@@ -210,6 +214,10 @@ def select_lookahead(c: Candidates, targets: np.ndarray, geometry: Geometry, cos
     # (Heavy items are few: these are indices, looked up among them alone.)
     heavy_forced = forced[heavy_items]
     free = heavy_items[~heavy_forced & (quota > used)[source[heavy_items]]]
+    # ... by at most what the carry takes back (`layer_mix`).
+    slack = None if MIX_SLACK is None else MIX_SLACK * float(geometry.step_tokens)
+    if slack is not None and bounds_overshoot(geometry):
+        free = within_overshoot(free, source, length, age, quota - used, slack)
     must = heavy_items[heavy_forced]
     light = pool_take.copy()                       # the pool less the forced and heavy items
     light[heavy_items] = False
@@ -227,7 +235,8 @@ def select_lookahead(c: Candidates, targets: np.ndarray, geometry: Geometry, cos
     else:
         picked, light_take = _arrived_layer(c, excess, must, free, light, quota,
                                             used, room, slots, slot_tokens, light_tokens,
-                                            force_age, FORCED_RIDE and geometry.pipelined)
+                                            force_age, FORCED_RIDE and geometry.pipelined,
+                                            slack)
         taken[picked] = True
     taken |= light_take
     selected = np.flatnonzero(taken)
@@ -350,7 +359,8 @@ def _arrived(c: Candidates, candidates: np.ndarray, first_left: np.ndarray) -> n
 def _arrived_layer(c: Candidates, excess: np.ndarray, must: np.ndarray, free: np.ndarray,
                    light: np.ndarray, quota: np.ndarray, used: np.ndarray, room: float,
                    slots: int, slot_tokens: int, light_tokens: np.ndarray, force_age: int,
-                   forced_ride: bool = False) -> tuple[np.ndarray, np.ndarray]:
+                   forced_ride: bool = False,
+                   slack: float | None = None) -> tuple[np.ndarray, np.ndarray]:
     """The heavy layer out of the heavy documents that have *arrived* (`HOLD_ARRIVED`), and
     the light take around it. Returns (picked heavy indices, light take mask). `must`, `free`:
     the forced and the free heavy items (indices, ascending); `light_tokens`: the light
@@ -362,23 +372,36 @@ def _arrived_layer(c: Candidates, excess: np.ndarray, must: np.ndarray, free: np
     layer's tokens count as the sources' overshoot (the carry repays it): they shrink the
     light take of every source in proportion, through the room. Which heavy items have arrived
     depends on the room the layer leaves, so the candidates shrink until they agree (a few
-    rounds); a picked item still behind a light one left waits for the next step."""
+    rounds); a picked item still behind a light one left waits for the next step. A layer of
+    free items only waits too where it would leave a source owed more than `slack` tokens
+    (`layer_mix.keeps_mix`; None: never)."""
     length, age = c.length, c.age
     ride_age = force_age - RIDE_AHEAD if RIDE_AHEAD > 0 else None
     candidates = free
     light_take = _LightTake(c, light, light_tokens)
-    whole_room = take = light_take(quota, used.copy(), room)
+    whole_used = used.copy()
+    whole_room = take = light_take(quota, whole_used, room)
     for _ in range(ARRIVAL_ROUNDS):
         candidates = _arrived(c, candidates, take[2])
         picked = heavy_layer(excess, must, candidates, age, length, slots, slot_tokens, room,
                              ride_age, forced_ride)
         if picked.size == 0:   # no layer: the light take is the whole room's
             return picked, light_take.mask(whole_room)
-        take = light_take(quota, used.copy(), room - float(length[picked].sum()))
+        layer_used = used.copy()
+        take = light_take(quota, layer_used, room - float(length[picked].sum()))
         arrived = _within(picked, _arrived(c, free, take[2]))
         if arrived.all():
             break
-    return picked[arrived], light_take.mask(take)
+    picked = picked[arrived]
+    if slack is not None and must.size == 0:
+        layer_used += np.bincount(c.source[picked], weights=length[picked],
+                                  minlength=quota.size)
+        # Sources with heavy items to give are never short of light ones (`keeps_mix`).
+        heavy = np.bincount(c.source[np.concatenate([must, free])], minlength=quota.size)
+        light_only = np.where(heavy > 0, 0.0, light_take.available)
+        if not keeps_mix(quota, used, layer_used, whole_used, light_only, slack):
+            return picked[:0], light_take.mask(whole_room)
+    return picked, light_take.mask(take)
 
 
 def _within(items: np.ndarray, among: np.ndarray) -> np.ndarray:
