@@ -79,8 +79,8 @@ class LitdataStream(PlannedStream):
         view = memoryview(chunk)
         try:
             if plan.mode == "items":
-                return Records.of(self._items(first, chunk,
-                                              plan.offsets[first:stop + 1] - plan.offsets[first]))
+                return self._item_columns(first, chunk,
+                                          plan.offsets[first:stop + 1] - plan.offsets[first])
             if plan.mode == "blocks":
                 return self._blocks(first, stop, chunk)
             if plan.mode == "frames":
@@ -118,6 +118,20 @@ class LitdataStream(PlannedStream):
                 records.append(RawRecord(first + k, decoder.item(view[edges[k]:edges[k + 1]])))
             except BadRecord as exc:
                 self._record_error(first + k, str(exc))
+        return records
+
+    def _item_columns(self, first: int, data: bytes, bounds: np.ndarray) -> Records:
+        """`_items` as columns: uncompressed PyTree items read at once (`Decoder.columns`)
+        when none is bad, else item by item."""
+        decoder = self._decoder
+        if decoder.inflate is not None or self._layout.tokens_loader:
+            return Records.of(self._items(first, data, bounds))
+        data = data if isinstance(data, bytes) else bytes(data)
+        begin, end, errors = decoder.span_columns(data, bounds)
+        records = None if errors else decoder.columns(data, begin, end, first)
+        if records is None:
+            spans = list(zip(begin.tolist(), end.tolist()))
+            records = Records.of(self._payloads(first, data, spans, errors))
         return records
 
     def _payloads(self, first: int, data: bytes, spans: list, errors: dict) -> list[RawRecord]:

@@ -10,7 +10,7 @@ from typing import Optional
 import numpy as np
 
 from ..base import (BadShard, MissingField, Problems, RawRecord, Records, column_dtype,
-                    field_hint)
+                    field_hint, joined_spans, utf8_spans)
 from .index import Entry
 
 
@@ -192,11 +192,8 @@ class Decoder:
 
     def _text_columns(self, buf: bytes, col_start: np.ndarray, col_len: np.ndarray,
                       first: int) -> Optional[Records]:
-        view = memoryview(buf)
-        try:
-            texts = [str(view[a:a + n], "utf-8")
-                     for a, n in zip(col_start.tolist(), col_len.tolist())]
-        except UnicodeDecodeError:
+        texts = utf8_spans(buf, col_start, col_start + col_len)
+        if texts is None:
             return None
         return Records(np.arange(first, first + len(texts), dtype=np.int64), texts=texts)
 
@@ -232,9 +229,7 @@ class Decoder:
         stored = np.dtype("<" + np.dtype(dtype).str[1:])
         if (count < 0).any() or not np.array_equal(at + count * stored.itemsize, end):
             return None
-        view = memoryview(buf)
-        data = b"".join([view[a:b] for a, b in zip(at.tolist(), end.tolist())])
-        tokens = np.frombuffer(data, stored)
+        tokens = np.frombuffer(joined_spans(buf, at, end), stored)
         if dtype in _SMALL_INTS:   # as `_tokens`: no negative ids, handed out as int32 (or
             if dtype[0] == "i" and tokens.size and tokens.min() < 0:   # a view of uint8/16)
                 return None
