@@ -19,7 +19,11 @@ first, then, each timed with `time.thread_time`:
               (`formats.base`: what the loader's transform threads call)
   transform   `records_to_block` of each range's records (byte tokens, C = 32,768)
 
-best of `--repeat` runs. JSON last line: {"results": [{"format", "decode_ms", "transform_ms",
+best of `--repeat` runs. With `--loader`, also `formats.py`'s Loader run over the same files
+(1 rank, M = 2 rows of 32,768, planner naive, `--epochs` Loaders one after the other): the
+process's CPU seconds (`loader_cpu_s`) and its threads' (`loop_cpu_s`: the step loop and the
+fetchers; `transform_cpu_s`: decode and transform), from /proc, read at every step since a
+Loader's threads end with it. JSON last line: {"results": [{"format", "decode_ms", "transform_ms",
 "records", "mb_per_cpu_s"}]}, the times in ms per epoch (all 20,000 documents), MB the
 documents' text bytes.
 """
@@ -28,8 +32,10 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -124,12 +130,47 @@ def measure(path: Path, name: str, tokens_field: str | None, repeat: int) -> dic
             "records": best[2]}
 
 
+def thread_cpu(into: dict) -> None:
+    """Each live thread's CPU seconds so far, by native id, into `into` ((name, seconds))."""
+    tick = os.sysconf("SC_CLK_TCK")
+    for thread in threading.enumerate():
+        try:
+            with open(f"/proc/self/task/{thread.native_id}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except (FileNotFoundError, TypeError):   # ended meanwhile
+            continue
+        into[thread.native_id] = (thread.name.rstrip("0123456789-_"),
+                                  (int(fields[11]) + int(fields[12])) / tick)
+
+
+def loader_cpu(path: Path, name: str, tokens_field: str | None, epochs: int) -> dict:
+    """CPU seconds of `epochs` epochs of formats.py's Loader run over `path`."""
+    import streamload as sl
+    import streamload.loader  # noqa: F401  (torch and the Loader imported before the clock)
+    threads: dict = {}
+    started = time.process_time()
+    for _ in range(epochs):
+        with sl.Loader([sl.Source(str(path), format=name, tokens_field=tokens_field)],
+                       micro_batch_tokens=32768, micro_batches=2, epochs=1,
+                       planner="naive") as loader:
+            for _ in loader:
+                thread_cpu(threads)
+    total = time.process_time() - started
+
+    def of(thread: str) -> float:
+        return round(sum(s for n, s in threads.values() if n == thread), 2)
+    return {"loader_cpu_s": round(total, 2), "loop_cpu_s": of("streamload-loop"),
+            "transform_cpu_s": of("streamload-transform")}
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--docs", type=int, default=20_000)
     ap.add_argument("--formats", default=",".join(TEXT + TOKENS))
     ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument("--workdir", help="keep the written files here, and reuse them")
+    ap.add_argument("--loader", action="store_true", help="also the Loader's CPU, per thread")
+    ap.add_argument("--epochs", type=int, default=2, help="Loader epochs (with --loader)")
     args = ap.parse_args(argv)
     texts = formats.corpus(args.docs)
     text_bytes = sum(len(t.encode()) for t in texts)
@@ -140,6 +181,8 @@ def main(argv=None) -> int:
         path, name, tokens_field = write(fmt, texts, root)
         row = {"format": fmt, **measure(path, name, tokens_field, args.repeat)}
         row["mb_per_cpu_s"] = round(text_bytes / 1e3 / (row["decode_ms"] + row["transform_ms"]), 1)
+        if args.loader:
+            row.update(loader_cpu(path, name, tokens_field, args.epochs))
         print(f"{fmt}: decode {row['decode_ms']} ms, transform {row['transform_ms']} ms per "
               f"epoch of {row['records']:,} records ({row['mb_per_cpu_s']} MB per CPU s)",
               file=sys.stderr)
