@@ -86,7 +86,7 @@ class LitdataStream(PlannedStream):
             if plan.mode == "frames":
                 return Records.of(self._frames(first, stop, view, start))
             if plan.mode == "whole":
-                return Records.of(self._whole(chunk))
+                return self._whole(chunk)
             return Records.of(self._arrow(chunk))
         except BadShard as exc:
             self._shard_error(str(exc), skippable=not isinstance(exc, MissingField))
@@ -194,7 +194,7 @@ class LitdataStream(PlannedStream):
             records += self._items(item0, raw, offsets[item0:item0 + n_items + 1] - base)
         return records
 
-    def _whole(self, chunk: bytes) -> list[RawRecord]:
+    def _whole(self, chunk: bytes) -> Records:
         """A whole-file compressed chunk: inflate, then read it as an uncompressed one."""
         try:
             data = inflate(zstandard.ZstdDecompressor(), chunk)
@@ -209,8 +209,8 @@ class LitdataStream(PlannedStream):
                 end = int(offsets[0]) + n_blocks * size * self._layout.dtype.itemsize
                 return self._blocks(0, n_blocks, data[int(offsets[0]):end])
         elif n and offsets[-1] == offsets[0] and len(data) > offsets[-1]:
-            return self._arrow_rows(memoryview(data)[:], n)
-        return self._items(0, data, offsets)
+            return Records.of(self._arrow_rows(memoryview(data)[:], n))
+        return self._item_columns(0, data, offsets)
 
     def _arrow(self, chunk: bytes) -> list[RawRecord]:
         return self._arrow_rows(memoryview(chunk), self._plan.items, footer=False)
