@@ -87,7 +87,7 @@ class LitdataStream(PlannedStream):
                 return Records.of(self._frames(first, stop, view, start))
             if plan.mode == "whole":
                 return self._whole(chunk)
-            return Records.of(self._arrow(chunk))
+            return self._arrow(chunk)
         except BadShard as exc:
             self._shard_error(str(exc), skippable=not isinstance(exc, MissingField))
             return Records.empty()
@@ -209,14 +209,16 @@ class LitdataStream(PlannedStream):
                 end = int(offsets[0]) + n_blocks * size * self._layout.dtype.itemsize
                 return self._blocks(0, n_blocks, data[int(offsets[0]):end])
         elif n and offsets[-1] == offsets[0] and len(data) > offsets[-1]:
-            return Records.of(self._arrow_rows(memoryview(data)[:], n))
+            return self._arrow_rows(memoryview(data)[:], n)
         return self._item_columns(0, data, offsets)
 
-    def _arrow(self, chunk: bytes) -> list[RawRecord]:
+    def _arrow(self, chunk: bytes) -> Records:
         return self._arrow_rows(memoryview(chunk), self._plan.items, footer=False)
 
-    def _arrow_rows(self, view: memoryview, n: int, footer: bool = True) -> list[RawRecord]:
-        """Rows from an Arrow IPC footer: `view` ends with it (footer=True) or is its IPC."""
+    def _arrow_rows(self, view: memoryview, n: int, footer: bool = True) -> Records:
+        """Rows from an Arrow IPC footer: `view` ends with it (footer=True) or is its IPC;
+        texts without nulls as one list, other rows one by one (nulls and negative ids
+        reported)."""
         if footer:
             view = view[_footer_span(view, len(view))[0]:len(view) - 12]
         try:
@@ -246,12 +248,15 @@ class LitdataStream(PlannedStream):
         if not self._layout.want_tokens:
             if not (pa.types.is_string(kind) or pa.types.is_large_string(kind)):
                 raise BadShard(f"field {name!r} holds {kind}, not text")
-            for i, text in enumerate(column.to_pylist()):
+            texts = column.to_pylist()
+            if not column.null_count:
+                return Records(np.arange(n, dtype=np.int64), texts=texts)
+            for i, text in enumerate(texts):
                 if text is None:
                     self._record_error(i, f"field {name!r} is null")
                 else:
                     records.append(RawRecord(i, text))
-            return records
+            return Records.of(records)
         # list<null>: Arrow's type for a chunk whose lists are all empty
         if not ((pa.types.is_list(kind) or pa.types.is_large_list(kind))
                 and (pa.types.is_integer(kind.value_type) or pa.types.is_null(kind.value_type))):
@@ -272,7 +277,7 @@ class LitdataStream(PlannedStream):
                 self._record_error(i, "negative token id")
                 continue
             records.append(RawRecord(i, ids))
-        return records
+        return Records.of(records)
 
 
     # -- errors
