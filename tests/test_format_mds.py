@@ -264,13 +264,15 @@ async def test_columns_are_the_records(tmp_path, monkeypatch, field, compression
             assert records.tokens.dtype == {"ids": np.int32, "fixed": np.uint16}[field]
 
 
-async def test_columns_read_each_samples_shape_width(tmp_path, monkeypatch):
+@pytest.mark.parametrize("encoding", ["ndarray:uint16", "ndarray"])
+async def test_columns_read_each_samples_shape_width(tmp_path, monkeypatch, encoding):
     """MDSWriter stores a 1-D array's length in the fewest bytes that hold it (1, 2 or 4 here):
-    a range mixing them is read as columns, ids and lengths as `decode` reads them."""
+    a range mixing them is read as columns, ids and lengths as `decode` reads them; so is a
+    column whose samples each name their dtype ("ndarray"), all the same one here."""
     rng = np.random.default_rng(5)
     samples = [{"ids": rng.integers(0, 60_000, n).astype(np.uint16)}
                for n in (3, 300, 255, 256, 70_000, 1)]
-    root = write(tmp_path / "w", {"ids": "ndarray:uint16"}, samples, size_limit=None)
+    root = write(tmp_path / "w", {"ids": encoding}, samples, size_limit=None)
     (path,) = shards_of(root)
     fmt = MdsFormat(None, "ids", True)
     records = await read_shard(fmt, path, chunk_bytes=1 << 20)
