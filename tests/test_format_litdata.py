@@ -614,6 +614,29 @@ async def test_negative_token_ids_are_record_errors(litdata_root, tmp_path):
         await read_chunk(fmt, LocalStore(), chunk_info(tmp_path, "npy", first))
 
 
+def test_whole_file_compressed_token_blocks():
+    """A TokensLoader chunk compressed whole (compression_level "chunk") read in blocks of
+    `block_size`: the blocks as columns (it raised a TypeError: the blocks, already columns,
+    were gathered again as records)."""
+    import zstandard
+    from streamload.formats.base import Problems
+    from streamload.formats.litdata.layouts import Layout
+    from streamload.formats.litdata.stream import LitdataStream, _Plan
+    ids = np.arange(24, dtype=np.int32)
+    header = 4 + 4 * 3   # 2 items, 3 offsets
+    raw = (np.array([2, header, header + 40, header + 96], "<u4").tobytes()
+           + ids.astype("<i4").tobytes())
+    chunk = zstandard.ZstdCompressor().compress(raw)
+    layout = Layout(tokens_loader=True, leaf_formats=("no_header_numpy:5",), leaf_names=("",),
+                    leaf=0, dtype=np.dtype("<i4"), want_tokens=True, block_size=4,
+                    whole_file=True, level="chunk", frame_rows=0, field_name="tokens")
+    stream = LitdataStream(_Plan("whole", [(0, len(chunk))], [(0, 2)], items=2), layout,
+                           problems=Problems("src", "chunk-0-0.bin"), expected_items=2, dim=24)
+    records = stream.decode(chunk)
+    assert [r.index for r in records] == list(range(6))
+    assert [r.payload.tolist() for r in records] == ids.reshape(6, 4).tolist()
+
+
 async def test_truncated_compressed_chunks_are_shard_errors(litdata_root, tmp_path):
     root, sets = litdata_root
     for name, message in (("npy_batch", "frame table is corrupt"),

@@ -27,13 +27,16 @@ import pytest
 
 import streamload as sl
 from corpus import upload_dir
-from formatcheck import (FileStore, Skips, assert_matches, info, loader, problems, read_shard,
-                         run, texts)
+from formatcheck import (FileStore, Skips, assert_matches, for_shard, info, loader, problems,
+                         read_shard, run, texts)
 from resumecheck import stop_and_resume
 from streamload.errors import DataError
 from streamload.formats import format_for
 from streamload.formats.catalog import catalog
+from streamload.formats import RawRecord
+from streamload.formats.base import decode_columns, finish_columns
 from streamload.formats.mds import MdsFormat
+from streamload.formats.mds.layouts import Decoder
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -210,6 +213,98 @@ async def test_token_records_match_the_reference(tmp_path, field, compression):
     assert got.keys() == expected.keys()
     for key, sample in expected.items():
         np.testing.assert_array_equal(got[key], np.asarray(sample[field]).reshape(-1), key)
+
+
+async def read_columns(fmt, path: Path, *, chunk_bytes: int, skips: Skips | None = None
+                       ) -> list[RawRecord]:
+    """`read_shard` through the streams' `decode_columns` (what the fetcher reads), as
+    RawRecords."""
+    store, shard = FileStore(), info(path)
+    stream = await fmt.open(store, shard, problems=for_shard(skips, path.name),
+                            chunk_bytes=chunk_bytes)
+    records = []
+    for start, end in stream.ranges():
+        records += decode_columns(stream, await store.read_range(shard.uri, start, end)).to_list()
+    return records + finish_columns(stream).to_list()
+
+
+def same_records(columns: list[RawRecord], records: list[RawRecord]) -> None:
+    assert [r.index for r in columns] == [r.index for r in records]
+    for c, r in zip(columns, records):
+        if isinstance(r.payload, str):
+            assert c.payload == r.payload
+        else:
+            np.testing.assert_array_equal(c.payload.astype(np.int64), r.payload.astype(np.int64))
+
+
+@pytest.mark.parametrize("field", ["ids", "fixed", "any", "wide", "text"])
+@pytest.mark.parametrize("compression", [None, "zstd"])
+async def test_columns_are_the_records(tmp_path, monkeypatch, field, compression):
+    """A range's samples as columns: the same records as `decode`; the ids of a well-formed
+    range in one buffer (int32, or a view of uint8 / uint16), read without a RawRecord per
+    sample; a range whose samples' dtypes or shapes differ ("any": a dtype per sample,
+    "wide": 2-D arrays) is read sample by sample."""
+    root = write(tmp_path / "tok", TOKEN_COLUMNS, token_samples(40, 2), compression=compression)
+    fmt = MdsFormat(None, field, True) if field != "text" else MdsFormat()
+    for p in shards_of(root):
+        for chunk_bytes in (333, 1 << 20):
+            same_records(await read_columns(fmt, p, chunk_bytes=chunk_bytes),
+                         await read_shard(fmt, p, chunk_bytes=chunk_bytes))
+    if field in ("ids", "fixed", "text"):
+        def per_sample(*args):
+            raise AssertionError("read sample by sample")
+        monkeypatch.setattr(Decoder, "records", per_sample)
+        stream = await fmt.open(FileStore(), info(shards_of(root)[0]),
+                                problems=problems(shards_of(root)[0].name), chunk_bytes=1 << 20)
+        (start, end), = stream.ranges() if compression is None else [(0, None)]
+        data = shards_of(root)[0].read_bytes()[start:end]
+        records = stream.decode_columns(data)
+        assert len(records) > 0
+        if field != "text":
+            assert records.tokens.dtype == {"ids": np.int32, "fixed": np.uint16}[field]
+
+
+@pytest.mark.parametrize("encoding", ["ndarray:uint16", "ndarray"])
+async def test_columns_read_each_samples_shape_width(tmp_path, monkeypatch, encoding):
+    """MDSWriter stores a 1-D array's length in the fewest bytes that hold it (1, 2 or 4 here):
+    a range mixing them is read as columns, ids and lengths as `decode` reads them; so is a
+    column whose samples each name their dtype ("ndarray"), all the same one here."""
+    rng = np.random.default_rng(5)
+    samples = [{"ids": rng.integers(0, 60_000, n).astype(np.uint16)}
+               for n in (3, 300, 255, 256, 70_000, 1)]
+    root = write(tmp_path / "w", {"ids": encoding}, samples, size_limit=None)
+    (path,) = shards_of(root)
+    fmt = MdsFormat(None, "ids", True)
+    records = await read_shard(fmt, path, chunk_bytes=1 << 20)
+    monkeypatch.setattr(Decoder, "records", lambda *args: pytest.fail("read sample by sample"))
+    columns = await read_columns(fmt, path, chunk_bytes=1 << 20)
+    same_records(columns, records)
+    assert [r.payload.size for r in columns] == [s["ids"].size for s in samples]
+
+
+async def test_bad_columns_are_reported_as_records_are(tmp_path):
+    """A range with a bad sample in it, as columns: the same records kept and the same skips
+    as `decode` (each bad sample named), and the same first error with on_error="raise"."""
+    arrays = [{"ids": np.array([1, 2], np.int32)}, {"ids": np.array([5, -1, 2], np.int32)},
+              {"ids": np.array([7], np.int32)}]
+    texts_ = [{"text": t} for t in ("alpha", "beta", "gamma")]
+    cases = [("ids", arrays, {"ids": "ndarray:int32"}, "record 1: negative token id")]
+    for field, samples, columns, message in cases + [("text", texts_, {"text": "str"}, None)]:
+        root = write(tmp_path / field, columns, samples, size_limit=None)
+        (path,) = shards_of(root)
+        if message is None:   # sample 1's text: not UTF-8
+            data = bytearray(path.read_bytes())
+            at = data.rindex(b"beta")
+            data[at:at + 2] = b"\xff\xfe"
+            path.write_bytes(bytes(data))
+            message = "record 1: invalid UTF-8 in column 'text'"
+        fmt = MdsFormat(None, field, True) if field != "text" else MdsFormat()
+        with pytest.raises(DataError, match=message):
+            await read_columns(fmt, path, chunk_bytes=1 << 20)
+        skips, column_skips = Skips(), Skips()
+        same_records(await read_columns(fmt, path, chunk_bytes=1 << 20, skips=column_skips),
+                     await read_shard(fmt, path, skips=skips))
+        assert column_skips.calls == skips.calls and [i for i, _ in skips.calls] == [1]
 
 
 async def test_empty_shard_and_custom_text_field(tmp_path):

@@ -22,6 +22,7 @@ from formatcheck import (FileStore, Skips, assert_matches, info, loader, problem
 from resumecheck import full_run, stop_and_resume  # noqa: E402
 from streamload.errors import DataError  # noqa: E402
 from streamload.formats import RawRecord, format_for  # noqa: E402
+from streamload.formats.base import decode_columns, finish_columns  # noqa: E402
 from streamload.formats.parquet import ParquetFormat  # noqa: E402
 from streamload.tokenizer import PerDocument  # noqa: E402
 
@@ -424,6 +425,57 @@ async def test_bad_token_lists_are_record_errors(tmp_path):
     assert [(r.index, r.payload.tolist()) for r in records] == [(0, [1, 2]), (4, []), (5, [6])]
     assert [i for i, _ in skips.calls] == [1, 2, 3]
     assert "null token id" in skips.calls[1][1] and "negative token id" in skips.calls[2][1]
+
+
+async def read_columns(fmt, path: Path, *, skips=None) -> list[RawRecord]:
+    """`read_shard` through the stream's `decode_columns` (what the fetcher reads)."""
+    store, shard = FileStore(), info(path)
+    stream = await fmt.open(store, shard, problems=formatcheck.for_shard(skips, path.name),
+                            chunk_bytes=1 << 20)
+    records = []
+    for start, end in stream.ranges():
+        records += decode_columns(stream, await store.read_range(shard.uri, start, end)).to_list()
+    return records + finish_columns(stream).to_list()
+
+
+def payloads(records: list[RawRecord]) -> list:
+    return [(r.index, r.payload if isinstance(r.payload, str) else r.payload.tolist())
+            for r in records]
+
+
+@pytest.mark.parametrize("type_", [pa.list_(pa.int32()), pa.list_(pa.uint16()),
+                                   pa.large_list(pa.int64()), pa.list_(pa.int8())])
+async def test_columns_are_the_records(tmp_path, type_):
+    """A row group as columns: the same records as `decode`, token ids as one buffer of
+    Arrow's values (the row group's, not one array per row), texts as one list."""
+    rng = np.random.default_rng(4)
+    docs = [rng.integers(0, 120, int(rng.integers(0, 40))).tolist() for _ in range(60)]
+    path = write(tmp_path / "t.parquet", {"ids": pa.array(docs, type_),
+                                          "text": texts(60, 2)}, row_group_size=9)
+    for fmt in (ParquetFormat(None, "ids", True), ParquetFormat()):
+        assert payloads(await read_columns(fmt, path)) == payloads(await read_shard(fmt, path))
+    store, shard = FileStore(), info(path)
+    stream = await ParquetFormat(None, "ids", True).open(store, shard, problems=problems("t"),
+                                                         chunk_bytes=1 << 20)
+    (start, end), *_ = stream.ranges()
+    records = stream.decode_columns(await store.read_range(shard.uri, start, end))
+    assert records.tokens.dtype == type_.value_type.to_pandas_dtype()
+    assert records.offsets.tolist() == np.cumsum([0] + [len(d) for d in docs[:9]]).tolist()
+
+
+async def test_bad_rows_as_columns(tmp_path):
+    """Null texts, null lists, null and negative ids, as columns: the same records kept and
+    the same skips as `decode`, and the same first error."""
+    ids = pa.array([[1, 2], None, [3, None], [4, -5], [], [6]], pa.list_(pa.int32()))
+    path = write(tmp_path / "t.parquet", {"ids": ids, "text": ["a", None, "c", "d", None, "f"]},
+                 row_group_size=4)
+    for fmt in (ParquetFormat(None, "ids", True), ParquetFormat()):
+        with pytest.raises(DataError, match=r"shard 't.parquet', record 1: null value"):
+            await read_columns(fmt, path)
+        skips, column_skips = Skips(), Skips()
+        assert payloads(await read_columns(fmt, path, skips=column_skips)) == \
+            payloads(await read_shard(fmt, path, skips=skips))
+        assert column_skips.calls == skips.calls and len(skips.calls) >= 2
 
 
 @pytest.mark.parametrize("columns, fmt, message", [

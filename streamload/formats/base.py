@@ -231,6 +231,23 @@ def gather_index(start: np.ndarray, length: np.ndarray) -> np.ndarray:
     return np.arange(total, dtype=np.int64) + np.repeat(start - before, length)
 
 
+def joined_spans(buf, starts: np.ndarray, ends: np.ndarray) -> bytes:
+    """buf[starts[k]:ends[k]] for every k, back to back in one new buffer: one copy (a join
+    of views), which keeps nothing else of `buf` alive."""
+    view = memoryview(buf)
+    return b"".join([view[a:b] for a, b in zip(starts.tolist(), ends.tolist())])
+
+
+def utf8_spans(buf, starts: np.ndarray, ends: np.ndarray) -> Optional[list[str]]:
+    """Each span buf[starts[k]:ends[k]] decoded as UTF-8 (no bytes copy in between); None
+    when one is not valid UTF-8, which its reader's record-by-record path then names."""
+    view = memoryview(buf)
+    try:
+        return [str(view[a:b], "utf-8") for a, b in zip(starts.tolist(), ends.tolist())]
+    except UnicodeDecodeError:
+        return None
+
+
 def column_dtype(stored: np.dtype, out: np.dtype) -> np.dtype:
     """The dtype a stream's `decode_columns` hands token ids out in: the stored one for
     unsigned ids of at most 16 bits (a view of the bytes read: no conversion, and no check is

@@ -47,7 +47,7 @@ from ..errors import ConfigError
 from ..storage.base import ObjectInfo, ObjectStore
 from ..tokenizer import TextTokenizer
 from .base import (LENGTHS_CHUNK_BYTES, BadShard, DocumentLengths, EmptyStream, MissingField,
-                   PlannedStream, Problems, RawRecord, field_hint, read_exact)
+                   PlannedStream, Problems, RawRecord, Records, field_hint, read_exact)
 from .lengths import stream_lengths
 
 _SUFFIX = ".parquet"
@@ -211,6 +211,32 @@ class ParquetStream(PlannedStream):
             return self._token_records(table.column(0), first)
         return self._text_records(table.column(0), first)
 
+    def decode_columns(self, chunk: bytes) -> Records:
+        """`decode` as columns: a row group's token ids as one buffer (Arrow's values, a view
+        where Arrow allows) with its list offsets, or its texts as one list; no RawRecord
+        per row."""
+        group = self._read_group(chunk, [self._field])
+        if group is None:
+            return Records.empty()
+        first, table = group
+        column = table.column(0)
+        if not self._tokens:
+            column = self._plain(column)
+            if column.null_count:
+                return Records.of(self._text_records(column, first))
+            texts = column.to_pylist()
+            return Records(np.arange(first, first + len(texts), dtype=np.int64), texts=texts)
+        ids, offsets, bad = self._token_lists(column, first)
+        lo = int(offsets[0])
+        records = Records(np.arange(first, first + offsets.shape[0] - 1, dtype=np.int64),
+                          tokens=ids[lo:int(offsets[-1])],
+                          offsets=offsets.astype(np.int64) - lo)
+        if not bad:
+            return records
+        keep = np.ones(len(records), bool)
+        keep[sorted(bad)] = False
+        return records.select(keep)
+
     def _read_group(self, chunk: bytes, columns: list[str]):
         """The next range's row group as a table of `columns`, and its first row's index; None
         when the shard failed (now, with the error named, or before)."""
@@ -238,9 +264,14 @@ class ParquetStream(PlannedStream):
     def finish(self) -> list[RawRecord]:
         return []
 
-    def _text_records(self, column, first: int) -> list[RawRecord]:
+    def _plain(self, column):
+        """A text column without its dictionary encoding, if it has one."""
         if self._pa.types.is_dictionary(column.type):
-            column = column.cast(column.type.value_type)
+            return column.cast(column.type.value_type)
+        return column
+
+    def _text_records(self, column, first: int) -> list[RawRecord]:
+        column = self._plain(column)
         records = []
         for row, text in enumerate(column.to_pylist()):
             if text is None:
@@ -250,6 +281,14 @@ class ParquetStream(PlannedStream):
         return records
 
     def _token_records(self, column, first: int) -> list[RawRecord]:
+        ids, offsets, bad = self._token_lists(column, first)
+        starts, ends = offsets[:-1].tolist(), offsets[1:].tolist()
+        return [RawRecord(first + row, ids[starts[row]:ends[row]])
+                for row in range(len(starts)) if row not in bad]
+
+    def _token_lists(self, column, first: int) -> tuple[np.ndarray, np.ndarray, set[int]]:
+        """A row group's token-list column: every row's ids (values, nulls as 0), the rows'
+        offsets into them, and the rows left out, reported (nulls, negative ids)."""
         pa = self._pa
         lists = column.combine_chunks() if column.num_chunks != 1 else column.chunk(0)
         if pa.types.is_fixed_size_list(lists.type):
@@ -274,9 +313,7 @@ class ParquetStream(PlannedStream):
                     bad.setdefault(row, f"negative token id in column {self._field!r}")
         for row in sorted(bad):
             self._record_error(first + row, bad[row])
-        starts, ends = offsets[:-1].tolist(), offsets[1:].tolist()
-        return [RawRecord(first + row, ids[starts[row]:ends[row]])
-                for row in range(len(starts)) if row not in bad]
+        return ids, offsets, set(bad)
 
     @staticmethod
     def _rows_at(offsets: np.ndarray, positions: np.ndarray) -> list[int]:

@@ -68,6 +68,10 @@ def image_stream(pa, shard, problems: Problems, metadata, footer_start: int, tex
 
 
 class ParquetImageStream(ParquetStream):
+    # Its records are image-text samples, one object each, never columns: not the text
+    # stream's `decode_columns` (the fetcher reads an image source through `decode`).
+    decode_columns = None
+
     def __init__(self, shard, *, problems: Problems, metadata, footer_start: int, text: str,
                  column: str, placeholder: str):
         super().__init__(shard, problems=problems, metadata=metadata, footer_start=footer_start,

@@ -11,7 +11,8 @@ from typing import Optional
 import numpy as np
 import zstandard
 
-from ..base import BadShard, MissingField, field_hint
+from ..base import (BadShard, MissingField, Records, column_dtype, field_hint, joined_spans,
+                    utf8_spans)
 
 
 _DEFAULT_FRAME_ROWS = 256
@@ -204,6 +205,33 @@ class Decoder:
     def spans(self, data: bytes, bounds: np.ndarray) -> tuple[list, dict]:
         """PyTree items data[bounds[k]:bounds[k + 1]], their headers read at once: the
         (start, end) in `data` of each item's wanted leaf, and {k: reason} for bad items."""
+        begin, end, errors = self.span_columns(data, bounds)
+        return list(zip(begin.tolist(), end.tolist())), errors
+
+    def columns(self, data: bytes, begin: np.ndarray, end: np.ndarray,
+                first: int) -> Optional[Records]:
+        """Items first.. whose wanted leaf is data[begin[k]:end[k]] (`span_columns`, none of
+        them bad) as columns: their texts, or their token ids in one buffer (one join of the
+        leaves), no Python object per item for ids. None when one of them is not valid UTF-8,
+        not whole ids or holds a negative one: the item-by-item path reports it."""
+        index = np.arange(first, first + begin.shape[0], dtype=np.int64)
+        if not self.layout.want_tokens:
+            texts = utf8_spans(data, begin, end)
+            return None if texts is None else Records(index, texts=texts)
+        dtype = self.layout.dtype
+        if dtype is None or ((end - begin) % dtype.itemsize).any():
+            return None
+        tokens = np.frombuffer(joined_spans(data, begin, end), dtype)
+        if dtype.kind == "i" and tokens.size and tokens.min() < 0:
+            return None
+        offsets = np.zeros(begin.shape[0] + 1, np.int64)
+        np.cumsum((end - begin) // dtype.itemsize, out=offsets[1:])
+        return Records(index, offsets=offsets,
+                       tokens=tokens.astype(column_dtype(dtype, self.out_dtype), copy=False))
+
+    def span_columns(self, data: bytes, bounds: np.ndarray
+                     ) -> tuple[np.ndarray, np.ndarray, dict]:
+        """`spans` as two columns, (begin, end), and the bad items."""
         n, width = len(bounds) - 1, 4 * self.n_leaves
         starts, lengths = bounds[:-1], np.diff(bounds)
         errors = {}
@@ -223,7 +251,7 @@ class Decoder:
         for k in bad.tolist():
             errors.setdefault(k, f"item header sizes {sizes[k].tolist()} do not add up to the "
                                  f"item's {int(lengths[k])} bytes")
-        return list(zip(begin.tolist(), end.tolist())), errors
+        return begin, end, errors
 
     def item(self, data):
         if self.inflate is not None:

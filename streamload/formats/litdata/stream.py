@@ -79,15 +79,15 @@ class LitdataStream(PlannedStream):
         view = memoryview(chunk)
         try:
             if plan.mode == "items":
-                return Records.of(self._items(first, chunk,
-                                              plan.offsets[first:stop + 1] - plan.offsets[first]))
+                return self._item_columns(first, chunk,
+                                          plan.offsets[first:stop + 1] - plan.offsets[first])
             if plan.mode == "blocks":
                 return self._blocks(first, stop, chunk)
             if plan.mode == "frames":
                 return Records.of(self._frames(first, stop, view, start))
             if plan.mode == "whole":
-                return Records.of(self._whole(chunk))
-            return Records.of(self._arrow(chunk))
+                return self._whole(chunk)
+            return self._arrow(chunk)
         except BadShard as exc:
             self._shard_error(str(exc), skippable=not isinstance(exc, MissingField))
             return Records.empty()
@@ -118,6 +118,20 @@ class LitdataStream(PlannedStream):
                 records.append(RawRecord(first + k, decoder.item(view[edges[k]:edges[k + 1]])))
             except BadRecord as exc:
                 self._record_error(first + k, str(exc))
+        return records
+
+    def _item_columns(self, first: int, data: bytes, bounds: np.ndarray) -> Records:
+        """`_items` as columns: uncompressed PyTree items read at once (`Decoder.columns`)
+        when none is bad, else item by item."""
+        decoder = self._decoder
+        if decoder.inflate is not None or self._layout.tokens_loader:
+            return Records.of(self._items(first, data, bounds))
+        data = data if isinstance(data, bytes) else bytes(data)
+        begin, end, errors = decoder.span_columns(data, bounds)
+        records = None if errors else decoder.columns(data, begin, end, first)
+        if records is None:
+            spans = list(zip(begin.tolist(), end.tolist()))
+            records = Records.of(self._payloads(first, data, spans, errors))
         return records
 
     def _payloads(self, first: int, data: bytes, spans: list, errors: dict) -> list[RawRecord]:
@@ -180,7 +194,7 @@ class LitdataStream(PlannedStream):
             records += self._items(item0, raw, offsets[item0:item0 + n_items + 1] - base)
         return records
 
-    def _whole(self, chunk: bytes) -> list[RawRecord]:
+    def _whole(self, chunk: bytes) -> Records:
         """A whole-file compressed chunk: inflate, then read it as an uncompressed one."""
         try:
             data = inflate(zstandard.ZstdDecompressor(), chunk)
@@ -196,13 +210,15 @@ class LitdataStream(PlannedStream):
                 return self._blocks(0, n_blocks, data[int(offsets[0]):end])
         elif n and offsets[-1] == offsets[0] and len(data) > offsets[-1]:
             return self._arrow_rows(memoryview(data)[:], n)
-        return self._items(0, data, offsets)
+        return self._item_columns(0, data, offsets)
 
-    def _arrow(self, chunk: bytes) -> list[RawRecord]:
+    def _arrow(self, chunk: bytes) -> Records:
         return self._arrow_rows(memoryview(chunk), self._plan.items, footer=False)
 
-    def _arrow_rows(self, view: memoryview, n: int, footer: bool = True) -> list[RawRecord]:
-        """Rows from an Arrow IPC footer: `view` ends with it (footer=True) or is its IPC."""
+    def _arrow_rows(self, view: memoryview, n: int, footer: bool = True) -> Records:
+        """Rows from an Arrow IPC footer: `view` ends with it (footer=True) or is its IPC;
+        texts without nulls as one list, other rows one by one (nulls and negative ids
+        reported)."""
         if footer:
             view = view[_footer_span(view, len(view))[0]:len(view) - 12]
         try:
@@ -232,12 +248,15 @@ class LitdataStream(PlannedStream):
         if not self._layout.want_tokens:
             if not (pa.types.is_string(kind) or pa.types.is_large_string(kind)):
                 raise BadShard(f"field {name!r} holds {kind}, not text")
-            for i, text in enumerate(column.to_pylist()):
+            texts = column.to_pylist()
+            if not column.null_count:
+                return Records(np.arange(n, dtype=np.int64), texts=texts)
+            for i, text in enumerate(texts):
                 if text is None:
                     self._record_error(i, f"field {name!r} is null")
                 else:
                     records.append(RawRecord(i, text))
-            return records
+            return Records.of(records)
         # list<null>: Arrow's type for a chunk whose lists are all empty
         if not ((pa.types.is_list(kind) or pa.types.is_large_list(kind))
                 and (pa.types.is_integer(kind.value_type) or pa.types.is_null(kind.value_type))):
@@ -258,7 +277,7 @@ class LitdataStream(PlannedStream):
                 self._record_error(i, "negative token id")
                 continue
             records.append(RawRecord(i, ids))
-        return records
+        return Records.of(records)
 
 
     # -- errors

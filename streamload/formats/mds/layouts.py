@@ -1,5 +1,6 @@
 """Where an MDS sample keeps the source's column (`Layout`, from an index entry), and decoding
-samples into records (`Decoder`): text from a `str` column, token ids from an ndarray column.
+samples into records (`Decoder`): text from a `str` column, token ids from an ndarray column,
+as `RawRecord`s or as columns (`Records`: the token ids of a range's samples in one buffer).
 """
 from __future__ import annotations
 
@@ -8,7 +9,8 @@ from typing import Optional
 
 import numpy as np
 
-from ..base import BadShard, MissingField, Problems, RawRecord, field_hint
+from ..base import (BadShard, MissingField, Problems, RawRecord, Records, column_dtype,
+                    field_hint, joined_spans, utf8_spans)
 from .index import Entry
 
 
@@ -135,6 +137,15 @@ def check_header(head: bytes, samples: int, size: int, what: str) -> np.ndarray:
     return offsets
 
 
+def _little_endian(raw: np.ndarray, at: np.ndarray, width: np.ndarray) -> np.ndarray:
+    """The unsigned little-endian integers of `width[k]` bytes (1-8) at `at[k]` of `raw`, as
+    int64 (one past 2**63 - 1 wraps negative)."""
+    places = np.arange(int(width.max()))
+    byte = raw[np.minimum(at[:, None] + places, raw.shape[0] - 1)].astype(np.uint64)
+    byte[places >= width[:, None]] = 0
+    return (byte << (8 * places).astype(np.uint64)).sum(axis=1, dtype=np.uint64).view(np.int64)
+
+
 # ---------------------------------------------------------------- samples -> records
 
 
@@ -146,10 +157,94 @@ class Decoder:
 
     def records(self, buf: bytes, starts: np.ndarray, ends: np.ndarray,
                 first: int) -> list[RawRecord]:
+        if not len(starts):
+            return []
+        ok, col_start, col_len, total = self._spans(buf, starts, ends)
+        lengths = ends - starts
+        out = []
+        decode = self._tokens if self._layout.tokens else self._text
+        for k, (good, start, size) in enumerate(zip(ok.tolist(), col_start.tolist(),
+                                                    col_len.tolist())):
+            try:
+                if not good:
+                    raise _BadSample(f"corrupt sample: it holds {int(lengths[k])} bytes but "
+                                     f"its column sizes add up to {int(total[k])}")
+                out.append(RawRecord(first + k, decode(buf, start, size)))
+            except _BadSample as exc:
+                self._problems.record(first + k, str(exc))
+        return out
+
+    def columns(self, buf: bytes, starts: np.ndarray, ends: np.ndarray, first: int) -> Records:
+        """`records` as columns: texts as a list, or every sample's token ids copied into one
+        buffer (one join of the column's bytes), with no Python object per sample. A range
+        with a sample that is not well formed (a corrupt size, invalid UTF-8, a negative id,
+        an array that is not 1-D), or whose per-sample ndarray headers differ (dtype, shape
+        width), is read by `records`, which reports each bad sample as before."""
+        if not len(starts):
+            return Records.empty()
+        ok, col_start, col_len, _ = self._spans(buf, starts, ends)
+        if ok.all():
+            read = self._token_columns if self._layout.tokens else self._text_columns
+            records = read(buf, col_start, col_len, first)
+            if records is not None:
+                return records
+        return Records.of(self.records(buf, starts, ends, first))
+
+    def _text_columns(self, buf: bytes, col_start: np.ndarray, col_len: np.ndarray,
+                      first: int) -> Optional[Records]:
+        texts = utf8_spans(buf, col_start, col_start + col_len)
+        if texts is None:
+            return None
+        return Records(np.arange(first, first + len(texts), dtype=np.int64), texts=texts)
+
+    def _token_columns(self, buf: bytes, col_start: np.ndarray, col_len: np.ndarray,
+                       first: int) -> Optional[Records]:
+        """What `_tokens` reads, for every sample at once: the ndarray headers (a dtype code,
+        a 1-D shape) as columns, then the ids of every sample in one buffer."""
+        lay, raw = self._layout, np.frombuffer(buf, np.uint8)
+        at, end = col_start.copy(), col_start + col_len
+        dtype = lay.dtype
+        if dtype is None:   # the dtype's code, per sample: one for all of them here
+            if (at >= end).any():
+                return None
+            codes = raw[at]
+            dtype = _DTYPE_CODES.get(int(codes[0]))
+            if dtype not in _INT_DTYPES or (codes != codes[0]).any():
+                return None
+            at += 1
+        if lay.shape is None:   # [ndim << 2 | width code] [shape]: 1-D for all
+            if (at >= end).any():
+                return None
+            heads = raw[at]
+            if (heads >> 2 != 1).any():
+                return None
+            width = np.left_shift(1, heads & 3).astype(np.int64)   # the writer's smallest
+            at += 1
+            if (at + width > end).any():
+                return None
+            count = _little_endian(raw, at, width)
+            at += width
+        else:
+            count = np.full(at.shape[0], int(np.prod(lay.shape)), np.int64)
+        stored = np.dtype("<" + np.dtype(dtype).str[1:])
+        if (count < 0).any() or not np.array_equal(at + count * stored.itemsize, end):
+            return None
+        tokens = np.frombuffer(joined_spans(buf, at, end), stored)
+        if dtype in _SMALL_INTS:   # as `_tokens`: no negative ids, handed out as int32 (or
+            if dtype[0] == "i" and tokens.size and tokens.min() < 0:   # a view of uint8/16)
+                return None
+            tokens = tokens.astype(column_dtype(stored, np.dtype(np.int32)), copy=False)
+        offsets = np.zeros(count.shape[0] + 1, np.int64)
+        np.cumsum(count, out=offsets[1:])
+        return Records(np.arange(first, first + count.shape[0], dtype=np.int64), tokens=tokens,
+                       offsets=offsets)
+
+    def _spans(self, buf: bytes, starts: np.ndarray, ends: np.ndarray
+               ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        """Per sample: whether its column sizes add up to its bytes, where the column starts
+        and how long it is (bytes), and what the sizes add up to."""
         lay = self._layout
         n = len(starts)
-        if not n:
-            return []
         lengths = ends - starts
         header = 4 * lay.n_var
         ok = lengths >= header
@@ -166,18 +261,7 @@ class Decoder:
             if lay.size is None:
                 col_len[rows] = var[:, lay.var_before]
         ok &= total == lengths
-        out = []
-        decode = self._tokens if lay.tokens else self._text
-        for k, (good, start, size) in enumerate(zip(ok.tolist(), col_start.tolist(),
-                                                    col_len.tolist())):
-            try:
-                if not good:
-                    raise _BadSample(f"corrupt sample: it holds {int(lengths[k])} bytes but "
-                                     f"its column sizes add up to {int(total[k])}")
-                out.append(RawRecord(first + k, decode(buf, start, size)))
-            except _BadSample as exc:
-                self._problems.record(first + k, str(exc))
-        return out
+        return ok, col_start, col_len, total
 
     def _text(self, buf: bytes, start: int, size: int) -> str:
         try:

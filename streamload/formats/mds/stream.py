@@ -10,7 +10,7 @@ import zlib
 import numpy as np
 import zstandard
 
-from ..base import BadShard, PlannedStream, Problems, RawRecord
+from ..base import BadShard, PlannedStream, Problems, RawRecord, Records
 from .index import Entry
 from .layouts import Decoder, check_header
 
@@ -43,6 +43,11 @@ class MdsRawStream(PlannedStream):
         bounds = self._offsets[first:end + 1] - start
         return self._decoder.records(chunk, bounds[:-1], bounds[1:], first)
 
+    def decode_columns(self, chunk: bytes) -> Records:
+        first, end, start = self._next_run(chunk, "samples")
+        bounds = self._offsets[first:end + 1] - start
+        return self._decoder.columns(chunk, bounds[:-1], bounds[1:], first)
+
     def finish(self) -> list[RawRecord]:
         return []
 
@@ -56,6 +61,16 @@ class MdsCompressedStream(PlannedStream):
         self._ranges = [(0, size)]
 
     def decode(self, chunk: bytes) -> list[RawRecord]:
+        samples = self._samples(chunk)
+        return [] if samples is None else self._decoder.records(*samples)
+
+    def decode_columns(self, chunk: bytes) -> Records:
+        samples = self._samples(chunk)
+        return Records.empty() if samples is None else self._decoder.columns(*samples)
+
+    def _samples(self, chunk: bytes):
+        """(data, starts, ends, first) of the shard's samples, decompressed; None when the
+        shard is corrupt (reported)."""
         self._next_range()
         try:
             if len(chunk) != self._size:
@@ -69,8 +84,8 @@ class MdsCompressedStream(PlannedStream):
                                     f"the decompressed shard ({entry.raw})")
         except BadShard as exc:
             self._shard_error(str(exc))   # says that on_error="skip" would skip it
-            return []
-        return self._decoder.records(data, offsets[:-1], offsets[1:], 0)
+            return None
+        return data, offsets[:-1], offsets[1:], 0
 
     def finish(self) -> list[RawRecord]:
         return []
