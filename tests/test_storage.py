@@ -30,8 +30,10 @@ from streamload.storage.retry import with_retries
 from streamload.storage.s3 import S3Store
 
 # Quick retries so that fault tests take milliseconds.
+# Short backoffs; a request timeout far above a request on a loaded machine (two injected faults
+# leave the third attempt no retry, so an attempt cut by the timeout would fail the test).
 FAST = RetryPolicy(max_attempts=3, initial_backoff_s=0.001, max_backoff_s=0.005,
-                   request_timeout_s=5.0)
+                   request_timeout_s=60.0)
 
 # One tree, written to every backend: the parity test checks they select the same shards.
 TREE = {
