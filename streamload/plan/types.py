@@ -127,7 +127,9 @@ class Candidates:
         by (source, position), arrival order's unit (`lookahead`, `select.interleaved_head`).
         Worked out once per step, whoever asks first."""
         span = int(self.position.max(initial=-1)) + 1
-        return self.by_source(np.arange(self.num_sources, dtype=np.int64) * span) + self.position
+        key = self.by_source(np.arange(self.num_sources, dtype=np.int64) * span)   # a new array
+        key += self.position   # in place: no second array of every item (50 MB at R = 4096)
+        return key
 
     @cached_property
     def arrival_tokens(self) -> np.ndarray:
