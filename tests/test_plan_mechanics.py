@@ -329,3 +329,45 @@ def test_within_is_isin_for_ascending_indices(seed):
     among = np.flatnonzero(rng.random(200) < (0.0 if seed == 0 else 0.3))
     items = rng.permutation(rng.integers(0, 220, int(rng.integers(0, 50))))
     assert np.array_equal(_within(items, among), np.isin(items, among))
+
+
+@pytest.mark.parametrize("shape", [(0,), (7,), (3 * (1 << 16) + 5,), (2, 70_001)])
+def test_split_cost_by_blocks_is_the_elementwise_formula(shape):
+    """`CostModel.split_cost` works a block at a time: bit for bit (a·L)·L + b·L and b·L for
+    every item, across block edges, for any shape and for a strided view."""
+    from streamload.plan.cost import CostModel
+    rng = np.random.default_rng(len(shape) + shape[-1])
+    lengths = rng.integers(1, 131_073, shape)
+    cost = CostModel(1 / 49152, 1.0, True)
+    for given in (lengths, lengths[..., ::2]):
+        f = given.astype(np.float64)
+        total, linear = cost.split_cost(given)
+        want_linear = cost.b * f
+        want = cost.a * f
+        want *= f
+        want += want_linear
+        assert total.shape == linear.shape == given.shape
+        assert np.array_equal(linear.view(np.int64), want_linear.view(np.int64))
+        assert np.array_equal(total.view(np.int64), want.view(np.int64))
+    total, linear = cost.split_cost(np.int64(4096))
+    assert total == cost.a * 4096.0 * 4096.0 + cost.b * 4096.0 and linear == cost.b * 4096.0
+
+
+def test_has_extra_cost_known_without_a_pass_only_when_there_are_none():
+    """`from_windows` with no extra costs knows there are none (no pass over the zeros), and
+    the quota's relabelled candidates keep it; with extra costs given, the scan decides."""
+    from streamload import Mixture
+    from streamload.plan.quota_mixer import QuotaMixer
+    windows = [[np.array([5, 7]), np.array([3])], [np.array([4]), np.array([9, 2])]]
+    none = Candidates.from_windows(windows)
+    assert vars(none)["has_extra_cost"] is False and not none.has_extra_cost
+    zeros = Candidates.from_windows(windows, extra_costs=[[np.zeros(len(w)) for w in r]
+                                                          for r in windows])
+    assert "has_extra_cost" not in vars(zeros) and not zeros.has_extra_cost
+    some = Candidates.from_windows(windows, extra_costs=[[np.arange(len(w), dtype=float)
+                                                          for w in r] for r in windows])
+    assert some.has_extra_cost
+    def mixer():
+        return QuotaMixer(Mixture(), ["a", "b"], [0.5, 0.5])
+    assert vars(mixer().quota(none, 64).candidates)["has_extra_cost"] is False
+    assert mixer().quota(some, 64).candidates.has_extra_cost

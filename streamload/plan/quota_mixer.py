@@ -227,6 +227,8 @@ class QuotaMixer:
                                 b.num_virtual, c.num_ranks, c.divisible, c.images, c.patches)
         if same:
             relabelled.keep_layout(c)
+        if "has_extra_cost" in vars(c):   # the same extra costs: what is known of them holds
+            relabelled.__dict__["has_extra_cost"] = c.has_extra_cost
         return StepQuota(self.step, relabelled, virtual_targets, tokens,
                          None if self.by_tokens else np.ones(len(c)), b.virtual_source,
                          b.virtual_quota, shares, active, targets, fractions, total)
