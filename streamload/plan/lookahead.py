@@ -209,7 +209,8 @@ def select_lookahead(c: Candidates, targets: np.ndarray, geometry: Geometry, cos
     # window). A source with nothing owed waits.
     # (Heavy items are few: these are indices, looked up among them alone.)
     heavy_forced = forced[heavy_items]
-    free = heavy_items[~heavy_forced & (quota > used)[source[heavy_items]]]
+    due = age[heavy_items] >= force_age - RIDE_AHEAD
+    free = heavy_items[~heavy_forced & ((quota > used)[source[heavy_items]] | due)]
     must = heavy_items[heavy_forced]
     light = pool_take.copy()                       # the pool less the forced and heavy items
     light[heavy_items] = False

@@ -1,0 +1,121 @@
+"""The epoch's last steps: once the head windows hold the rest of the epoch, the heaviest
+items go first and the lightest are kept for the last step (issue 20, the epoch's tail).
+
+Why: the lookahead holds a heavy document back until the window gives it peers (a layer,
+`lookahead.heavy_layer`). At the epoch's end no peer will come: the held documents are taken
+together by the last step, which holds only the remainder of the epoch's tokens. A step of a
+few heavy rows is slow whatever the packing: with P pipeline stages a rank's step takes its
+costliest row in full, however empty its other rows are (the Loader at 128k, P = 4, R = 4:
+the last step held four documents of 117-126k and two of 45k, 0.46 efficient, 16% of the
+epoch's loss). A step is even when its rows are alike, so the last steps sort the items:
+
+- **The last step.** Of the `steps_left` steps that the rest needs, all but the last are full,
+  so the last holds what is left past them. Per source, the lightest items of that many
+  tokens are *kept* for it: light items spread evenly over every row.
+- **Heaviest first.** Every other step takes, per source up to its quota, its heaviest items
+  first (those kept last), each when it fits what is left of the quota, and at most one item
+  of more than half a row per row (two never share one). So the heavy documents meet in the
+  first of the last steps, the documents of middling length in the next, rows alike in both.
+
+What it keeps: the overdue items and those that must go now to keep the deferral bound
+(`lookahead.bounded_forced`) are taken first; per source the step takes its quota (the mix,
+`lookahead.step_quotas`; over the step's tokens at most); every item of the rest is taken
+within `steps_left` steps, so no other item waits longer than the bound allows (an item kept
+for the last step that comes due before is forced then). It runs only where the windows hold
+the rest (`Planner.assign`'s `rest_of_epoch`: every window exhausted), and only for the last
+`LAST_STEPS` steps: the rest of an epoch that a window holds from its start (a small corpus)
+is planned by the lookahead as ever, until its last steps.
+"""
+from __future__ import annotations
+
+import heapq
+import math
+
+import numpy as np
+
+from .balance import item_costs
+from .cost import CostModel
+from .lookahead import bounded_forced, step_quotas
+from .types import Candidates, Geometry
+
+LAST_STEPS = 4   # the rest of the epoch is sorted when it needs at most this many steps
+
+
+def steps_left(c: Candidates, geometry: Geometry, pool: np.ndarray) -> int:
+    """How many steps the items of `pool` need at least, every step full."""
+    return math.ceil(float(c.length[pool].sum()) / geometry.step_tokens)
+
+
+def select_last_steps(c: Candidates, targets: np.ndarray, geometry: Geometry, cost: CostModel,
+                      force_age: int | None, eligible: np.ndarray | None = None
+                      ) -> tuple[np.ndarray, np.ndarray, np.ndarray] | None:
+    """(selected, forced, cell) for a step whose candidates are the rest of the epoch, as the
+    module says, with `cell` (rank * M + row per selected item) a packing that places every
+    one of them; None where it does not apply (the rest needs more than `LAST_STEPS` steps,
+    or an overdue item finds no row). `eligible` (bool per source; None: all): the sources
+    the schedule gives a share now (the others' items wait, as they do in the top-up)."""
+    S = c.num_sources
+    pool = np.ones(len(c), dtype=bool) if eligible is None else \
+        np.asarray(eligible, dtype=bool)[c.source]
+    left = steps_left(c, geometry, pool)
+    if not 1 <= left <= LAST_STEPS:
+        return None
+    forced = bounded_forced(c, force_age, geometry.step_tokens // 2) if force_age is not None \
+        else np.zeros(len(c), dtype=bool)
+    forced &= pool
+    available = np.bincount(c.source[pool], weights=c.float_length[pool], minlength=S)
+    quota = step_quotas(np.maximum(np.asarray(targets, dtype=np.float64), 0.0), available)
+    step_tokens = float(geometry.step_tokens)
+    if quota.sum() > step_tokens:
+        quota *= step_tokens / quota.sum()
+    weight = item_costs(c, None, cost)
+    rest = np.flatnonzero(pool & ~forced)
+    if left > 1:   # the lightest items, per source, wait for the last step
+        rest = rest[~np.isin(rest, _kept_last(c, rest, weight, available - (left - 1) * quota))]
+    else:          # this step takes it all where it fits: nothing is kept
+        quota = available
+    must = np.flatnonzero(forced)
+    order = np.concatenate([must[np.lexsort((must, -c.length[must]))],
+                            rest[np.lexsort((rest, -weight[rest]))]])
+    cell = _pack(c, order, forced, quota, geometry)
+    if cell is None:
+        return None
+    selected = np.flatnonzero(cell >= 0)
+    return selected, forced[selected], cell[selected]
+
+
+def _kept_last(c: Candidates, items: np.ndarray, weight: np.ndarray, keep: np.ndarray
+               ) -> np.ndarray:
+    """Of `items`, per source s, the lightest whose tokens stay within `keep[s]`."""
+    light_first = items[np.lexsort((items, weight[items], c.source[items]))]
+    source = c.source[light_first]
+    lengths = c.float_length[light_first]
+    through = np.cumsum(lengths)
+    starts = np.searchsorted(source, source, side="left")
+    within = through - (through[starts] - lengths[starts])      # per source, running sums
+    return light_first[within <= np.maximum(keep, 0.0)[source]]
+
+
+def _pack(c: Candidates, order: np.ndarray, forced: np.ndarray, quota: np.ndarray,
+          geometry: Geometry) -> np.ndarray | None:
+    """Per candidate, the row (rank * M + row) it goes to, -1 for those left: `order`'s items
+    in turn, each to the row with the most room (the forced ones first, longest first), while
+    its source's tokens stay within `quota` (forced ones regardless) and it fits. None when a
+    forced item finds no row."""
+    R, M, C = geometry.ranks, geometry.micro_batches, geometry.capacity
+    cell = np.full(len(c), -1, dtype=np.int64)
+    rows = [(-C, r) for r in range(R * M)]            # (-room, row): the most room on top
+    used = np.zeros(c.num_sources)
+    for i in order.tolist():
+        n, s = int(c.length[i]), int(c.source[i])
+        if not forced[i] and used[s] + n > quota[s]:
+            continue
+        room, r = rows[0]
+        if -room < n:
+            if forced[i]:
+                return None
+            continue
+        heapq.heapreplace(rows, (room + n, r))
+        cell[i] = r
+        used[s] += n
+    return cell
