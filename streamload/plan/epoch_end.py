@@ -13,9 +13,11 @@ epoch's loss). A step is even when its rows are alike, so the last steps sort th
   so the last holds what is left past them. Per source, the lightest items of that many
   tokens are *kept* for it: light items spread evenly over every row.
 - **Heaviest first.** Every other step takes, per source up to its quota, its heaviest items
-  first (those kept last), each when it fits what is left of the quota, and at most one item
-  of more than half a row per row (two never share one). So the heavy documents meet in the
-  first of the last steps, the documents of middling length in the next, rows alike in both.
+  first (those kept last), each where it fits what is left of the quota and a row (best fit:
+  `_pack`). So the heavy documents meet in the first of the last steps, the documents of
+  middling length in the next, rows alike in both. The balancer then places them; where it
+  would leave some out (they would make a step of their own at the very end), the packing
+  is the plan (`Planner.assign`), and the moves after the plan even it out.
 
 What it keeps: the overdue items and those that must go now to keep the deferral bound
 (`lookahead.bounded_forced`) are taken first; per source the step takes its quota (the mix,
@@ -28,7 +30,7 @@ is planned by the lookahead as ever, until its last steps.
 """
 from __future__ import annotations
 
-import heapq
+import bisect
 import math
 
 import numpy as np
@@ -99,23 +101,24 @@ def _kept_last(c: Candidates, items: np.ndarray, weight: np.ndarray, keep: np.nd
 def _pack(c: Candidates, order: np.ndarray, forced: np.ndarray, quota: np.ndarray,
           geometry: Geometry) -> np.ndarray | None:
     """Per candidate, the row (rank * M + row) it goes to, -1 for those left: `order`'s items
-    in turn, each to the row with the most room (the forced ones first, longest first), while
-    its source's tokens stay within `quota` (forced ones regardless) and it fits. None when a
-    forced item finds no row."""
+    in turn, each to the row with the least room that holds it (best fit: the rows' costs are
+    the balancer's to even out, this is only which items fit), while its source's tokens stay
+    within `quota` (forced ones regardless). None when a forced item finds no row."""
     R, M, C = geometry.ranks, geometry.micro_batches, geometry.capacity
     cell = np.full(len(c), -1, dtype=np.int64)
-    rows = [(-C, r) for r in range(R * M)]            # (-room, row): the most room on top
+    rooms = [(C, r) for r in range(R * M)]            # (room, row), ascending
     used = np.zeros(c.num_sources)
     for i in order.tolist():
         n, s = int(c.length[i]), int(c.source[i])
         if not forced[i] and used[s] + n > quota[s]:
             continue
-        room, r = rows[0]
-        if -room < n:
+        at = bisect.bisect_left(rooms, (n, -1))
+        if at == len(rooms):
             if forced[i]:
                 return None
             continue
-        heapq.heapreplace(rows, (room + n, r))
+        room, r = rooms.pop(at)
+        bisect.insort(rooms, (room - n, r))
         cell[i] = r
         used[s] += n
     return cell
