@@ -73,9 +73,6 @@ ARRIVAL_ROUNDS = 3   # rounds for the arrived heavy items and the light take to 
 ONE_PER_SLOT = True  # a layer takes at most one item of more than half a slot per slot;
                      # False: as many as its excess allows (the rule before, for comparison)
 RIDE_AHEAD = 2       # heavy items due within this many steps may ride a heavier layer
-DUE_PEERS = 8        # up to this many ranks, a forced step that leaves slots without a heavy
-                     # item takes as peers items due within RIDE_AHEAD steps whose source is
-                     # owed nothing (`select_lookahead`; 0: never; measured to cost R = 64)
 RIDE_SHARE = 0.05    # riders while the layer's shortfall stays within this share of it
 FORCED_RIDE = True   # under pipeline stages, a forced item without peers rides a heavier
                      # layer (`heavy_layer`; measured to cost 32k DP R = 64, where it is off)
@@ -212,8 +209,7 @@ def select_lookahead(c: Candidates, targets: np.ndarray, geometry: Geometry, cos
     # window). A source with nothing owed waits.
     # (Heavy items are few: these are indices, looked up among them alone.)
     heavy_forced = forced[heavy_items]
-    owed = (quota > used)[source[heavy_items]]
-    free = heavy_items[~heavy_forced & owed]
+    free = heavy_items[~heavy_forced & (quota > used)[source[heavy_items]]]
     must = heavy_items[heavy_forced]
     light = pool_take.copy()                       # the pool less the forced and heavy items
     light[heavy_items] = False
@@ -229,20 +225,9 @@ def select_lookahead(c: Candidates, targets: np.ndarray, geometry: Geometry, cos
         lights = _LightTake(c, light, light_tokens)
         light_take = lights.mask(lights(quota, used, room - float(length[picked].sum())))
     else:
-        args = (light, quota, used, room, slots, slot_tokens, light_tokens, force_age,
-                FORCED_RIDE and geometry.pipelined)
-        picked, light_take = _arrived_layer(c, excess, must, free, *args)
-        # A forced step with slots left without a heavy item (at small R the window rarely
-        # holds peers for it): items due within RIDE_AHEAD steps, of sources owed nothing,
-        # join it, the oldest first. They would be taken within those steps whatever their
-        # source's quota, likely alone; the carry counts them as any overshoot.
-        lone = slots - must.size - picked.size
-        if must.size and lone > 0 and geometry.ranks <= DUE_PEERS:
-            due = heavy_items[~heavy_forced & ~owed &
-                              (age[heavy_items] >= force_age - RIDE_AHEAD)]
-            if due.size:
-                due = due[np.lexsort((due, -age[due]))][:lone]
-                picked, light_take = _arrived_layer(c, excess, must, np.union1d(free, due), *args)
+        picked, light_take = _arrived_layer(c, excess, must, free, light, quota,
+                                            used, room, slots, slot_tokens, light_tokens,
+                                            force_age, FORCED_RIDE and geometry.pipelined)
         taken[picked] = True
     taken |= light_take
     selected = np.flatnonzero(taken)
