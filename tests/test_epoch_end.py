@@ -118,3 +118,24 @@ def test_only_the_last_steps_are_sorted():
     c = candidates(lengths, np.zeros(lengths.size, np.int64))
     selected, _, _ = select_last_steps(c, np.array([1e12]), GEOMETRY, COST, 16)
     assert selected.size == 30
+
+
+@pytest.mark.parametrize("exhausted", [True, False])
+def test_the_stepper_tells_the_planner_when_the_windows_hold_the_rest(monkeypatch, exhausted):
+    from streamload.config import Source, make_config
+    from streamload.plan.stepper import Stepper
+    stepper = Stepper.build(make_config(micro_batch_tokens=64, micro_batches=2, seed=0,
+                                        epochs=1, planner="lookahead"),
+                            [Source("a/"), Source("b/")], None, 2)
+    seen = []
+    assign = Planner.assign
+
+    def spy(self, *args, **kwargs):
+        seen.append(kwargs.get("rest_of_epoch"))
+        return assign(self, *args, **kwargs)
+    monkeypatch.setattr(Planner, "assign", spy)
+    windows = [[np.array([40, 30]), np.array([20])], [np.array([50]), np.array([10, 60])]]
+    step = stepper.begin(Candidates.from_windows(windows),
+                         np.array([[True, True], [True, exhausted]]))
+    plan = stepper.assign(step)
+    assert seen == [exhausted] and len(plan) > 0

@@ -7,6 +7,8 @@ Methods:
 - ``lookahead``: selection over a window of `lookahead` steps so that documents costlier than a
   rank's share land in steps where they balance (`lookahead.select_lookahead`), then assigned
   like ``balanced``. No item waits more than 2·`lookahead` steps (or `max_age`, when smaller).
+  In an epoch's last steps, once the windows hold the rest, the heaviest items go first and
+  the lightest wait for the last step (`epoch_end.select_last_steps`).
 
 On one rank every method plans as ``naive`` does (`Planner.effective_method`): there is nothing
 to balance. Every method fills its steps (`fill.top_up`): full steps are the loader's guarantee.
