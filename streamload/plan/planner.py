@@ -151,22 +151,17 @@ class Planner:
         else:   # "lookahead" (LoaderConfig.planner is one of METHODS)
             last = select_last_steps(c, targets, self.geometry, self.cost, self.force_age,
                                      eligible) if rest_of_epoch and LAST_STEPS else None
-            if last is not None:
-                # The epoch's last steps (epoch_end.py): its packing where the balancer would
-                # leave items out (they would wait for the last step, alone).
-                selected, forced, cell = last
-                take, rank, row = assign_balanced(c, selected, self.geometry, self.cost,
-                                                  forced=forced, overhead=self.overhead)
-                if len(take) < len(selected):
-                    M = self.geometry.micro_batches
-                    take, rank, row = selected, (cell // M).astype(np.int32), \
-                        (cell % M).astype(np.int32)
-            else:
-                selected, forced = select_lookahead(c, targets, self.geometry, self.cost,
-                                                    window=self.lookahead,
-                                                    force_age=self.force_age)
-                take, rank, row = assign_balanced(c, selected, self.geometry, self.cost,
-                                                  forced=forced, overhead=self.overhead)
+            selected, forced = last[:2] if last is not None else select_lookahead(
+                c, targets, self.geometry, self.cost, window=self.lookahead,
+                force_age=self.force_age)
+            take, rank, row = assign_balanced(c, selected, self.geometry, self.cost, forced=forced,
+                                              overhead=self.overhead)
+            if last is not None and len(take) < len(selected):
+                # The epoch's last steps (epoch_end.py): their packing where the balancer
+                # leaves items out (those would make a step of their own at the very end).
+                M = self.geometry.micro_batches
+                take, rank, row = selected, (last[2] // M).astype(np.int32), \
+                    (last[2] % M).astype(np.int32)
         if method != "naive" and 0 < len(take) == len(selected) <= NAIVE_CHECK_ITEMS:
             # The cost-aware heuristics can, rarely, end a little above the plain arrival-order
             # fill (hypothesis found 2014 against 1949 with 22 items). For a few dozen items
@@ -179,7 +174,8 @@ class Planner:
         # Full steps: rows with room take what is left (module fill.py), unless leaving it
         # out gains the epoch.
         take, rank, row, length = self._fill(c, selected, take, rank, row, eligible)
-        if method != "naive" and length.sum() < FULL * self.geometry.step_tokens and last is None:
+        if method != "naive" and length.sum() < FULL * self.geometry.step_tokens \
+                and last is None:   # (the last steps' packing is their alternative)
             # Cost-aware assignment evens out rows; with items near C that can leave no row
             # with room for what is left. The same selection packed largest first (first-fit
             # decreasing) and filled up is the alternative: the plan that costs the epoch less
