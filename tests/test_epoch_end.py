@@ -83,7 +83,7 @@ def test_the_heavy_documents_meet_early_and_the_last_step_holds_light_ones(monke
 def test_the_lightest_items_wait_for_the_last_step_the_heaviest_go_now():
     lengths = tail_lengths()                     # 2.0 steps: three steps left
     c = candidates(lengths, np.zeros(lengths.size, np.int64))
-    selected, forced, cell = select_last_steps(c, np.array([1e12]), GEOMETRY, COST, 16)
+    selected, forced, cell = select_last_steps(c, GEOMETRY, COST, 16)
     assert not forced.any()
     taken = np.sort(c.length[selected])
     left = np.sort(np.setdiff1d(np.arange(len(c)), selected))
@@ -102,7 +102,7 @@ def test_an_overdue_item_is_taken_even_when_it_would_be_kept_last():
     lightest = int(np.argmin(lengths))
     ages[lightest] = 16                           # overdue: the deferral bound
     c = candidates(lengths, ages)
-    selected, forced, _ = select_last_steps(c, np.array([1e12]), GEOMETRY, COST, 16)
+    selected, forced, _ = select_last_steps(c, GEOMETRY, COST, 16)
     at = np.flatnonzero(c.length == lengths[lightest])
     assert np.isin(at, selected).all() and forced[np.isin(selected, at)].all()
 
@@ -112,11 +112,11 @@ def test_only_the_last_steps_are_sorted():
     step = GEOMETRY.step_tokens
     lengths = np.full((epoch_end.LAST_STEPS * step) // (60 * K) + 8, 60 * K)
     c = candidates(lengths, np.zeros(lengths.size, np.int64))
-    assert select_last_steps(c, np.array([1e12]), GEOMETRY, COST, 16) is None
+    assert select_last_steps(c, GEOMETRY, COST, 16) is None
     # A rest that fits this step is all taken (nothing kept).
     lengths = np.full(30, 60 * K)
     c = candidates(lengths, np.zeros(lengths.size, np.int64))
-    selected, _, _ = select_last_steps(c, np.array([1e12]), GEOMETRY, COST, 16)
+    selected, _, _ = select_last_steps(c, GEOMETRY, COST, 16)
     assert selected.size == 30
 
 

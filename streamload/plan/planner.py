@@ -149,7 +149,7 @@ class Planner:
             take, rank, row = assign_balanced(c, selected, self.geometry, self.cost, forced=forced,
                                               overhead=self.overhead)
         else:   # "lookahead" (LoaderConfig.planner is one of METHODS)
-            last = select_last_steps(c, targets, self.geometry, self.cost, self.force_age,
+            last = select_last_steps(c, self.geometry, self.cost, self.force_age,
                                      eligible) if rest_of_epoch and LAST_STEPS else None
             selected, forced = last[:2] if last is not None else select_lookahead(
                 c, targets, self.geometry, self.cost, window=self.lookahead,
