@@ -7,6 +7,8 @@ Methods:
 - ``lookahead``: selection over a window of `lookahead` steps so that documents costlier than a
   rank's share land in steps where they balance (`lookahead.select_lookahead`), then assigned
   like ``balanced``. No item waits more than 2·`lookahead` steps (or `max_age`, when smaller).
+  In an epoch's last steps, once the windows hold the rest, the heaviest items go first and
+  the lightest wait for the last step (`epoch_end.select_last_steps`).
 
 On one rank every method plans as ``naive`` does (`Planner.effective_method`): there is nothing
 to balance. Every method fills its steps (`fill.top_up`): full steps are the loader's guarantee.
@@ -22,6 +24,7 @@ import numpy as np
 from .balance import assign_balanced
 from .caps import RowCaps, enforce
 from .cost import CostModel
+from .epoch_end import select_last_steps
 from .fill import FULL, Leftovers, epoch_cost, step_overhead_cost, top_up
 from .lookahead import select_lookahead
 from .naive import assign_naive, finish
@@ -42,6 +45,7 @@ NAIVE_CHECK_ITEMS = 64   # up to this many items, a cost-aware plan is never wor
 DEFERRAL_WINDOWS = 2
 SWAPS = True   # ranks as bins: `swaps.refine_swaps` after the caps (False: the plan as made)
 PIPELINE_MOVES = True   # rows as bins under 1F1B: `pipeline_moves` after the caps (False: as made)
+LAST_STEPS = True   # the lookahead sorts the epoch's last steps (`epoch_end.py`; False: as ever)
 
 
 def overdue_first(c: Candidates, selected: np.ndarray, force_age: int | None) -> np.ndarray:
@@ -108,29 +112,33 @@ class Planner:
             return bound if self.max_age is None else min(self.max_age, bound)
         return self.max_age
 
-    def assign_quota(self, quota, step: int) -> Assignment:
+    def assign_quota(self, quota, step: int, rest_of_epoch: bool = False) -> Assignment:
         """Plan a `QuotaMixer` step (a `StepQuota`). A mixture by samples is selected by sample
         counts, so it stays exact when overdue items jump their source's queue; the lookahead
-        method plans in tokens (the quota's token targets)."""
+        method plans in tokens (the quota's token targets). `rest_of_epoch`: the candidates
+        are all the epoch has left (every window exhausted)."""
         # A source the schedule gives no share now sits the step out: the top-up must not
         # fill rows from it either (a curriculum's source at weight 0 waits for its stage).
         eligible = quota.shares[quota.virtual_source] > 0
         if quota.counts is not None and self.method != "lookahead":
             return self.assign(quota.candidates, quota.targets, step, counts=quota.counts,
                                eligible=eligible)
-        return self.assign(quota.candidates, quota.token_targets, step, eligible=eligible)
+        return self.assign(quota.candidates, quota.token_targets, step, eligible=eligible,
+                           rest_of_epoch=rest_of_epoch)
 
     def assign(self, c: Candidates, targets: np.ndarray, step: int,
-               counts: np.ndarray | None = None, eligible: np.ndarray | None = None
-               ) -> Assignment:
+               counts: np.ndarray | None = None, eligible: np.ndarray | None = None,
+               rest_of_epoch: bool = False) -> Assignment:
         """`targets[s]`: tokens of source s this step; with `counts` (what each candidate counts
         toward its source's target, as in `select`), targets in that unit (naive, balanced).
-        `eligible` (bool per source; None: all): the sources the top-up may fill rows from."""
+        `eligible` (bool per source; None: all): the sources the top-up may fill rows from.
+        `rest_of_epoch`: `c` holds all the epoch has left; the lookahead then sorts its last
+        steps (`epoch_end.select_last_steps`)."""
         if counts is not None and self.method == "lookahead":
             raise ValueError("the lookahead method plans token targets only")
         method = self.effective_method
         eligible = None if eligible is None else np.asarray(eligible, dtype=bool)
-        forced = None
+        forced = last = None
         if method == "naive":
             selected = select(c, targets, max_age=self.force_age, counts=counts)
             take, rank, row = assign_naive(c, overdue_first(c, selected, self.force_age),
@@ -141,10 +149,19 @@ class Planner:
             take, rank, row = assign_balanced(c, selected, self.geometry, self.cost, forced=forced,
                                               overhead=self.overhead)
         else:   # "lookahead" (LoaderConfig.planner is one of METHODS)
-            selected, forced = select_lookahead(c, targets, self.geometry, self.cost,
-                                                window=self.lookahead, force_age=self.force_age)
+            last = select_last_steps(c, self.geometry, self.cost, self.force_age,
+                                     eligible) if rest_of_epoch and LAST_STEPS else None
+            selected, forced = last[:2] if last is not None else select_lookahead(
+                c, targets, self.geometry, self.cost, window=self.lookahead,
+                force_age=self.force_age)
             take, rank, row = assign_balanced(c, selected, self.geometry, self.cost, forced=forced,
                                               overhead=self.overhead)
+            if last is not None and len(take) < len(selected):
+                # The epoch's last steps (epoch_end.py): their packing where the balancer
+                # leaves items out (those would make a step of their own at the very end).
+                M = self.geometry.micro_batches
+                take, rank, row = selected, (last[2] // M).astype(np.int32), \
+                    (last[2] % M).astype(np.int32)
         if method != "naive" and 0 < len(take) == len(selected) <= NAIVE_CHECK_ITEMS:
             # The cost-aware heuristics can, rarely, end a little above the plain arrival-order
             # fill (hypothesis found 2014 against 1949 with 22 items). For a few dozen items
@@ -157,7 +174,8 @@ class Planner:
         # Full steps: rows with room take what is left (module fill.py), unless leaving it
         # out gains the epoch.
         take, rank, row, length = self._fill(c, selected, take, rank, row, eligible)
-        if method != "naive" and length.sum() < FULL * self.geometry.step_tokens:
+        if method != "naive" and length.sum() < FULL * self.geometry.step_tokens \
+                and last is None:   # (the last steps' packing is their alternative)
             # Cost-aware assignment evens out rows; with items near C that can leave no row
             # with room for what is left. The same selection packed largest first (first-fit
             # decreasing) and filled up is the alternative: the plan that costs the epoch less

@@ -133,7 +133,8 @@ class Stepper:
     def assign(self, step: Step) -> Assignment:
         """Select and place the step's items (the planner). Deterministic: any rank would get the
         same answer, so one rank computes it and tells the others."""
-        return self.planner.assign_quota(step.quota, step.index)
+        return self.planner.assign_quota(step.quota, step.index,
+                                         rest_of_epoch=bool(step.exhausted.all()))
 
     def commit(self, step: Step, take: np.ndarray, length: np.ndarray) -> np.ndarray:
         """The step took candidates `take`, `length` tokens of each (fewer than the item holds:
