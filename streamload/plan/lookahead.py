@@ -26,7 +26,8 @@ windows that deep) and plans the step as the first of W:
   the slots: riders pay at many slots (at 128k, PP = 4, R = 64, 256 of them, documents of
   97-105k, 0.58 of a 128k piece's excess, came due alone every few steps) and wait at few.
   Under pipeline stages, forced items ride too (`FORCED_RIDE`) where the window cannot even
-  the step out at their own level but can give a heavier layer.
+  the step out at their own level but can give a heavier layer. Without them, a forced layer
+  short of its level takes peers that have not arrived, then other sources' (`FORCED_PEERS`).
 - **Held once arrived** (`HOLD_ARRIVED`, `_arrived_layer`). Light documents flow in arrival
   order at their quotas; a heavy one joins a layer only when nothing light is left in front of
   it in its window (rank, source): it has *arrived*, and waits at the head of its window, in
@@ -74,8 +75,9 @@ ONE_PER_SLOT = True  # a layer takes at most one item of more than half a slot p
                      # False: as many as its excess allows (the rule before, for comparison)
 RIDE_AHEAD = 2       # heavy items due within this many steps may ride a heavier layer
 RIDE_SHARE = 0.05    # riders while the layer's shortfall stays within this share of it
-FORCED_PEERS = True  # a forced layer short of its level takes heavy items not yet arrived
-                     # (`_forced_peers`); False: arrived ones only (the rule before)
+FORCED_PEERS = True  # without pipeline stages, a forced layer short of its level takes heavy
+                     # items not yet arrived, then other sources' (`_forced_peers`); False:
+                     # arrived ones of sources owed tokens only (the rule before)
 FORCED_RIDE = True   # under pipeline stages, a forced item without peers rides a heavier
                      # layer (`heavy_layer`; measured to cost 32k DP R = 64, where it is off)
 LEVEL_BLOCKS = (2, 8)  # `_first_feasible` tries the top 2 levels, then to the 8th, then the rest
@@ -229,7 +231,10 @@ def select_lookahead(c: Candidates, targets: np.ndarray, geometry: Geometry, cos
     else:
         picked, light_take = _arrived_layer(c, excess, must, free, light, quota,
                                             used, room, slots, slot_tokens, light_tokens,
-                                            force_age, FORCED_RIDE and geometry.pipelined)
+                                            force_age, FORCED_RIDE and geometry.pipelined,
+                                            (free, heavy_items[~heavy_forced &
+                                                               (quota > 0)[source[heavy_items]]])
+                                            if FORCED_PEERS and not geometry.pipelined else ())
         taken[picked] = True
     taken |= light_take
     selected = np.flatnonzero(taken)
@@ -352,7 +357,8 @@ def _arrived(c: Candidates, candidates: np.ndarray, first_left: np.ndarray) -> n
 def _arrived_layer(c: Candidates, excess: np.ndarray, must: np.ndarray, free: np.ndarray,
                    light: np.ndarray, quota: np.ndarray, used: np.ndarray, room: float,
                    slots: int, slot_tokens: int, light_tokens: np.ndarray, force_age: int,
-                   forced_ride: bool = False) -> tuple[np.ndarray, np.ndarray]:
+                   forced_ride: bool = False, peers: tuple = ()
+                   ) -> tuple[np.ndarray, np.ndarray]:
     """The heavy layer out of the heavy documents that have *arrived* (`HOLD_ARRIVED`), and
     the light take around it. Returns (picked heavy indices, light take mask). `must`, `free`:
     the forced and the free heavy items (indices, ascending); `light_tokens`: the light
@@ -364,7 +370,10 @@ def _arrived_layer(c: Candidates, excess: np.ndarray, must: np.ndarray, free: np
     layer's tokens count as the sources' overshoot (the carry repays it): they shrink the
     light take of every source in proportion, through the room. Which heavy items have arrived
     depends on the room the layer leaves, so the candidates shrink until they agree (a few
-    rounds); a picked item still behind a light one left waits for the next step."""
+    rounds); a picked item still behind a light one left waits for the next step.
+
+    `peers`: pools of heavy items (indices, ascending) that a forced layer still short of its
+    level takes from next, in turn (`_forced_peers`); () for none."""
     length, age = c.length, c.age
     ride_age = force_age - RIDE_AHEAD if RIDE_AHEAD > 0 else None
     candidates = free
@@ -383,30 +392,34 @@ def _arrived_layer(c: Candidates, excess: np.ndarray, must: np.ndarray, free: np
             break
     else:
         picked = picked[arrived]
-    if FORCED_PEERS and must.size:
-        peers = _forced_peers(excess, must, picked, free, age, length, slots, slot_tokens, room)
-        if peers.size:
-            picked = np.union1d(picked, peers)
+    if must.size and peers:
+        before = picked.size
+        for pool in peers:
+            picked = np.union1d(picked, _forced_peers(excess, must, picked, pool, age, length,
+                                                      slots, slot_tokens, room))
+        if picked.size > before:
             take = light_take(quota, used.copy(), room - float(length[picked].sum()))
     return picked, light_take.mask(take)
 
 
-def _forced_peers(excess: np.ndarray, must: np.ndarray, picked: np.ndarray, free: np.ndarray,
+def _forced_peers(excess: np.ndarray, must: np.ndarray, picked: np.ndarray, pool: np.ndarray,
                   age: np.ndarray, length: np.ndarray, slots: int, slot_tokens: int,
                   room: float) -> np.ndarray:
-    """Heavy items not yet arrived that join a forced layer (`FORCED_PEERS`), besides the
-    `picked` arrived ones, where those leave the layer short of its level by more than
-    `RIDE_SHARE` of it: a forced item sets the step's slowest slot whatever joins it, so every
-    slot left light is lost. Taking an item from behind light ones overtakes them (they wait
-    a step or more), which costs less than a step that waits on a lone forced document. They
-    join in `heavy_layer`'s order, the oldest first: taking the fewest light items' worth
-    first (those nearest their window's head) let the old ones come due in turn (32k DP
-    R = 512 seed 0: 0.961 -> 0.901)."""
+    """Heavy items of `pool` that join a forced layer (`FORCED_PEERS`) besides the `picked`
+    ones, where those leave it short of its level by more than `RIDE_SHARE` of it; none
+    otherwise. A forced item sets the step's slowest slot whatever joins it, so every slot
+    left light is lost: at 32k DP R = 512, forced 32k pieces sat with 80-250 arrived peers
+    for 512 ranks (steps at 0.68-0.75) while the lookahead held 1,700-2,000 more. The pools
+    (`select_lookahead`): the heavy items of sources owed tokens not yet arrived (taking one
+    overtakes the light items before it in its window: they wait a step or more), then those
+    of any source with a share this step (the mixer's carry repays the overshoot, as it does
+    a layer's). Items join in `heavy_layer`'s order, the oldest first (the fewest light items
+    before them first instead let the old ones come due: R = 512 seed 0, 0.961 -> 0.901)."""
     layer = np.union1d(must, picked)
     level = float(excess[layer].max())
     if float(excess[layer].sum()) >= (1 - RIDE_SHARE) * slots * level:
-        return free[:0]
-    rest = free[~_within(free, picked)]
+        return pool[:0]
+    rest = pool[~_within(pool, picked)]
     return heavy_layer(excess, layer, rest, age, length, slots, slot_tokens,
                        room - float(length[picked].sum()))
 
