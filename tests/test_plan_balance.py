@@ -482,3 +482,23 @@ def test_a_forced_item_takes_peers_that_have_not_arrived(monkeypatch):
     assert taken == 4 and efficiency > 0.99
     taken, efficiency = _forced_alone_step(False, monkeypatch)
     assert taken == 1 and efficiency < 0.5
+
+
+def test_a_forced_item_takes_peers_of_a_source_past_its_quota(monkeypatch):
+    """The forced document's own source is owed nothing more this step (its forced tokens fill
+    its quota), so its other full-row documents, arrived at the head of their windows, were
+    not free to join. A forced layer still short of its level takes them too (any source with
+    a share this step; the mixer's carry repays the overshoot): every rank carries one."""
+    from streamload.plan import lookahead
+    R, C, W = 4, 1000, 8
+    shorts = [10] * 100
+    windows = [[np.array([C] + shorts), np.array(shorts * 3)] for _ in range(R)]
+    ages = [[np.array([2 * W if r == 0 else 0] + [0] * 100), np.zeros(300, np.int64)]
+            for r in range(R)]
+    c = Candidates.from_windows(windows, ages)
+    geometry, cost = Geometry(R, 1, C), CostModel(a=1 / 256, b=1.0)
+    for peers, full_rows in ((True, 4), (False, 1)):
+        monkeypatch.setattr(lookahead, "FORCED_PEERS", peers)
+        a = Planner(geometry, cost, method="lookahead", lookahead=W).assign(
+            c, np.array([1.0 * C, 3.0 * C]), 0)
+        assert int((c.length[a.take] == C).sum()) == full_rows
