@@ -497,8 +497,10 @@ def test_a_forced_item_takes_peers_of_a_source_past_its_quota(monkeypatch):
             for r in range(R)]
     c = Candidates.from_windows(windows, ages)
     geometry, cost = Geometry(R, 1, C), CostModel(a=1 / 256, b=1.0)
-    for peers, full_rows in ((True, 4), (False, 1)):
+    # A source without a share this step (`eligible`, as `assign_quota` gives it) lends none.
+    for peers, eligible, full_rows in ((True, None, 4), (False, None, 1),
+                                       (True, np.array([False, True]), 1)):
         monkeypatch.setattr(lookahead, "FORCED_PEERS", peers)
         a = Planner(geometry, cost, method="lookahead", lookahead=W).assign(
-            c, np.array([1.0 * C, 3.0 * C]), 0)
+            c, np.array([1.0 * C, 3.0 * C]), 0, eligible=eligible)
         assert int((c.length[a.take] == C).sum()) == full_rows

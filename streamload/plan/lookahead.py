@@ -152,8 +152,11 @@ def _count_take(used: np.ndarray, cutoff: np.ndarray, through: np.ndarray,
 
 
 def select_lookahead(c: Candidates, targets: np.ndarray, geometry: Geometry, cost: CostModel, *,
-                     window: int, force_age: int) -> tuple[np.ndarray, np.ndarray]:
-    """This step's items out of a `window`-step lookahead. Returns (selected, forced)."""
+                     window: int, force_age: int, eligible: np.ndarray | None = None
+                     ) -> tuple[np.ndarray, np.ndarray]:
+    """This step's items out of a `window`-step lookahead. Returns (selected, forced).
+    `eligible` (bool per source; None: all): the sources with a share this step, the only
+    ones a forced layer may take past their quotas (`_forced_peers`)."""
     S = c.num_sources
     slots = balance_slots(geometry, cost)
     targets = np.maximum(np.asarray(targets, dtype=np.float64), 0.0)
@@ -232,8 +235,8 @@ def select_lookahead(c: Candidates, targets: np.ndarray, geometry: Geometry, cos
         picked, light_take = _arrived_layer(c, excess, must, free, light, quota,
                                             used, room, slots, slot_tokens, light_tokens,
                                             force_age, FORCED_RIDE and geometry.pipelined,
-                                            (free, heavy_items[~heavy_forced &
-                                                               (quota > 0)[source[heavy_items]]])
+                                            _peer_pools(free, heavy_items, heavy_forced,
+                                                        source, eligible)
                                             if FORCED_PEERS and not geometry.pipelined else ())
         taken[picked] = True
     taken |= light_take
@@ -400,6 +403,17 @@ def _arrived_layer(c: Candidates, excess: np.ndarray, must: np.ndarray, free: np
         if picked.size > before:
             take = light_take(quota, used.copy(), room - float(length[picked].sum()))
     return picked, light_take.mask(take)
+
+
+def _peer_pools(free: np.ndarray, heavy_items: np.ndarray, heavy_forced: np.ndarray,
+                source: np.ndarray, eligible: np.ndarray | None) -> tuple:
+    """The pools a forced layer short of its level takes peers from, in turn (`_forced_peers`):
+    the free heavy items (of sources owed tokens), then the unforced heavy items of every
+    source with a share this step (`eligible`; None: all)."""
+    others = ~heavy_forced
+    if eligible is not None:
+        others &= eligible[source[heavy_items]]
+    return free, heavy_items[others]
 
 
 def _forced_peers(excess: np.ndarray, must: np.ndarray, picked: np.ndarray, pool: np.ndarray,

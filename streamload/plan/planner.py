@@ -142,7 +142,8 @@ class Planner:
                                               overhead=self.overhead)
         else:   # "lookahead" (LoaderConfig.planner is one of METHODS)
             selected, forced = select_lookahead(c, targets, self.geometry, self.cost,
-                                                window=self.lookahead, force_age=self.force_age)
+                                                window=self.lookahead, force_age=self.force_age,
+                                                eligible=eligible)
             take, rank, row = assign_balanced(c, selected, self.geometry, self.cost, forced=forced,
                                               overhead=self.overhead)
         if method != "naive" and 0 < len(take) == len(selected) <= NAIVE_CHECK_ITEMS:
