@@ -484,23 +484,33 @@ def test_a_forced_item_takes_peers_that_have_not_arrived(monkeypatch):
     assert taken == 1 and efficiency < 0.5
 
 
-def test_a_forced_item_takes_peers_of_a_source_past_its_quota(monkeypatch):
-    """The forced document's own source is owed nothing more this step (its forced tokens fill
-    its quota), so its other full-row documents, arrived at the head of their windows, were
-    not free to join. A forced layer still short of its level takes them too (any source with
-    a share this step; the mixer's carry repays the overshoot): every rank carries one."""
+def _past_quota_step(R, peers, eligible, monkeypatch):
+    """R ranks (DP), two sources: rank 0's window of source 0 starts with a full-row document
+    come due (age 2W), every other rank's with an arrived one; source 0's quota is one row, so
+    its forced document fills it. Returns the full-row documents the step takes."""
     from streamload.plan import lookahead
-    R, C, W = 4, 1000, 8
+    monkeypatch.setattr(lookahead, "FORCED_PEERS", peers)
+    C, W = 1000, 8
     shorts = [10] * 100
     windows = [[np.array([C] + shorts), np.array(shorts * 3)] for _ in range(R)]
     ages = [[np.array([2 * W if r == 0 else 0] + [0] * 100), np.zeros(300, np.int64)]
             for r in range(R)]
     c = Candidates.from_windows(windows, ages)
     geometry, cost = Geometry(R, 1, C), CostModel(a=1 / 256, b=1.0)
-    # A source without a share this step (`eligible`, as `assign_quota` gives it) lends none.
-    for peers, eligible, full_rows in ((True, None, 4), (False, None, 1),
-                                       (True, np.array([False, True]), 1)):
-        monkeypatch.setattr(lookahead, "FORCED_PEERS", peers)
-        a = Planner(geometry, cost, method="lookahead", lookahead=W).assign(
-            c, np.array([1.0 * C, 3.0 * C]), 0, eligible=eligible)
-        assert int((c.length[a.take] == C).sum()) == full_rows
+    a = Planner(geometry, cost, method="lookahead", lookahead=W).assign(
+        c, np.array([1.0 * C, (R - 1.0) * C]), 0, eligible=eligible)
+    return int((c.length[a.take] == C).sum())
+
+
+def test_a_forced_item_takes_peers_of_a_source_past_its_quota(monkeypatch):
+    """The forced document's own source is owed nothing more this step (its forced tokens fill
+    its quota), so its other full-row documents, arrived at the head of their windows, were
+    not free to join. A forced layer still short of its level takes them too, past the quota
+    (the mixer's carry repays it), where each is at most `PEER_SHARE` of the step (R = 32: a
+    row is 1/32 of it): every rank carries one. Not from a source without a share this step
+    (`eligible`, as `assign_quota` gives it), and not at R = 4, where each would move the
+    source's share of the step by a quarter."""
+    assert _past_quota_step(32, True, None, monkeypatch) == 32
+    assert _past_quota_step(32, False, None, monkeypatch) == 1
+    assert _past_quota_step(32, True, np.array([False, True]), monkeypatch) == 1
+    assert _past_quota_step(4, True, None, monkeypatch) == 1

@@ -33,7 +33,8 @@ windows that deep) and plans the step as the first of W:
   it in its window (rank, source): it has *arrived*, and waits at the head of its window, in
   the outlier queue, for its peers. So a layer never leaves light items behind (taking heavy
   documents from deep in the window left every light one in front of them waiting until its
-  quota reached it again: of 31,904 items deferred at 128k, PP = 4, R = 4, 31,236 were light).
+  quota reached it again: of 31,904 items deferred at 128k, PP = 4, R = 4, 31,236 were light),
+  but for a forced layer short of its level without pipeline stages (`FORCED_PEERS`).
   The layer's tokens are its sources' overshoot, given back by the carry; the light take of
   every source shrinks in proportion to the room the layer leaves.
 - **Bounded deferral.** Every item that has waited `force_age` steps or more (2W by default:
@@ -78,6 +79,7 @@ RIDE_SHARE = 0.05    # riders while the layer's shortfall stays within this shar
 FORCED_PEERS = True  # without pipeline stages, a forced layer short of its level takes heavy
                      # items not yet arrived, then other sources' (`_forced_peers`); False:
                      # arrived ones of sources owed tokens only (the rule before)
+PEER_SHARE = 1 / 32  # ... those past their sources' quotas of at most this share of the step
 FORCED_RIDE = True   # under pipeline stages, a forced item without peers rides a heavier
                      # layer (`heavy_layer`; measured to cost 32k DP R = 64, where it is off)
 LEVEL_BLOCKS = (2, 8)  # `_first_feasible` tries the top 2 levels, then to the 8th, then the rest
@@ -236,7 +238,8 @@ def select_lookahead(c: Candidates, targets: np.ndarray, geometry: Geometry, cos
                                             used, room, slots, slot_tokens, light_tokens,
                                             force_age, FORCED_RIDE and geometry.pipelined,
                                             _peer_pools(free, heavy_items, heavy_forced,
-                                                        source, eligible)
+                                                        source, length, eligible,
+                                                        geometry.step_tokens)
                                             if FORCED_PEERS and not geometry.pipelined else ())
         taken[picked] = True
     taken |= light_take
@@ -367,8 +370,9 @@ def _arrived_layer(c: Candidates, excess: np.ndarray, must: np.ndarray, free: np
     the forced and the free heavy items (indices, ascending); `light_tokens`: the light
     items' tokens per (source, position) (as `_take_arrival` takes them).
 
-    Light documents flow in arrival order at their quotas, so none of them is ever deferred;
-    a heavy one may join a layer only when every light item before it in its window is taken
+    Light documents flow in arrival order at their quotas, so none of them is ever deferred
+    (but behind the `peers` of a forced layer, below); a heavy one may join a layer only when
+    every light item before it in its window is taken
     (in this step or an earlier one): the held ones sit at the front of their windows. The
     layer's tokens count as the sources' overshoot (the carry repays it): they shrink the
     light take of every source in proportion, through the room. Which heavy items have arrived
@@ -406,11 +410,15 @@ def _arrived_layer(c: Candidates, excess: np.ndarray, must: np.ndarray, free: np
 
 
 def _peer_pools(free: np.ndarray, heavy_items: np.ndarray, heavy_forced: np.ndarray,
-                source: np.ndarray, eligible: np.ndarray | None) -> tuple:
+                source: np.ndarray, length: np.ndarray, eligible: np.ndarray | None,
+                step_tokens: int) -> tuple:
     """The pools a forced layer short of its level takes peers from, in turn (`_forced_peers`):
     the free heavy items (of sources owed tokens), then the unforced heavy items of every
-    source with a share this step (`eligible`; None: all)."""
-    others = ~heavy_forced
+    source with a share this step (`eligible`; None: all) of at most `PEER_SHARE` of the step,
+    past their quotas. Each of those moves its source's share of the step by that much at
+    most, which the carry repays; at few slots one heavy item is a large share of the step
+    (the Loader's 32k DP epoch at R = 4 without the limit: mix 0.0056 -> 0.030)."""
+    others = ~heavy_forced & (length[heavy_items] <= PEER_SHARE * step_tokens)
     if eligible is not None:
         others &= eligible[source[heavy_items]]
     return free, heavy_items[others]
