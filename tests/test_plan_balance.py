@@ -453,14 +453,14 @@ def test_a_forced_item_without_peers_rides_a_heavier_layer():
     assert picked.size == slots - 1                   # the forced item holds the last slot
 
 
-def _forced_alone_step(peers, monkeypatch):
-    """Four ranks (DP, document masking), one source: rank 0's window starts with a full-row
+def _forced_alone_step(peers, monkeypatch, R=32):
+    """R ranks (DP, document masking), one source: rank 0's window starts with a full-row
     document come due (age 2W); the other ranks' full-row documents sit behind 60 short ones
     each, which the step's light take would reach only without a layer (so they have not
     arrived, `HOLD_ARRIVED`). Returns (full-row documents taken, the plan's efficiency)."""
     from streamload.plan import lookahead
     monkeypatch.setattr(lookahead, "FORCED_PEERS", peers)
-    R, C, W = 4, 1000, 8
+    C, W = 1000, 8
     shorts = [10] * 60
     windows = [[np.array([C] + shorts + shorts)]] + \
         [[np.array(shorts + [C] + shorts)] for _ in range(R - 1)]
@@ -475,12 +475,14 @@ def _forced_alone_step(peers, monkeypatch):
 def test_a_forced_item_takes_peers_that_have_not_arrived(monkeypatch):
     """A forced document sets the step's slowest slot whatever joins it: where the arrived
     heavy items cannot even the step out at its level, heavy items still behind short ones
-    join (`lookahead.FORCED_PEERS`), fewest short ones in front first. 32k DP R=512: forced
-    32k pieces sat with 80-250 peers for 512 ranks (steps at 0.68-0.75). Without the rule the
-    forced document is alone and the step runs at 0.41."""
+    join (`lookahead.FORCED_PEERS`). 32k DP R=512: forced 32k pieces sat with 80-250 peers for
+    512 ranks (steps at 0.68-0.75). Without the rule, or below `PEER_SLOTS` slots, the forced
+    document is alone and the step runs at 0.24 (R = 32) or 0.41 (R = 4)."""
     taken, efficiency = _forced_alone_step(True, monkeypatch)
-    assert taken == 4 and efficiency > 0.99
+    assert taken == 32 and efficiency > 0.99
     taken, efficiency = _forced_alone_step(False, monkeypatch)
+    assert taken == 1 and efficiency < 0.5
+    taken, efficiency = _forced_alone_step(True, monkeypatch, R=4)
     assert taken == 1 and efficiency < 0.5
 
 
@@ -506,10 +508,9 @@ def test_a_forced_item_takes_peers_of_a_source_past_its_quota(monkeypatch):
     """The forced document's own source is owed nothing more this step (its forced tokens fill
     its quota), so its other full-row documents, arrived at the head of their windows, were
     not free to join. A forced layer still short of its level takes them too, past the quota
-    (the mixer's carry repays it), where each is at most `PEER_SHARE` of the step (R = 32: a
-    row is 1/32 of it): every rank carries one. Not from a source without a share this step
-    (`eligible`, as `assign_quota` gives it), and not at R = 4, where each would move the
-    source's share of the step by a quarter."""
+    (the mixer's carry repays it): every rank carries one. Not from a source without a share
+    this step (`eligible`, as `assign_quota` gives it), and not below `PEER_SLOTS` slots
+    (R = 4: each would move the source's share of the step by a quarter)."""
     assert _past_quota_step(32, True, None, monkeypatch) == 32
     assert _past_quota_step(32, False, None, monkeypatch) == 1
     assert _past_quota_step(32, True, np.array([False, True]), monkeypatch) == 1

@@ -79,7 +79,8 @@ RIDE_SHARE = 0.05    # riders while the layer's shortfall stays within this shar
 FORCED_PEERS = True  # without pipeline stages, a forced layer short of its level takes heavy
                      # items not yet arrived, then other sources' (`_forced_peers`); False:
                      # arrived ones of sources owed tokens only (the rule before)
-PEER_SHARE = 1 / 32  # ... those past their sources' quotas of at most this share of the step
+PEER_SLOTS = 32      # ... from this many slots (each peer at most 1/32 of the step; at fewer
+                     # it moved the Loader's mix: 32k DP R = 2 0.0088 -> 0.0114, R = 4 -> 0.030)
 FORCED_RIDE = True   # under pipeline stages, a forced item without peers rides a heavier
                      # layer (`heavy_layer`; measured to cost 32k DP R = 64, where it is off)
 LEVEL_BLOCKS = (2, 8)  # `_first_feasible` tries the top 2 levels, then to the 8th, then the rest
@@ -238,9 +239,9 @@ def select_lookahead(c: Candidates, targets: np.ndarray, geometry: Geometry, cos
                                             used, room, slots, slot_tokens, light_tokens,
                                             force_age, FORCED_RIDE and geometry.pipelined,
                                             _peer_pools(free, heavy_items, heavy_forced,
-                                                        source, length, eligible,
-                                                        geometry.step_tokens)
-                                            if FORCED_PEERS and not geometry.pipelined else ())
+                                                        source, eligible)
+                                            if FORCED_PEERS and not geometry.pipelined and
+                                            slots >= PEER_SLOTS else ())
         taken[picked] = True
     taken |= light_take
     selected = np.flatnonzero(taken)
@@ -410,15 +411,11 @@ def _arrived_layer(c: Candidates, excess: np.ndarray, must: np.ndarray, free: np
 
 
 def _peer_pools(free: np.ndarray, heavy_items: np.ndarray, heavy_forced: np.ndarray,
-                source: np.ndarray, length: np.ndarray, eligible: np.ndarray | None,
-                step_tokens: int) -> tuple:
+                source: np.ndarray, eligible: np.ndarray | None) -> tuple:
     """The pools a forced layer short of its level takes peers from, in turn (`_forced_peers`):
-    the free heavy items (of sources owed tokens), then the unforced heavy items of every
-    source with a share this step (`eligible`; None: all) of at most `PEER_SHARE` of the step,
-    past their quotas. Each of those moves its source's share of the step by that much at
-    most, which the carry repays; at few slots one heavy item is a large share of the step
-    (the Loader's 32k DP epoch at R = 4 without the limit: mix 0.0056 -> 0.030)."""
-    others = ~heavy_forced & (length[heavy_items] <= PEER_SHARE * step_tokens)
+    the free heavy items (of sources owed tokens), then, past their quotas, the unforced heavy
+    items of every source with a share this step (`eligible`; None: all)."""
+    others = ~heavy_forced
     if eligible is not None:
         others &= eligible[source[heavy_items]]
     return free, heavy_items[others]
@@ -435,8 +432,10 @@ def _forced_peers(excess: np.ndarray, must: np.ndarray, picked: np.ndarray, pool
     (`select_lookahead`): the heavy items of sources owed tokens not yet arrived (taking one
     overtakes the light items before it in its window: they wait a step or more), then those
     of any source with a share this step (the mixer's carry repays the overshoot, as it does
-    a layer's). Items join in `heavy_layer`'s order, the oldest first (the fewest light items
-    before them first instead let the old ones come due: R = 512 seed 0, 0.961 -> 0.901)."""
+    a layer's); without pipeline stages (there `FORCED_RIDE`; peers cost 128k PP=4 R = 64
+    0.9685 -> 0.9599) and from `PEER_SLOTS` slots. Items join in `heavy_layer`'s order, the
+    oldest first (the fewest light items before them first instead let the old ones come due:
+    R = 512 seed 0, 0.961 -> 0.901)."""
     layer = np.union1d(must, picked)
     level = float(excess[layer].max())
     if float(excess[layer].sum()) >= (1 - RIDE_SHARE) * slots * level:
