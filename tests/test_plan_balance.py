@@ -451,3 +451,67 @@ def test_a_forced_item_without_peers_rides_a_heavier_layer():
     assert heavy_layer(*args, ride_age=16 - lookahead.RIDE_AHEAD).size == 0
     picked = heavy_layer(*args, ride_age=16 - lookahead.RIDE_AHEAD, forced_ride=True)
     assert picked.size == slots - 1                   # the forced item holds the last slot
+
+
+def _forced_alone_step(peers, monkeypatch, R=32):
+    """R ranks (DP, document masking), one source: rank 0's window starts with a full-row
+    document come due (age 2W); the other ranks' full-row documents sit behind 60 short ones
+    each, which the step's light take would reach only without a layer (so they have not
+    arrived, `HOLD_ARRIVED`). Returns (full-row documents taken, the plan's efficiency)."""
+    from streamload.plan import lookahead
+    monkeypatch.setattr(lookahead, "FORCED_PEERS", peers)
+    C, W = 1000, 8
+    shorts = [10] * 60
+    windows = [[np.array([C] + shorts + shorts)]] + \
+        [[np.array(shorts + [C] + shorts)] for _ in range(R - 1)]
+    ages = [[np.array([2 * W] + [0] * 120)]] + [[np.zeros(121, np.int64)] for _ in range(R - 1)]
+    c = Candidates.from_windows(windows, ages)
+    geometry, cost = Geometry(R, 1, C), CostModel(a=1 / 256, b=1.0)
+    a = Planner(geometry, cost, method="lookahead", lookahead=W).assign(
+        c, np.array([float(R * C)]), 0)
+    return int((c.length[a.take] == C).sum()), float(a.rank_cost.mean() / a.rank_cost.max())
+
+
+def test_a_forced_item_takes_peers_that_have_not_arrived(monkeypatch):
+    """A forced document sets the step's slowest slot whatever joins it: where the arrived
+    heavy items cannot even the step out at its level, heavy items still behind short ones
+    join (`lookahead.FORCED_PEERS`). 32k DP R=512: forced 32k pieces sat with 80-250 peers for
+    512 ranks (steps at 0.68-0.75). Without the rule, or below `PEER_SLOTS` slots, the forced
+    document is alone and the step runs at 0.24 (R = 32) or 0.41 (R = 4)."""
+    taken, efficiency = _forced_alone_step(True, monkeypatch)
+    assert taken == 32 and efficiency > 0.99
+    taken, efficiency = _forced_alone_step(False, monkeypatch)
+    assert taken == 1 and efficiency < 0.5
+    taken, efficiency = _forced_alone_step(True, monkeypatch, R=4)
+    assert taken == 1 and efficiency < 0.5
+
+
+def _past_quota_step(R, peers, eligible, monkeypatch):
+    """R ranks (DP), two sources: rank 0's window of source 0 starts with a full-row document
+    come due (age 2W), every other rank's with an arrived one; source 0's quota is one row, so
+    its forced document fills it. Returns the full-row documents the step takes."""
+    from streamload.plan import lookahead
+    monkeypatch.setattr(lookahead, "FORCED_PEERS", peers)
+    C, W = 1000, 8
+    shorts = [10] * 100
+    windows = [[np.array([C] + shorts), np.array(shorts * 3)] for _ in range(R)]
+    ages = [[np.array([2 * W if r == 0 else 0] + [0] * 100), np.zeros(300, np.int64)]
+            for r in range(R)]
+    c = Candidates.from_windows(windows, ages)
+    geometry, cost = Geometry(R, 1, C), CostModel(a=1 / 256, b=1.0)
+    a = Planner(geometry, cost, method="lookahead", lookahead=W).assign(
+        c, np.array([1.0 * C, (R - 1.0) * C]), 0, eligible=eligible)
+    return int((c.length[a.take] == C).sum())
+
+
+def test_a_forced_item_takes_peers_of_a_source_past_its_quota(monkeypatch):
+    """The forced document's own source is owed nothing more this step (its forced tokens fill
+    its quota), so its other full-row documents, arrived at the head of their windows, were
+    not free to join. A forced layer still short of its level takes them too, past the quota
+    (the mixer's carry repays it): every rank carries one. Not from a source without a share
+    this step (`eligible`, as `assign_quota` gives it), and not below `PEER_SLOTS` slots
+    (R = 4: each would move the source's share of the step by a quarter)."""
+    assert _past_quota_step(32, True, None, monkeypatch) == 32
+    assert _past_quota_step(32, False, None, monkeypatch) == 1
+    assert _past_quota_step(32, True, np.array([False, True]), monkeypatch) == 1
+    assert _past_quota_step(4, True, None, monkeypatch) == 1

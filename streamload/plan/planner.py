@@ -153,7 +153,7 @@ class Planner:
                                      eligible) if rest_of_epoch and LAST_STEPS else None
             selected, forced = last[:2] if last is not None else select_lookahead(
                 c, targets, self.geometry, self.cost, window=self.lookahead,
-                force_age=self.force_age)
+                force_age=self.force_age, eligible=eligible)
             take, rank, row = assign_balanced(c, selected, self.geometry, self.cost, forced=forced,
                                               overhead=self.overhead)
             if last is not None and len(take) < len(selected):
