@@ -37,8 +37,9 @@ def test_the_rank_of_a_lone_heavy_row_gives_up_light_items_while_the_epoch_gains
     overhead = step_overhead_cost(0.05, geometry, COST)
     c, take, rank, row = _step(900)
     length = c.length[take]
-    stay = trim_slowest(c, take, rank, row, length, geometry, COST, overhead,
+    stay, rank2, row2 = trim_slowest(c, take, rank, row, length, geometry, COST, overhead,
                         np.array([0]), force_age=16)
+    assert (rank2 == rank).all() and (row2 == row).all()   # every row full: none can move
     assert stay[0]                                       # the forced item stays
     gone = np.flatnonzero(~stay)
     assert gone.size > 10
@@ -59,7 +60,28 @@ def test_a_forced_item_or_an_even_step_is_left_as_it_is():
     overhead = step_overhead_cost(0.05, geometry, COST)
     c, take, rank, row = _step(10)                       # every row: 100 items of 10 tokens
     assert trim_slowest(c, take, rank, row, c.length[take], geometry, COST, overhead,
-                        np.array([0]), force_age=16).all()
+                        np.array([0]), force_age=16)[0].all()
     c, take, rank, row = _step(900)                      # every item forced
     assert trim_slowest(c, take, rank, row, c.length[take], geometry, COST, overhead,
-                        take, force_age=16).all()
+                        take, force_age=16)[0].all()
+
+
+def test_light_items_move_to_rows_with_room_before_any_leaves_the_step():
+    """With room in other ranks' rows (a step at 0.99, the rest spread), the heavy rank's light
+    items move there first: the step keeps its items and its time falls."""
+    geometry = Geometry(R, M, C, pipeline_stages=P)
+    overhead = step_overhead_cost(0.05, geometry, COST)
+    c, take, rank, row = _step(900)
+    # Take 20 light items off the last rank's last row: 200 tokens of room there.
+    drop = np.flatnonzero((rank == R - 1) & (row == M - 1))[:20]
+    keep = np.setdiff1d(np.arange(take.size), drop)
+    c, take, rank, row = c, take[keep], rank[keep], row[keep]
+    length = c.length[take]
+    stay, rank2, row2 = trim_slowest(c, take, rank, row, length, geometry, COST, overhead,
+                                     np.array([0]), force_age=16)
+    moved = np.flatnonzero((rank2 != rank) | (row2 != row))
+    assert stay.all() and moved.size > 0                 # within the budget, nothing leaves
+    assert (rank[moved] == 0).all() and (rank2[moved] == R - 1).all()
+    before, after = _times(c, take, rank, row), _times(c, take, rank2, row2)
+    assert after.max() < before.max()
+    assert np.bincount(rank2.astype(np.int64) * M + row2, weights=length).max() <= C

@@ -1,23 +1,26 @@
-"""Under 1F1B, the ranks that wait on one heavy row give up light items (issue 20, pp512).
+"""Under 1F1B, the ranks that wait on one heavy row shed light items (issue 20, pp512).
 
 A rank's step under P pipeline stages takes (sum + (P - 1) * max) / P of its rows' costs
 (`cost.pipeline_time`). When a step holds a heavy item the window could not give peers (an
 overdue document of a level no other item reaches: 128k, P = 4, R = 512, one 99k document in
 a step of light ones), its rank pays the heavy row P times over and its other rows once more:
-m + (sum of the others) / P, and the step waits on it. No move of whole items helps
-(`pipeline_moves.py`): every row of light items costs about the same. What does help is the
-light work on that rank: each token taken off its heavy row lowers the rank's time by its
-cost, each token taken off its other rows by a P-th of it. So the slowest ranks give up items
-(the best time saved per token first) while the step still holds FULL of its tokens
-(`fill.FULL`: a step stays full), and the trim is kept only as far as the epoch gains
-(`fill.deferral_gain`: the step's time saved, less the work and steps the items cost later).
-Items the step must take (overdue or taken early for the deferral bound), items cut to fit
-(a head of a split document) and items near their bound stay; the rest are left in their
-windows, as the top-up leaves items out, and come in the next steps.
+m + (sum of the others) / P, and the step waits on it. Every row of light items costs about
+the same, so no exchange of rows helps; what does is less light work on that rank: each token
+taken off its heavy row lowers the rank's time by its cost, each token off its other rows by
+a P-th of it. So the slowest rank sheds items one at a time, the most time saved per token
+first (the slowest rank taken again after each): to a row with room of another rank that
+stays below the slowest rank's new time (a step at `fill.FULL` has a percent of its tokens
+free, spread over the rows), else out of the step while it keeps FULL of its tokens. The
+changes are kept up to the one where the epoch gained most (`fill.deferral_gain`'s terms: the
+step's time saved, less the work and steps the items left out cost later). Items the step
+must take (overdue, or taken early for the deferral bound), items cut to fit (a head of a
+split document) and items near their bound stay where they are; the items left out wait in
+their windows, as the top-up's refusals do, and come in the next steps.
 
 Runs only where rows are the balancer's bins under a pipeline (document masking, P > 1,
 M > 1) and the slowest rank is `FROM` above the step's even time (the work spread over every
-row: no plan goes below it). Deterministic: ties go to the lowest index.
+row: no plan goes below it). At most `MAX_REMOVALS` changes a step (each O(R·M)).
+Deterministic: ties go to the lowest index.
 """
 from __future__ import annotations
 
@@ -28,8 +31,8 @@ from .fill import FULL
 from .types import Candidates, Geometry
 
 FROM = 0.05          # trim only when the slowest rank passes the even time by this share
-MAX_REMOVALS = 256   # items given up per step at most
-PATIENCE = 32        # stop after this many removals that did not raise the epoch's gain
+MAX_REMOVALS = 256   # items moved or left out per step at most
+PATIENCE = 32        # stop after this many changes that did not raise the epoch's gain
 NEAR_BOUND = 4       # items within this many steps of the deferral bound stay
 
 
@@ -40,14 +43,17 @@ def applies(geometry: Geometry, cost: CostModel) -> bool:
 
 def trim_slowest(c: Candidates, take: np.ndarray, rank: np.ndarray, row: np.ndarray,
                  length: np.ndarray, geometry: Geometry, cost: CostModel, overhead: float,
-                 must: np.ndarray, force_age: int | None) -> np.ndarray:
-    """Which of the plan's items stay (bool over `take`). `must`: the candidates the step must
-    take (the forced ones, indices); `length`: the tokens taken of each item."""
+                 must: np.ndarray, force_age: int | None
+                 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(stay, rank, row): which of the plan's items stay (bool over `take`) and where. `must`:
+    the candidates the step must take (the forced ones, indices); `length`: the tokens taken of
+    each item."""
     stay = np.ones(take.size, dtype=bool)
-    budget = float(length.sum()) - FULL * geometry.step_tokens
-    if budget <= 0 or take.size == 0:
-        return stay
-    R, M, P = geometry.ranks, geometry.micro_batches, geometry.pipeline_stages
+    if take.size == 0:
+        return stay, rank, row
+    R, M, P, C = geometry.ranks, geometry.micro_batches, geometry.pipeline_stages, \
+        geometry.capacity
+    budget = max(float(length.sum()) - FULL * geometry.step_tokens, 0.0)
     weight = cost.doc_cost(length.astype(np.float64))
     if c.has_extra_cost:
         weight = weight + c.extra_cost[take]
@@ -57,7 +63,8 @@ def trim_slowest(c: Candidates, take: np.ndarray, rank: np.ndarray, row: np.ndar
     even = float(weight.sum()) / R * geometry.work_time
     start = float(times.max())
     if start <= (1 + FROM) * even:
-        return stay
+        return stay, rank, row
+    room = C - np.bincount(cell, weights=length, minlength=R * M)
     forced = np.zeros(len(c), dtype=bool)
     forced[must] = True
     movable = ~forced[take] & (length == c.length[take])
@@ -66,11 +73,12 @@ def trim_slowest(c: Candidates, take: np.ndarray, rank: np.ndarray, row: np.ndar
     order = np.argsort(rank, kind="stable")
     bounds = np.searchsorted(rank[order], np.arange(R + 1))
     work_per = geometry.work_time / R
-    removed, best, best_gain, work, tokens = [], 0, 0.0, 0.0, 0.0
+    rank_of_cell = np.arange(R * M) // M
+    done, best, best_gain, work, tokens = [], 0, 0.0, 0.0, 0.0
     for _ in range(MAX_REMOVALS):
         top = int(np.argmax(times))
         items = order[bounds[top]:bounds[top + 1]]
-        items = items[movable[items] & stay[items] & (length[items] <= budget - tokens)]
+        items = items[movable[items] & stay[items]]
         if items.size == 0:
             break
         rows = rc[top]
@@ -84,18 +92,46 @@ def trim_slowest(c: Candidates, take: np.ndarray, rank: np.ndarray, row: np.ndar
         pick = int(np.argmax(saved))
         if saved[pick] <= 0:
             break
-        i = int(items[pick])
-        stay[i] = False
-        removed.append(i)
-        rc[top, row[i]] -= weight[i]
+        i, wi, li = int(items[pick]), float(w[pick]), float(length[items[pick]])
+        # A row of another rank with room takes it where that rank stays below the top's new
+        # time (the item stays in the step); else it leaves the step, within the budget.
+        fits = np.flatnonzero((room >= li) & (rank_of_cell != top))
+        to = -1
+        if fits.size:
+            dest = rank_of_cell[fits]
+            after = (rc[dest].sum(axis=1) + wi +
+                     (P - 1) * np.maximum(rc[dest].max(axis=1), rc.reshape(-1)[fits] + wi)) / P
+            k = int(np.argmin(after))
+            if after[k] <= new[pick]:
+                to = int(fits[k])
+        if to < 0:
+            if li > budget - tokens:
+                movable[i] = False
+                continue
+            stay[i] = False
+            work += wi
+            tokens += li
+        else:
+            d = to // M
+            rc[d, to % M] += wi
+            room[to] -= li
+            times[d] = pipeline_time(rc[d], P)
+        rc[top, row[i]] -= wi
+        room[top * M + row[i]] += li
         times[top] = new[pick]
-        work += float(weight[i])
-        tokens += float(length[i])
+        movable[i] = False
+        done.append((i, to))
         gain = start - float(times.max()) - work * work_per - overhead * tokens / \
             geometry.step_tokens
         if gain > best_gain:
-            best, best_gain = len(removed), gain
-        elif len(removed) - best >= PATIENCE:
+            best, best_gain = len(done), gain
+        elif len(done) - best >= PATIENCE:
             break
-    stay[removed[best:]] = True
-    return stay
+    stay = np.ones(take.size, dtype=bool)
+    rank, row = rank.copy(), row.copy()
+    for i, to in done[:best]:
+        if to < 0:
+            stay[i] = False
+        else:
+            rank[i], row[i] = to // M, to % M
+    return stay, rank, row

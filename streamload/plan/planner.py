@@ -205,8 +205,8 @@ class Planner:
             # Rows as bins under 1F1B: a rank that waits on one heavy row gives up light
             # items while the step stays FULL and the epoch gains (`pipeline_trim.py`).
             must = selected[forced] if forced is not None else selected[:0]
-            stay = trim_slowest(c, take, rank, row, length, self.geometry, self.cost,
-                                self.overhead, must, self.force_age)
+            stay, rank, row = trim_slowest(c, take, rank, row, length, self.geometry,
+                                           self.cost, self.overhead, must, self.force_age)
             if not stay.all():
                 take, rank, row, length = take[stay], rank[stay], row[stay], length[stay]
         return finish(c, take, rank, row, self.geometry, self.cost, length)
