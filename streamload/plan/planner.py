@@ -29,6 +29,7 @@ from .fill import FULL, Leftovers, epoch_cost, step_overhead_cost, top_up
 from .lookahead import select_lookahead
 from .naive import assign_naive, finish
 from .pipeline_moves import applies as moves_apply, pipeline_moves
+from .pipeline_trim import applies as trim_applies, trim_slowest
 from .select import select
 from .swaps import applies as swaps_apply, refine_swaps
 from .types import Assignment, Candidates, Geometry
@@ -46,6 +47,7 @@ DEFERRAL_WINDOWS = 2
 SWAPS = True   # ranks as bins: `swaps.refine_swaps` after the caps (False: the plan as made)
 PIPELINE_MOVES = True   # rows as bins under 1F1B: `pipeline_moves` after the caps (False: as made)
 LAST_STEPS = True   # the lookahead sorts the epoch's last steps (`epoch_end.py`; False: as ever)
+PIPELINE_TRIM = True    # under 1F1B the slowest ranks give up light items (`pipeline_trim`, last)
 
 
 def overdue_first(c: Candidates, selected: np.ndarray, force_age: int | None) -> np.ndarray:
@@ -217,4 +219,13 @@ class Planner:
             # Rows as bins under 1F1B: the slowest rank's items move to other (rank, row)
             # slots while that lowers the step's time (`pipeline_moves.py`); the same items.
             rank, row = pipeline_moves(c, take, rank, row, length, self.geometry, self.cost)
+        elif method != "naive" and PIPELINE_TRIM and trim_applies(self.geometry, self.cost):
+            # Beyond the moves' rows: the ranks that wait on one heavy row shed light items
+            # to rows with room, or out of a step kept FULL, as far as the epoch gains
+            # (`pipeline_trim.py`; where the moves ran too, R = 64 at 128k, P = 4 lost).
+            must = selected[forced] if forced is not None else selected[:0]
+            stay, rank, row = trim_slowest(c, take, rank, row, length, self.geometry,
+                                           self.cost, self.overhead, must, self.force_age)
+            if not stay.all():
+                take, rank, row, length = take[stay], rank[stay], row[stay], length[stay]
         return finish(c, take, rank, row, self.geometry, self.cost, length)
