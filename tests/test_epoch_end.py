@@ -120,6 +120,17 @@ def test_only_the_last_steps_are_sorted():
     assert selected.size == 30
 
 
+def test_beyond_max_rows_the_last_steps_are_planned_as_ever():
+    # The same rest over more rows than MAX_ROWS (M = 4): the lookahead plans it.
+    ranks = epoch_end.MAX_ROWS // GEOMETRY.micro_batches + 1
+    wide = Geometry(ranks, 4, 128 * K, 4)
+    lengths = np.tile(tail_lengths(), ranks // 4 + 1)[:ranks * 10]
+    c = candidates(lengths, np.zeros(lengths.size, np.int64), ranks=ranks)
+    assert 1 <= epoch_end.steps_left(c, wide, np.ones(len(c), bool)) <= epoch_end.LAST_STEPS
+    assert select_last_steps(c, wide, COST, 16) is None
+    assert select_last_steps(c, Geometry(ranks - 1, 4, 128 * K, 4), COST, 16) is not None
+
+
 @pytest.mark.parametrize("exhausted", [True, False])
 def test_the_stepper_tells_the_planner_when_the_windows_hold_the_rest(monkeypatch, exhausted):
     from streamload.config import Source, make_config
