@@ -39,7 +39,7 @@ def candidates(lengths, ages, ranks: int = 4) -> Candidates:
 def run_epoch_end(lengths, last_steps: bool, monkeypatch) -> list[dict]:
     """The Planner over the rest of an epoch (every window exhausted) until nothing is left:
     per step, the lengths taken and the step's 1F1B time and bound."""
-    monkeypatch.setattr(planner_module, "LAST_STEPS", last_steps)
+    monkeypatch.setattr(planner_module, "EPOCH_END", last_steps)
     planner = Planner(GEOMETRY, COST, method="lookahead", max_age=16)
     left = [(int(n), 0) for n in lengths]                  # (length, age), in arrival order
     steps = []

@@ -90,8 +90,8 @@ def select_last_steps(c: Candidates, geometry: Geometry, cost: CostModel,
         rest = rest[~np.isin(rest, _kept_last(c, rest, weight, keep))]
     must = np.flatnonzero(forced)
     rest = rest[np.lexsort((rest, -weight[rest]))]
-    # The packing looks at two steps' worth of them at most: rows with room after those take
-    # what is left in the top-up, as in any step (and 3·10^6 items in Python cost seconds).
+    # The packing looks at `PACK_STEPS` steps' worth of them at most: rows with room after
+    # those take what is left in the top-up, as in any step (3·10^6 items in Python: seconds).
     rest = rest[np.cumsum(c.length[rest]) - c.length[rest] < PACK_STEPS * step_tokens]
     order = np.concatenate([must[np.lexsort((must, -c.length[must]))], rest])
     cell = _pack(c, order, forced, geometry)

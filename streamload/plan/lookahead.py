@@ -381,10 +381,11 @@ def _arrived_layer(c: Candidates, excess: np.ndarray, must: np.ndarray, free: np
     items' tokens per (source, position) (as `_take_arrival` takes them).
 
     Light documents flow in arrival order at their quotas, so none of them is ever deferred
-    (but behind the `peers` of a forced layer, below); a heavy one may join a layer only when every light item before it in its window is taken
-    (in this step or an earlier one): the held ones sit at the front of their windows. The
-    layer's tokens count as the sources' overshoot (the carry repays it): they shrink the
-    light take of every source in proportion, through the room. Which heavy items have arrived
+    (but behind the `peers` of a forced layer, below); a heavy one may join a layer only when
+    every light item before it in its window is taken (in this step or an earlier one): the
+    held ones sit at the front of their windows. The layer's tokens count as the sources'
+    overshoot (the carry repays it): they shrink the light take of every source in
+    proportion, through the room. Which heavy items have arrived
     depends on the room the layer leaves, so the candidates shrink until they agree (a few
     rounds); a picked item still behind a light one left waits for the next step. A layer of
     free items only waits too where it would leave a source owed more than `slack` tokens
@@ -417,7 +418,7 @@ def _arrived_layer(c: Candidates, excess: np.ndarray, must: np.ndarray, free: np
         layer_used += np.bincount(c.source[picked], weights=length[picked],
                                   minlength=quota.size)
         # Sources with heavy items to give are never short of light ones (`keeps_mix`).
-        heavy = np.bincount(c.source[np.concatenate([must, free])], minlength=quota.size)
+        heavy = np.bincount(c.source[free], minlength=quota.size)   # (`must` is empty here)
         light_only = np.where(heavy > 0, 0.0, light_take.available)
         if not keeps_mix(quota, used, layer_used, whole_used, light_only, slack):
             return picked[:0], light_take.mask(whole_room)
@@ -450,7 +451,7 @@ def _forced_peers(excess: np.ndarray, must: np.ndarray, picked: np.ndarray, pool
     otherwise. A forced item sets the step's slowest slot whatever joins it, so every slot
     left light is lost: at 32k DP R = 512, forced 32k pieces sat with 80-250 arrived peers
     for 512 ranks (steps at 0.68-0.75) while the lookahead held 1,700-2,000 more. The pools
-    (`select_lookahead`): the heavy items of sources owed tokens not yet arrived (taking one
+    (`_peer_pools`): the heavy items of sources owed tokens not yet arrived (taking one
     overtakes the light items before it in its window: they wait a step or more), then those
     of any source with a share this step (the mixer's carry repays the overshoot, as it does
     a layer's); without pipeline stages (there `FORCED_RIDE`; peers cost 128k PP=4 R = 64

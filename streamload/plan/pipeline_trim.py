@@ -18,11 +18,11 @@ split document) and items near their bound stay where they are; the items left o
 their windows, as the top-up's refusals do, and come in the next steps.
 
 Runs only where rows are the balancer's bins under a pipeline (document masking, P > 1,
-M > 1), beyond the rows `pipeline_moves` takes (its moves and the trim together lost at 128k,
-P = 4, R = 64: seeds 0-2 0.9685 / 0.9544 / 0.9682 with the moves alone, 0.9568 / 0.9558 /
-0.9689 with both; `Planner.assign` runs one of them), and when the slowest rank is `FROM`
-above the step's even time (the work spread over every row: no plan goes below it). At most `MAX_REMOVALS` changes a step (each O(R·M)).
-Deterministic: ties go to the lowest index.
+M > 1) and `pipeline_moves` does not run (`Planner.assign` runs one of them: its moves and the
+trim together lost at 128k, P = 4, R = 64: seeds 0-2 0.9685 / 0.9544 / 0.9682 with the moves
+alone, 0.9568 / 0.9558 / 0.9689 with both), and when the slowest rank is `FROM` above the
+step's even time (the work spread over every row: no plan goes below it). At most
+`MAX_REMOVALS` rounds a step (each O(R·M)). Deterministic: ties go to the lowest index.
 """
 from __future__ import annotations
 
@@ -33,7 +33,7 @@ from .fill import FULL
 from .types import Candidates, Geometry
 
 FROM = 0.05          # trim only when the slowest rank passes the even time by this share
-MAX_REMOVALS = 256   # items moved or left out per step at most
+MAX_REMOVALS = 256   # rounds per step at most (each moves, leaves out or passes over an item)
 PATIENCE = 32        # stop after this many changes that did not raise the epoch's gain
 NEAR_BOUND = 4       # items within this many steps of the deferral bound stay
 

@@ -46,7 +46,7 @@ NAIVE_CHECK_ITEMS = 64   # up to this many items, a cost-aware plan is never wor
 DEFERRAL_WINDOWS = 2
 SWAPS = True   # ranks as bins: `swaps.refine_swaps` after the caps (False: the plan as made)
 PIPELINE_MOVES = True   # rows as bins under 1F1B: `pipeline_moves` after the caps (False: as made)
-LAST_STEPS = True   # the lookahead sorts the epoch's last steps (`epoch_end.py`; False: as ever)
+EPOCH_END = True    # the lookahead sorts the epoch's last steps (`epoch_end.py`; False: as ever)
 PIPELINE_TRIM = True    # under 1F1B the slowest ranks give up light items (`pipeline_trim`, last)
 
 
@@ -152,7 +152,7 @@ class Planner:
                                               overhead=self.overhead)
         else:   # "lookahead" (LoaderConfig.planner is one of METHODS)
             last = select_last_steps(c, self.geometry, self.cost, self.force_age,
-                                     eligible) if rest_of_epoch and LAST_STEPS else None
+                                     eligible) if rest_of_epoch and EPOCH_END else None
             selected, forced = last[:2] if last is not None else select_lookahead(
                 c, targets, self.geometry, self.cost, window=self.lookahead,
                 force_age=self.force_age, eligible=eligible)
