@@ -307,6 +307,26 @@ async def test_bad_columns_are_reported_as_records_are(tmp_path):
         assert column_skips.calls == skips.calls and [i for i, _ in skips.calls] == [1]
 
 
+def test_columns_reject_a_shape_past_the_column_as_records_do():
+    """A sample whose 8-byte shape says 2**62 + 1 int32 ids: 4 times that wraps past 2**64 to
+    the 4 bytes stored, so the columns' size check must bound the count first; the sample is
+    reported and left out, as `records` does (the columns path kept it, 2**62 + 1 ids long)."""
+    from streamload.formats.mds.layouts import Layout
+    layout = Layout("ids", True, 1, 0, 0, 0, None, "int32", None)
+    column = bytes([1 << 2 | 3]) + (2**62 + 1).to_bytes(8, "little") + b"\x07\0\0\0"
+    buf = len(column).to_bytes(4, "little") + column
+    good = bytes([1 << 2 | 0, 1]) + b"\x05\0\0\0"   # one id, its shape in 1 byte
+    buf += len(good).to_bytes(4, "little") + good
+    starts, ends = np.array([0, 4 + len(column)]), np.array([4 + len(column), len(buf)])
+    by_records, by_columns = Skips(shard_name="s.mds"), Skips(shard_name="s.mds")
+    records = Decoder(layout, by_records).records(buf, starts, ends, 0)
+    columns = Decoder(layout, by_columns).columns(buf, starts, ends, 0).to_list()
+    same_records(columns, records)
+    assert [r.index for r in columns] == [1] and columns[0].payload.tolist() == [5]
+    assert by_columns.calls == by_records.calls and by_records.calls[0][0] == 0
+    assert "corrupt ndarray" in by_records.calls[0][1]
+
+
 async def test_empty_shard_and_custom_text_field(tmp_path):
     # A first sample larger than size_limit makes MDSWriter flush an empty shard 0 first.
     samples = [{"body": "y" * 200, "n": 1}] + [{"body": f"b{i}", "n": i} for i in range(5)]
