@@ -27,14 +27,12 @@ import pytest
 
 import streamload as sl
 from corpus import upload_dir
-from formatcheck import (FileStore, Skips, assert_matches, for_shard, info, loader, problems,
+from formatcheck import (FileStore, Skips, assert_matches, info, loader, problems, read_columns,
                          read_shard, run, texts)
 from resumecheck import stop_and_resume
 from streamload.errors import DataError
-from streamload.formats import format_for
+from streamload.formats import RawRecord, format_for
 from streamload.formats.catalog import catalog
-from streamload.formats import RawRecord
-from streamload.formats.base import decode_columns, finish_columns
 from streamload.formats.mds import MdsFormat
 from streamload.formats.mds.layouts import Decoder
 
@@ -213,19 +211,6 @@ async def test_token_records_match_the_reference(tmp_path, field, compression):
     assert got.keys() == expected.keys()
     for key, sample in expected.items():
         np.testing.assert_array_equal(got[key], np.asarray(sample[field]).reshape(-1), key)
-
-
-async def read_columns(fmt, path: Path, *, chunk_bytes: int, skips: Skips | None = None
-                       ) -> list[RawRecord]:
-    """`read_shard` through the streams' `decode_columns` (what the fetcher reads), as
-    RawRecords."""
-    store, shard = FileStore(), info(path)
-    stream = await fmt.open(store, shard, problems=for_shard(skips, path.name),
-                            chunk_bytes=chunk_bytes)
-    records = []
-    for start, end in stream.ranges():
-        records += decode_columns(stream, await store.read_range(shard.uri, start, end)).to_list()
-    return records + finish_columns(stream).to_list()
 
 
 def same_records(columns: list[RawRecord], records: list[RawRecord]) -> None:
