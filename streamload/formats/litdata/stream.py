@@ -65,7 +65,9 @@ class LitdataStream(PlannedStream):
 
     def decode_columns(self, chunk: bytes) -> Records:
         """Token blocks as offsets over the range's buffer (a view when the dtype is the one
-        batches carry); the other layouts' records gathered (`Records.of`)."""
+        batches carry); uncompressed PyTree items (`_item_columns`) and an Arrow footer's
+        texts without nulls (`_arrow_rows`) as columns too; the other records (frames,
+        compressed or TokensLoader items, Arrow token lists) gathered (`Records.of`)."""
         if self._failed:
             return Records.empty()
         plan = self._plan
