@@ -157,6 +157,8 @@ class Decoder:
 
     def records(self, buf: bytes, starts: np.ndarray, ends: np.ndarray,
                 first: int) -> list[RawRecord]:
+        """Samples buf[starts[k]:ends[k]] as records first.., one by one; each bad sample
+        reported (`Problems.record`, naming it) and left out."""
         if not len(starts):
             return []
         ok, col_start, col_len, total = self._spans(buf, starts, ends)
