@@ -75,8 +75,9 @@ def record(config: str, ranks: int, path: str, steps: int, seed: int) -> dict:
 
 def _as_offered(quota):
     """The recorded step as this tree's dry run would offer it: where `Candidates.from_windows`
-    already knows the windows' layout (`Candidates.known_windows`), the replay's candidates
-    know it too (worked out here, outside the timing, from the recorded layout)."""
+    already knows the windows' layout (`Candidates.known_windows`), or that no item has a
+    cost of its own (`has_extra_cost`), the replay's candidates know it too (worked out here,
+    outside the timing, from the recorded step)."""
     from streamload.plan.types import Candidates
     probe = Candidates.from_windows([[np.array([1])]])
     c = quota.candidates

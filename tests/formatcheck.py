@@ -12,6 +12,7 @@ import streamload as sl
 from streamload import pieces
 from streamload.errors import StorageError
 from streamload.formats import Problems, RawRecord
+from streamload.formats.base import decode_columns, finish_columns
 from streamload.storage.base import ObjectInfo, StoreCounters
 
 # ---------------------------------------------------------------- stores, shards
@@ -115,6 +116,19 @@ async def read_shard(fmt, path: Path, *, chunk_bytes: int = 1 << 20, skips: Skip
     if order == "contiguous":
         assert previous == shard.size
     return records + stream.finish()
+
+
+async def read_columns(fmt, path: Path, *, chunk_bytes: int = 1 << 20,
+                       skips: Skips | None = None) -> list[RawRecord]:
+    """`read_shard` through the streams' `decode_columns` and `finish_columns` (what the
+    fetcher reads), the records as RawRecords (`Records.to_list`)."""
+    store, shard = FileStore(), info(path)
+    stream = await fmt.open(store, shard, problems=for_shard(skips, path.name),
+                            chunk_bytes=chunk_bytes)
+    records = []
+    for start, end in stream.ranges():
+        records += decode_columns(stream, await store.read_range(shard.uri, start, end)).to_list()
+    return records + finish_columns(stream).to_list()
 
 
 # ---------------------------------------------------------------- texts

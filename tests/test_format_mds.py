@@ -27,14 +27,12 @@ import pytest
 
 import streamload as sl
 from corpus import upload_dir
-from formatcheck import (FileStore, Skips, assert_matches, for_shard, info, loader, problems,
+from formatcheck import (FileStore, Skips, assert_matches, info, loader, problems, read_columns,
                          read_shard, run, texts)
 from resumecheck import stop_and_resume
 from streamload.errors import DataError
-from streamload.formats import format_for
+from streamload.formats import RawRecord, format_for
 from streamload.formats.catalog import catalog
-from streamload.formats import RawRecord
-from streamload.formats.base import decode_columns, finish_columns
 from streamload.formats.mds import MdsFormat
 from streamload.formats.mds.layouts import Decoder
 
@@ -215,19 +213,6 @@ async def test_token_records_match_the_reference(tmp_path, field, compression):
         np.testing.assert_array_equal(got[key], np.asarray(sample[field]).reshape(-1), key)
 
 
-async def read_columns(fmt, path: Path, *, chunk_bytes: int, skips: Skips | None = None
-                       ) -> list[RawRecord]:
-    """`read_shard` through the streams' `decode_columns` (what the fetcher reads), as
-    RawRecords."""
-    store, shard = FileStore(), info(path)
-    stream = await fmt.open(store, shard, problems=for_shard(skips, path.name),
-                            chunk_bytes=chunk_bytes)
-    records = []
-    for start, end in stream.ranges():
-        records += decode_columns(stream, await store.read_range(shard.uri, start, end)).to_list()
-    return records + finish_columns(stream).to_list()
-
-
 def same_records(columns: list[RawRecord], records: list[RawRecord]) -> None:
     assert [r.index for r in columns] == [r.index for r in records]
     for c, r in zip(columns, records):
@@ -305,6 +290,26 @@ async def test_bad_columns_are_reported_as_records_are(tmp_path):
         same_records(await read_columns(fmt, path, chunk_bytes=1 << 20, skips=column_skips),
                      await read_shard(fmt, path, skips=skips))
         assert column_skips.calls == skips.calls and [i for i, _ in skips.calls] == [1]
+
+
+def test_columns_reject_a_shape_past_the_column_as_records_do():
+    """A sample whose 8-byte shape says 2**62 + 1 int32 ids: 4 times that wraps past 2**64 to
+    the 4 bytes stored, so the columns' size check must bound the count first; the sample is
+    reported and left out, as `records` does (the columns path kept it, 2**62 + 1 ids long)."""
+    from streamload.formats.mds.layouts import Layout
+    layout = Layout("ids", True, 1, 0, 0, 0, None, "int32", None)
+    column = bytes([1 << 2 | 3]) + (2**62 + 1).to_bytes(8, "little") + b"\x07\0\0\0"
+    buf = len(column).to_bytes(4, "little") + column
+    good = bytes([1 << 2 | 0, 1]) + b"\x05\0\0\0"   # one id, its shape in 1 byte
+    buf += len(good).to_bytes(4, "little") + good
+    starts, ends = np.array([0, 4 + len(column)]), np.array([4 + len(column), len(buf)])
+    by_records, by_columns = Skips(shard_name="s.mds"), Skips(shard_name="s.mds")
+    records = Decoder(layout, by_records).records(buf, starts, ends, 0)
+    columns = Decoder(layout, by_columns).columns(buf, starts, ends, 0).to_list()
+    same_records(columns, records)
+    assert [r.index for r in columns] == [1] and columns[0].payload.tolist() == [5]
+    assert by_columns.calls == by_records.calls and by_records.calls[0][0] == 0
+    assert "corrupt ndarray" in by_records.calls[0][1]
 
 
 async def test_empty_shard_and_custom_text_field(tmp_path):

@@ -18,11 +18,10 @@ import formatcheck  # noqa: E402
 import streamload as sl  # noqa: E402
 from corpus import upload_dir  # noqa: E402
 from formatcheck import (FileStore, Skips, assert_matches, info, loader, problems,  # noqa: E402
-                         run, texts)
+                         read_columns, run, texts)
 from resumecheck import full_run, stop_and_resume  # noqa: E402
 from streamload.errors import DataError  # noqa: E402
 from streamload.formats import RawRecord, format_for  # noqa: E402
-from streamload.formats.base import decode_columns, finish_columns  # noqa: E402
 from streamload.formats.parquet import ParquetFormat  # noqa: E402
 from streamload.tokenizer import PerDocument  # noqa: E402
 
@@ -425,17 +424,6 @@ async def test_bad_token_lists_are_record_errors(tmp_path):
     assert [(r.index, r.payload.tolist()) for r in records] == [(0, [1, 2]), (4, []), (5, [6])]
     assert [i for i, _ in skips.calls] == [1, 2, 3]
     assert "null token id" in skips.calls[1][1] and "negative token id" in skips.calls[2][1]
-
-
-async def read_columns(fmt, path: Path, *, skips=None) -> list[RawRecord]:
-    """`read_shard` through the stream's `decode_columns` (what the fetcher reads)."""
-    store, shard = FileStore(), info(path)
-    stream = await fmt.open(store, shard, problems=formatcheck.for_shard(skips, path.name),
-                            chunk_bytes=1 << 20)
-    records = []
-    for start, end in stream.ranges():
-        records += decode_columns(stream, await store.read_range(shard.uri, start, end)).to_list()
-    return records + finish_columns(stream).to_list()
 
 
 def payloads(records: list[RawRecord]) -> list:

@@ -202,15 +202,9 @@ class Decoder:
             raise BadRecord("negative token id")
         return ids
 
-    def spans(self, data: bytes, bounds: np.ndarray) -> tuple[list, dict]:
-        """PyTree items data[bounds[k]:bounds[k + 1]], their headers read at once: the
-        (start, end) in `data` of each item's wanted leaf, and {k: reason} for bad items."""
-        begin, end, errors = self.span_columns(data, bounds)
-        return list(zip(begin.tolist(), end.tolist())), errors
-
     def columns(self, data: bytes, begin: np.ndarray, end: np.ndarray,
                 first: int) -> Optional[Records]:
-        """Items first.. whose wanted leaf is data[begin[k]:end[k]] (`span_columns`, none of
+        """Items first.. whose wanted leaf is data[begin[k]:end[k]] (`spans`, none of
         them bad) as columns: their texts, or their token ids in one buffer (one join of the
         leaves), no Python object per item for ids. None when one of them is not valid UTF-8,
         not whole ids or holds a negative one: the item-by-item path reports it."""
@@ -229,9 +223,9 @@ class Decoder:
         return Records(index, offsets=offsets,
                        tokens=tokens.astype(column_dtype(dtype, self.out_dtype), copy=False))
 
-    def span_columns(self, data: bytes, bounds: np.ndarray
-                     ) -> tuple[np.ndarray, np.ndarray, dict]:
-        """`spans` as two columns, (begin, end), and the bad items."""
+    def spans(self, data: bytes, bounds: np.ndarray) -> tuple[np.ndarray, np.ndarray, dict]:
+        """PyTree items data[bounds[k]:bounds[k + 1]], their headers read at once: where in
+        `data` each item's wanted leaf begins and ends, and {k: reason} for bad items."""
         n, width = len(bounds) - 1, 4 * self.n_leaves
         starts, lengths = bounds[:-1], np.diff(bounds)
         errors = {}

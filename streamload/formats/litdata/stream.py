@@ -65,7 +65,9 @@ class LitdataStream(PlannedStream):
 
     def decode_columns(self, chunk: bytes) -> Records:
         """Token blocks as offsets over the range's buffer (a view when the dtype is the one
-        batches carry); the other layouts' records gathered (`Records.of`)."""
+        batches carry); uncompressed PyTree items (`_item_columns`) and an Arrow footer's
+        texts without nulls (`_arrow_rows`) as columns too; the other records (frames,
+        compressed or TokensLoader items, Arrow token lists) gathered (`Records.of`)."""
         if self._failed:
             return Records.empty()
         plan = self._plan
@@ -108,8 +110,7 @@ class LitdataStream(PlannedStream):
         decoder = self._decoder
         if decoder.inflate is None and not self._layout.tokens_loader:
             data = data if isinstance(data, bytes) else bytes(data)
-            spans, errors = decoder.spans(data, bounds)
-            return self._payloads(first, data, spans, errors)
+            return self._payloads(first, data, *decoder.spans(data, bounds))
         records = []
         view = memoryview(data)
         edges = bounds.tolist()
@@ -127,27 +128,30 @@ class LitdataStream(PlannedStream):
         if decoder.inflate is not None or self._layout.tokens_loader:
             return Records.of(self._items(first, data, bounds))
         data = data if isinstance(data, bytes) else bytes(data)
-        begin, end, errors = decoder.span_columns(data, bounds)
+        begin, end, errors = decoder.spans(data, bounds)
         records = None if errors else decoder.columns(data, begin, end, first)
         if records is None:
-            spans = list(zip(begin.tolist(), end.tolist()))
-            records = Records.of(self._payloads(first, data, spans, errors))
+            records = Records.of(self._payloads(first, data, begin, end, errors))
         return records
 
-    def _payloads(self, first: int, data: bytes, spans: list, errors: dict) -> list[RawRecord]:
+    def _payloads(self, first: int, data: bytes, begin: np.ndarray, end: np.ndarray,
+                  errors: dict) -> list[RawRecord]:
+        """Records first.. from the leaves data[begin[k]:end[k]] (`Decoder.spans`), item by
+        item: the items in `errors` and those whose leaf is not valid UTF-8 or ids are
+        reported and left out."""
         records = []
         tokens = self._decoder.tokens if self._layout.want_tokens else None
         name = self._layout.field_name
-        for k, (start, end) in enumerate(spans):
+        for k, (lo, hi) in enumerate(zip(begin.tolist(), end.tolist())):
             if k in errors:
                 self._record_error(first + k, errors[k])
                 continue
             try:
                 if tokens is not None:
-                    payload = tokens(data[start:end])
+                    payload = tokens(data[lo:hi])
                 else:
                     try:
-                        payload = data[start:end].decode("utf-8")
+                        payload = data[lo:hi].decode("utf-8")
                     except UnicodeDecodeError as exc:
                         raise BadRecord(f"field {name!r} is not valid UTF-8: {exc}") from None
             except BadRecord as exc:

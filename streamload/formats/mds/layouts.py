@@ -157,6 +157,8 @@ class Decoder:
 
     def records(self, buf: bytes, starts: np.ndarray, ends: np.ndarray,
                 first: int) -> list[RawRecord]:
+        """Samples buf[starts[k]:ends[k]] as records first.., one by one; each bad sample
+        reported (`Problems.record`, naming it) and left out."""
         if not len(starts):
             return []
         ok, col_start, col_len, total = self._spans(buf, starts, ends)
@@ -176,10 +178,11 @@ class Decoder:
 
     def columns(self, buf: bytes, starts: np.ndarray, ends: np.ndarray, first: int) -> Records:
         """`records` as columns: texts as a list, or every sample's token ids copied into one
-        buffer (one join of the column's bytes), with no Python object per sample. A range
-        with a sample that is not well formed (a corrupt size, invalid UTF-8, a negative id,
-        an array that is not 1-D), or whose per-sample ndarray headers differ (dtype, shape
-        width), is read by `records`, which reports each bad sample as before."""
+        buffer (one join of the column's bytes), with no Python object per sample (each
+        sample's shape read in its own width). A range with a sample that is not well formed
+        (a corrupt size or ndarray header, invalid UTF-8, a negative id, an array that is not
+        1-D), or whose samples name different dtypes, is read by `records`, which reports
+        each bad sample."""
         if not len(starts):
             return Records.empty()
         ok, col_start, col_len, _ = self._spans(buf, starts, ends)
@@ -227,7 +230,10 @@ class Decoder:
         else:
             count = np.full(at.shape[0], int(np.prod(lay.shape)), np.int64)
         stored = np.dtype("<" + np.dtype(dtype).str[1:])
-        if (count < 0).any() or not np.array_equal(at + count * stored.itemsize, end):
+        # A count beyond the column's bytes first: count * itemsize could wrap past 2**63
+        # (an 8-byte shape) and seem to fit.
+        if ((count < 0) | (count > end - at)).any() \
+                or not np.array_equal(at + count * stored.itemsize, end):
             return None
         tokens = np.frombuffer(joined_spans(buf, at, end), stored)
         if dtype in _SMALL_INTS:   # as `_tokens`: no negative ids, handed out as int32 (or

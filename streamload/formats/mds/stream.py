@@ -6,6 +6,7 @@ from __future__ import annotations
 import bz2
 import gzip
 import zlib
+from typing import Optional
 
 import numpy as np
 import zstandard
@@ -68,7 +69,7 @@ class MdsCompressedStream(PlannedStream):
         samples = self._samples(chunk)
         return Records.empty() if samples is None else self._decoder.columns(*samples)
 
-    def _samples(self, chunk: bytes):
+    def _samples(self, chunk: bytes) -> Optional[tuple[bytes, np.ndarray, np.ndarray, int]]:
         """(data, starts, ends, first) of the shard's samples, decompressed; None when the
         shard is corrupt (reported)."""
         self._next_range()
