@@ -150,3 +150,19 @@ def test_the_stepper_tells_the_planner_when_the_windows_hold_the_rest(monkeypatc
                          np.array([[True, True], [True, exhausted]]))
     plan = stepper.assign(step)
     assert seen == [exhausted] and len(plan) > 0
+
+
+@pytest.mark.parametrize("rest_of_epoch", [False, True])
+def test_an_overdue_item_of_a_source_without_a_share_is_taken_at_the_end_too(rest_of_epoch):
+    """The deferral bound holds in the epoch's last steps as in the lookahead: an overdue item
+    is taken even where the schedule gives its source no share this step."""
+    ranks, capacity = 4, 1000
+    geometry = Geometry(ranks, 1, capacity)
+    windows = [[np.array([100]), np.full(12, 100)] for _ in range(ranks)]
+    ages = [[np.array([16 if r == 0 else 0]), np.zeros(12, np.int64)] for r in range(ranks)]
+    c = Candidates.from_windows(windows, ages)
+    planner = Planner(geometry, CostModel(a=1 / 1024, b=1.0), method="lookahead", max_age=16)
+    plan = planner.assign(c, np.array([0.0, float(geometry.step_tokens)]), 0,
+                          eligible=np.array([False, True]), rest_of_epoch=rest_of_epoch)
+    overdue = np.flatnonzero((c.source == 0) & (c.age >= 16))
+    assert overdue.size == 1 and np.isin(overdue, plan.take).all()

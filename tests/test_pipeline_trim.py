@@ -1,9 +1,10 @@
 """Under 1F1B, the rank that waits on one heavy row gives up light items (`pipeline_trim`)."""
 import numpy as np
 
+from streamload.plan.caps import RowCaps
 from streamload.plan.cost import CostModel, pipeline_time
 from streamload.plan.fill import FULL, epoch_cost, step_overhead_cost
-from streamload.plan.pipeline_trim import trim_slowest
+from streamload.plan.pipeline_trim import applies as trim_applies, trim_slowest
 from streamload.plan.types import Candidates, Geometry
 
 R, M, P, C = 4, 4, 4, 1000
@@ -85,3 +86,15 @@ def test_light_items_move_to_rows_with_room_before_any_leaves_the_step():
     before, after = _times(c, take, rank, row), _times(c, take, rank2, row2)
     assert after.max() < before.max()
     assert np.bincount(rank2.astype(np.int64) * M + row2, weights=length).max() <= C
+
+
+def test_an_image_step_with_caps_per_row_is_not_trimmed():
+    """The trim fills rows by tokens: on an image step with caps per row it does not run (a
+    row could pass its cap of images), as `pipeline_moves` does not."""
+    c, _, _, _ = _step(900)
+    geometry = Geometry(R, M, C, pipeline_stages=P)
+    with_images = Candidates.from_windows([[c.length]], images=[[np.ones(len(c), np.int64)]])
+    assert trim_applies(c, geometry, COST, RowCaps(images=85))        # text: caps hold nothing
+    assert trim_applies(with_images, geometry, COST)                  # no caps
+    assert not trim_applies(with_images, geometry, COST, RowCaps(images=85))
+    assert not trim_applies(c, Geometry(R, M, C), COST)               # no pipeline

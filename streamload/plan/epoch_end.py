@@ -70,18 +70,17 @@ def select_last_steps(c: Candidates, geometry: Geometry, cost: CostModel,
     """(selected, forced, cell) for a step whose candidates are the rest of the epoch, as the
     module says, with `cell` (rank * M + row per selected item) a packing that places every
     one of them; None where it does not apply (more than `MAX_ROWS` rows, the rest needs
-    more than `LAST_STEPS` steps, or an overdue item finds no row). `eligible` (bool per source; None: all): the sources
-    the schedule gives a share now (the others' items wait, as they do in the top-up)."""
+    more than `LAST_STEPS` steps, or an overdue item finds no row). `eligible` (bool per
+    source; None: all): the sources the schedule gives a share now (the others' items wait,
+    as they do in the top-up, but those the deferral bound forces, as in the lookahead)."""
     if geometry.rows > MAX_ROWS:
-        return None
-    pool = np.ones(len(c), dtype=bool) if eligible is None else \
-        np.asarray(eligible, dtype=bool)[c.source]
-    left = steps_left(c, geometry, pool)
-    if not 1 <= left <= LAST_STEPS:
         return None
     forced = bounded_forced(c, force_age, geometry.step_tokens // 2) if force_age is not None \
         else np.zeros(len(c), dtype=bool)
-    forced &= pool
+    pool = forced | (True if eligible is None else np.asarray(eligible, dtype=bool)[c.source])
+    left = steps_left(c, geometry, pool)
+    if not 1 <= left <= LAST_STEPS:
+        return None
     step_tokens = float(geometry.step_tokens)
     weight = item_costs(c, None, cost)
     rest = np.flatnonzero(pool & ~forced)

@@ -18,7 +18,7 @@ split document) and items near their bound stay where they are; the items left o
 their windows, as the top-up's refusals do, and come in the next steps.
 
 Runs only where rows are the balancer's bins under a pipeline (document masking, P > 1,
-M > 1) and `pipeline_moves` does not run (`Planner.assign` runs one of them: its moves and the
+M > 1), no caps per row on an image step, and `pipeline_moves` does not run (`Planner.assign` runs one of them: its moves and the
 trim together lost at 128k, P = 4, R = 64: seeds 0-2 0.9685 / 0.9544 / 0.9682 with the moves
 alone, 0.9568 / 0.9558 / 0.9689 with both), and when the slowest rank is `FROM` above the
 step's even time (the work spread over every row: no plan goes below it). At most
@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from .caps import RowCaps
 from .cost import CostModel, pipeline_time
 from .fill import FULL
 from .types import Candidates, Geometry
@@ -38,9 +39,13 @@ PATIENCE = 32        # stop after this many changes that did not raise the epoch
 NEAR_BOUND = 4       # items within this many steps of the deferral bound stay
 
 
-def applies(geometry: Geometry, cost: CostModel) -> bool:
-    """Rows as bins under 1F1B (see the module)."""
-    return geometry.ranks > 1 and geometry.pipelined and cost.document_masking
+def applies(c: Candidates, geometry: Geometry, cost: CostModel, caps: RowCaps = RowCaps()
+            ) -> bool:
+    """Rows as bins under 1F1B (see the module), and no caps per row to keep on an image step
+    (its moves fill rows by tokens: a capped row could pass its images' cap, as
+    `pipeline_moves` could)."""
+    return (geometry.ranks > 1 and geometry.pipelined and cost.document_masking
+            and not (caps.active and c.images is not None))
 
 
 def trim_slowest(c: Candidates, take: np.ndarray, rank: np.ndarray, row: np.ndarray,

@@ -219,7 +219,8 @@ class Planner:
             # Rows as bins under 1F1B: the slowest rank's items move to other (rank, row)
             # slots while that lowers the step's time (`pipeline_moves.py`); the same items.
             rank, row = pipeline_moves(c, take, rank, row, length, self.geometry, self.cost)
-        elif method != "naive" and PIPELINE_TRIM and trim_applies(self.geometry, self.cost):
+        elif method != "naive" and PIPELINE_TRIM and \
+                trim_applies(c, self.geometry, self.cost, self.caps):
             # Beyond the moves' rows: the ranks that wait on one heavy row shed light items
             # to rows with room, or out of a step kept FULL, as far as the epoch gains
             # (`pipeline_trim.py`; where the moves ran too, R = 64 at 128k, P = 4 lost).
