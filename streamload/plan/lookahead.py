@@ -87,6 +87,12 @@ PEER_SLOTS = 32      # ... from this many slots (each peer at most 1/32 of the s
                      # it moved the Loader's mix: 32k DP R = 2 0.0088 -> 0.0114, R = 4 -> 0.030)
 FORCED_RIDE = True   # under pipeline stages, a forced item without peers rides a heavier
                      # layer (`heavy_layer`; measured to cost 32k DP R = 64, where it is off)
+DUE_PEERS = (4, 8)   # from and up to these many ranks, under pipeline stages, a forced step
+                     # with slots left without a heavy item takes as peers items due within
+                     # RIDE_AHEAD steps of sources owed nothing (`_due_peers`; (0, 0): never;
+                     # measured to move 128k PP=4's mix at R = 2, 0.0035 -> 0.0125)
+DUE_SLACK = 0.25     # ... while each such source's overdraft past its quota stays within this
+                     # many steps' worth (0.1 moved 32k PP=4 R = 4's mix to 0.0146; 0.05: no gain)
 LEVEL_BLOCKS = (2, 8)  # `_first_feasible` tries the top 2 levels, then to the 8th, then the rest
 
 
@@ -251,6 +257,17 @@ def select_lookahead(c: Candidates, targets: np.ndarray, geometry: Geometry, cos
                                                         source, eligible)
                                             if FORCED_PEERS and not geometry.pipelined and
                                             slots >= PEER_SLOTS else ())
+        if must.size and geometry.pipelined and \
+                DUE_PEERS[0] <= geometry.ranks <= DUE_PEERS[1] and \
+                slots - must.size - picked.size > 0:
+            due = _due_peers(heavy_items, heavy_forced, source, length, age, quota - used,
+                             force_age, slots - must.size - picked.size,
+                             DUE_SLACK * float(geometry.step_tokens))
+            if due.size:
+                picked, light_take = _arrived_layer(
+                    c, excess, must, np.union1d(free, due), light, quota, used.copy(), room,
+                    slots, slot_tokens, light_tokens, force_age,
+                    FORCED_RIDE and geometry.pipelined, slack, ())
         taken[picked] = True
     taken |= light_take
     selected = np.flatnonzero(taken)
@@ -429,6 +446,22 @@ def _arrived_layer(c: Candidates, excess: np.ndarray, must: np.ndarray, free: np
         if picked.size > before:
             take = light_take(quota, used.copy(), room - float(length[picked].sum()))
     return picked, light_take.mask(take)
+
+
+def _due_peers(heavy_items: np.ndarray, heavy_forced: np.ndarray, source: np.ndarray,
+               length: np.ndarray, age: np.ndarray, owed: np.ndarray, force_age: int,
+               lone: int, slack: float) -> np.ndarray:
+    """Heavy items due within RIDE_AHEAD steps of sources owed nothing (`owed` <= 0, tokens
+    per source) that a forced step with `lone` slots left may take as peers (`DUE_PEERS`):
+    the oldest first, at most `lone`, and per source while its overdraft (-`owed` plus the
+    items' tokens) stays within `slack`. They come due within those steps whatever their
+    source's quota, likely alone in a step; taken now they even out a forced step."""
+    due = heavy_items[~heavy_forced & (owed <= 0)[source[heavy_items]] &
+                      (age[heavy_items] >= force_age - RIDE_AHEAD)]
+    if due.size == 0:
+        return due
+    due = within_overshoot(due, source, length, age, owed, slack, overdrawn=True)
+    return np.sort(due[np.lexsort((due, -age[due]))][:lone])
 
 
 def _peer_pools(free: np.ndarray, heavy_items: np.ndarray, heavy_forced: np.ndarray,
