@@ -28,6 +28,8 @@ windows that deep) and plans the step as the first of W:
   Under pipeline stages, forced items ride too (`FORCED_RIDE`) where the window cannot even
   the step out at their own level but can give a heavier layer. Without them, a forced layer
   short of its level takes peers that have not arrived, then other sources' (`FORCED_PEERS`).
+  With them at 4-8 ranks, a forced step with slots left takes items due within `RIDE_AHEAD`
+  steps of sources owed nothing, within `DUE_SLACK` of overdraft (`DUE_PEERS`, `_due_peers`).
 - **Held once arrived** (`HOLD_ARRIVED`, `_arrived_layer`). Light documents flow in arrival
   order at their quotas; a heavy one joins a layer only when nothing light is left in front of
   it in its window (rank, source): it has *arrived*, and waits at the head of its window, in
