@@ -26,9 +26,9 @@ windows that deep) and plans the step as the first of W:
   the slots: riders pay at many slots (at 128k, PP = 4, R = 64, 256 of them, documents of
   97-105k, 0.58 of a 128k piece's excess, came due alone every few steps) and wait at few.
   Under pipeline stages, forced items ride too (`FORCED_RIDE`) where the window cannot even
-  the step out at their own level but can give a heavier layer. Without them, a forced layer
-  short of its level takes peers that have not arrived, then other sources' (`FORCED_PEERS`).
-  With them at 4-8 ranks, a forced step with slots left takes items due within `RIDE_AHEAD`
+  the step out at their own level but can give a heavier layer. A forced layer still short of
+  its level takes peers that have not arrived, then other sources' (`FORCED_PEERS`). Under
+  pipeline stages at 4-8 ranks, a forced step with slots left takes items due within `RIDE_AHEAD`
   steps of sources owed nothing, within `DUE_SLACK` of overdraft (`DUE_PEERS`, `_due_peers`).
 - **Held once arrived** (`HOLD_ARRIVED`, `_arrived_layer`). Light documents flow in arrival
   order at their quotas; a heavy one joins a layer only when nothing light is left in front of
@@ -36,7 +36,7 @@ windows that deep) and plans the step as the first of W:
   the outlier queue, for its peers. So a layer never leaves light items behind (taking heavy
   documents from deep in the window left every light one in front of them waiting until its
   quota reached it again: of 31,904 items deferred at 128k, PP = 4, R = 4, 31,236 were light),
-  but for a forced layer short of its level without pipeline stages (`FORCED_PEERS`).
+  but for a forced layer short of its level (`FORCED_PEERS`).
   The layer's tokens are its sources' overshoot, given back by the carry; the light take of
   every source shrinks in proportion to the room the layer leaves.
 - **Bounded deferral.** Every item that has waited `force_age` steps or more (2W by default:
@@ -82,7 +82,7 @@ ONE_PER_SLOT = True  # a layer takes at most one item of more than half a slot p
                      # False: as many as its excess allows (the rule before, for comparison)
 RIDE_AHEAD = 2       # heavy items due within this many steps may ride a heavier layer
 RIDE_SHARE = 0.05    # riders while the layer's shortfall stays within this share of it
-FORCED_PEERS = True  # without pipeline stages, a forced layer short of its level takes heavy
+FORCED_PEERS = True  # a forced layer short of its level takes heavy
                      # items not yet arrived, then other sources' (`_forced_peers`); False:
                      # arrived ones of sources owed tokens only (the rule before)
 PEER_SLOTS = 32      # ... from this many slots (each peer at most 1/32 of the step; at fewer
@@ -257,7 +257,7 @@ def select_lookahead(c: Candidates, targets: np.ndarray, geometry: Geometry, cos
                                             slack,
                                             _peer_pools(free, heavy_items, heavy_forced,
                                                         source, eligible)
-                                            if FORCED_PEERS and not geometry.pipelined and
+                                            if FORCED_PEERS and
                                             slots >= PEER_SLOTS else ())
         if must.size and geometry.pipelined and \
                 DUE_PEERS[0] <= geometry.ranks <= DUE_PEERS[1] and \
@@ -488,8 +488,9 @@ def _forced_peers(excess: np.ndarray, must: np.ndarray, picked: np.ndarray, pool
     (`select_lookahead`): the heavy items of sources owed tokens not yet arrived (taking one
     overtakes the light items before it in its window: they wait a step or more), then those
     of any source with a share this step (the mixer's carry repays the overshoot, as it does
-    a layer's); without pipeline stages (there `FORCED_RIDE`; peers cost 128k PP=4 R = 64
-    0.9685 -> 0.9599) and from `PEER_SLOTS` slots. Items join in `heavy_layer`'s order, the
+    a layer's); from `PEER_SLOTS` slots (rows under pipeline stages: there they once cost
+    128k PP=4 R = 64 0.9685 -> 0.9599; at 50faab5 they gave 0.9685 -> 0.9724, seeds 1/2
+    0.9544 -> 0.9767, 0.9682 -> 0.9793, at twice the mean delay, pp64). Items join in `heavy_layer`'s order, the
     oldest first (the fewest light items before them first instead let the old ones come due:
     R = 512 seed 0, 0.961 -> 0.901)."""
     layer = np.union1d(must, picked)
