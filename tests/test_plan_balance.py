@@ -486,6 +486,35 @@ def test_a_forced_item_takes_peers_that_have_not_arrived(monkeypatch):
     assert taken == 1 and efficiency < 0.5
 
 
+def _forced_alone_pipelined(R, peers, monkeypatch):
+    """R ranks under 1F1B (PP = 4, M = 4: 4R rows), one source: rank 0's window starts with a
+    full-row document come due (age 2W), then short ones, then three more full rows; every
+    other rank's window has four full-row documents behind 60 short ones (not arrived).
+    Returns the full-row documents the lookahead selects."""
+    from streamload.plan import lookahead
+    monkeypatch.setattr(lookahead, "FORCED_PEERS", peers)
+    C, W = 1000, 8
+    shorts = [10] * 60
+    windows = [[np.array([C] + shorts + [C] * 3 + shorts)]] + \
+        [[np.array(shorts + [C] * 4 + shorts)] for _ in range(R - 1)]
+    ages = [[np.array([2 * W] + [0] * 123)]] + [[np.zeros(124, np.int64)] for _ in range(R - 1)]
+    c = Candidates.from_windows(windows, ages)
+    geometry = Geometry(R, 4, C, pipeline_stages=4)
+    selected, _ = lookahead.select_lookahead(c, np.array([float(geometry.step_tokens)]),
+                                             geometry, CostModel(a=1 / 256, b=1.0),
+                                             window=W, force_age=2 * W)
+    return int((c.length[selected] == C).sum())
+
+
+def test_a_forced_item_takes_peers_under_pipeline_stages_too(monkeypatch):
+    """Under 1F1B the forced layer takes peers too (rows as slots, from `PEER_SLOTS` rows):
+    at R = 8 (32 rows) the forced document is joined by a full row for every other row; at
+    R = 2 (8 rows) it stays alone, as without the rule."""
+    assert _forced_alone_pipelined(8, True, monkeypatch) == 32
+    assert _forced_alone_pipelined(8, False, monkeypatch) == 1
+    assert _forced_alone_pipelined(2, True, monkeypatch) == 1
+
+
 def _past_quota_step(R, peers, eligible, monkeypatch):
     """R ranks (DP), two sources: rank 0's window of source 0 starts with a full-row document
     come due (age 2W), every other rank's with an arrived one; source 0's quota is one row, so

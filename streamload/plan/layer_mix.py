@@ -44,10 +44,12 @@ def bounds_overshoot(geometry: Geometry) -> bool:
 
 
 def within_overshoot(items: np.ndarray, source: np.ndarray, length: np.ndarray,
-                     age: np.ndarray, owed: np.ndarray, slack: float) -> np.ndarray:
+                     age: np.ndarray, owed: np.ndarray, slack: float,
+                     overdrawn: bool = False) -> np.ndarray:
     """Of the heavy `items` (candidate indices, ascending), those within their source's
-    overshoot budget, `owed` (tokens, per source) plus `slack`: per source the oldest first (then
-    in index order) while their tokens stay within it. Ascending indices."""
+    overshoot budget, `owed` (tokens, per source; none below 0 unless `overdrawn`: then a
+    source already past its quota has that much less) plus `slack`: per source the oldest
+    first (then in index order) while their tokens stay within it. Ascending indices."""
     if items.size == 0:
         return items
     src = source[items].astype(np.int64)
@@ -56,7 +58,8 @@ def within_overshoot(items: np.ndarray, source: np.ndarray, length: np.ndarray,
     through = np.cumsum(tokens)
     first = np.searchsorted(src, src, side="left")      # each source's first entry
     within_source = through - (through[first] - tokens[first])
-    keep = within_source <= np.maximum(owed, 0.0)[src] + slack
+    budget = owed if overdrawn else np.maximum(owed, 0.0)
+    keep = within_source <= budget[src] + slack
     return np.sort(items[order[keep]])
 
 

@@ -26,15 +26,17 @@ windows that deep) and plans the step as the first of W:
   the slots: riders pay at many slots (at 128k, PP = 4, R = 64, 256 of them, documents of
   97-105k, 0.58 of a 128k piece's excess, came due alone every few steps) and wait at few.
   Under pipeline stages, forced items ride too (`FORCED_RIDE`) where the window cannot even
-  the step out at their own level but can give a heavier layer. Without them, a forced layer
-  short of its level takes peers that have not arrived, then other sources' (`FORCED_PEERS`).
+  the step out at their own level but can give a heavier layer. A forced layer still short of
+  its level takes peers that have not arrived, then other sources' (`FORCED_PEERS`). Under
+  pipeline stages at 4-8 ranks, a forced step with slots left takes items due within `RIDE_AHEAD`
+  steps of sources owed nothing, within `DUE_SLACK` of overdraft (`DUE_PEERS`, `_due_peers`).
 - **Held once arrived** (`HOLD_ARRIVED`, `_arrived_layer`). Light documents flow in arrival
   order at their quotas; a heavy one joins a layer only when nothing light is left in front of
   it in its window (rank, source): it has *arrived*, and waits at the head of its window, in
   the outlier queue, for its peers. So a layer never leaves light items behind (taking heavy
   documents from deep in the window left every light one in front of them waiting until its
   quota reached it again: of 31,904 items deferred at 128k, PP = 4, R = 4, 31,236 were light),
-  but for a forced layer short of its level without pipeline stages (`FORCED_PEERS`).
+  but for a forced layer short of its level (`FORCED_PEERS`).
   The layer's tokens are its sources' overshoot, given back by the carry; the light take of
   every source shrinks in proportion to the room the layer leaves.
 - **Bounded deferral.** Every item that has waited `force_age` steps or more (2W by default:
@@ -80,13 +82,19 @@ ONE_PER_SLOT = True  # a layer takes at most one item of more than half a slot p
                      # False: as many as its excess allows (the rule before, for comparison)
 RIDE_AHEAD = 2       # heavy items due within this many steps may ride a heavier layer
 RIDE_SHARE = 0.05    # riders while the layer's shortfall stays within this share of it
-FORCED_PEERS = True  # without pipeline stages, a forced layer short of its level takes heavy
+FORCED_PEERS = True  # a forced layer short of its level takes heavy
                      # items not yet arrived, then other sources' (`_forced_peers`); False:
                      # arrived ones of sources owed tokens only (the rule before)
 PEER_SLOTS = 32      # ... from this many slots (each peer at most 1/32 of the step; at fewer
                      # it moved the Loader's mix: 32k DP R = 2 0.0088 -> 0.0114, R = 4 -> 0.030)
 FORCED_RIDE = True   # under pipeline stages, a forced item without peers rides a heavier
                      # layer (`heavy_layer`; measured to cost 32k DP R = 64, where it is off)
+DUE_PEERS = (4, 8)   # from and up to these many ranks, under pipeline stages, a forced step
+                     # with slots left without a heavy item takes as peers items due within
+                     # RIDE_AHEAD steps of sources owed nothing (`_due_peers`; (0, 0): never;
+                     # measured to move 128k PP=4's mix at R = 2, 0.0035 -> 0.0125)
+DUE_SLACK = 0.25     # ... while each such source's overdraft past its quota stays within this
+                     # many steps' worth (0.1 moved 32k PP=4 R = 4's mix to 0.0146; 0.05: no gain)
 LEVEL_BLOCKS = (2, 8)  # `_first_feasible` tries the top 2 levels, then to the 8th, then the rest
 
 
@@ -249,8 +257,19 @@ def select_lookahead(c: Candidates, targets: np.ndarray, geometry: Geometry, cos
                                             slack,
                                             _peer_pools(free, heavy_items, heavy_forced,
                                                         source, eligible)
-                                            if FORCED_PEERS and not geometry.pipelined and
+                                            if FORCED_PEERS and
                                             slots >= PEER_SLOTS else ())
+        if must.size and geometry.pipelined and \
+                DUE_PEERS[0] <= geometry.ranks <= DUE_PEERS[1] and \
+                slots - must.size - picked.size > 0:
+            due = _due_peers(heavy_items, heavy_forced, source, length, age, quota - used,
+                             force_age, slots - must.size - picked.size,
+                             DUE_SLACK * float(geometry.step_tokens))
+            if due.size:
+                picked, light_take = _arrived_layer(
+                    c, excess, must, np.union1d(free, due), light, quota, used.copy(), room,
+                    slots, slot_tokens, light_tokens, force_age,
+                    FORCED_RIDE and geometry.pipelined, slack, ())
         taken[picked] = True
     taken |= light_take
     selected = np.flatnonzero(taken)
@@ -432,6 +451,22 @@ def _arrived_layer(c: Candidates, excess: np.ndarray, must: np.ndarray, free: np
     return picked, light_take.mask(take)
 
 
+def _due_peers(heavy_items: np.ndarray, heavy_forced: np.ndarray, source: np.ndarray,
+               length: np.ndarray, age: np.ndarray, owed: np.ndarray, force_age: int,
+               lone: int, slack: float) -> np.ndarray:
+    """Heavy items due within RIDE_AHEAD steps of sources owed nothing (`owed` <= 0, tokens
+    per source) that a forced step with `lone` slots left may take as peers (`DUE_PEERS`):
+    the oldest first, at most `lone`, and per source while its overdraft (-`owed` plus the
+    items' tokens) stays within `slack`. They come due within those steps whatever their
+    source's quota, likely alone in a step; taken now they even out a forced step."""
+    due = heavy_items[~heavy_forced & (owed <= 0)[source[heavy_items]] &
+                      (age[heavy_items] >= force_age - RIDE_AHEAD)]
+    if due.size == 0:
+        return due
+    due = within_overshoot(due, source, length, age, owed, slack, overdrawn=True)
+    return np.sort(due[np.lexsort((due, -age[due]))][:lone])
+
+
 def _peer_pools(free: np.ndarray, heavy_items: np.ndarray, heavy_forced: np.ndarray,
                 source: np.ndarray, eligible: np.ndarray | None) -> tuple:
     """The pools a forced layer short of its level takes peers from, in turn (`_forced_peers`):
@@ -454,8 +489,9 @@ def _forced_peers(excess: np.ndarray, must: np.ndarray, picked: np.ndarray, pool
     (`_peer_pools`): the heavy items of sources owed tokens not yet arrived (taking one
     overtakes the light items before it in its window: they wait a step or more), then those
     of any source with a share this step (the mixer's carry repays the overshoot, as it does
-    a layer's); without pipeline stages (there `FORCED_RIDE`; peers cost 128k PP=4 R = 64
-    0.9685 -> 0.9599) and from `PEER_SLOTS` slots. Items join in `heavy_layer`'s order, the
+    a layer's); from `PEER_SLOTS` slots (rows under pipeline stages: there they once cost
+    128k PP=4 R = 64 0.9685 -> 0.9599; at 50faab5 they gave 0.9685 -> 0.9724, seeds 1/2
+    0.9544 -> 0.9767, 0.9682 -> 0.9793, at twice the mean delay, pp64). Items join in `heavy_layer`'s order, the
     oldest first (the fewest light items before them first instead let the old ones come due:
     R = 512 seed 0, 0.961 -> 0.901)."""
     layer = np.union1d(must, picked)
