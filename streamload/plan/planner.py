@@ -175,22 +175,22 @@ class Planner:
                 take, rank, row = naive
         # Full steps: rows with room take what is left (module fill.py), unless leaving it
         # out gains the epoch.
+        # Every item the method must take: the overdue ones, and those the lookahead takes a
+        # step early to keep the next steps' overdue items placeable.
+        must = selected[forced] if forced is not None else \
+            selected[c.age[selected] >= self.force_age] if self.force_age is not None \
+            else selected[:0]
         take, rank, row, length = self._fill(c, selected, take, rank, row, eligible)
         if method != "naive" and length.sum() < FULL * self.geometry.step_tokens \
                 and last is None:   # (the last steps' packing is their alternative)
             # Cost-aware assignment evens out rows; with items near C that can leave no row
             # with room for what is left. The same selection packed largest first (first-fit
             # decreasing) and filled up is the alternative: the plan that costs the epoch less
-            # is the plan (`fill.epoch_cost`), as long as it keeps every overdue item.
+            # is the plan (`fill.epoch_cost`), as long as it keeps every item it `must` take.
             largest_first = selected[np.argsort(-c.length[selected], kind="stable")]
             packed = self._fill(c, selected, *assign_naive(c, largest_first, self.geometry),
                                 eligible)
-            # Every item the method must take stays: the overdue ones, and those the lookahead
-            # takes a step early to keep the next steps' overdue items placeable.
-            overdue = selected[forced] if forced is not None else \
-                selected[c.age[selected] >= self.force_age] if self.force_age is not None \
-                else selected[:0]
-            if np.isin(overdue, packed[0]).all() and \
+            if np.isin(must, packed[0]).all() and \
                     self._epoch_cost(c, *packed) < self._epoch_cost(c, take, rank, row, length):
                 take, rank, row, length = packed
         if len(take) == 0 and len(c) > 0:
@@ -224,7 +224,6 @@ class Planner:
             # Beyond the moves' rows: the ranks that wait on one heavy row shed light items
             # to rows with room, or out of a step kept FULL, as far as the epoch gains
             # (`pipeline_trim.py`; where the moves ran too, R = 64 at 128k, P = 4 lost).
-            must = selected[forced] if forced is not None else selected[:0]
             stay, rank, row = trim_slowest(c, take, rank, row, length, self.geometry,
                                            self.cost, self.overhead, must, self.force_age)
             if not stay.all():
